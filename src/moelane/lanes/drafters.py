@@ -1,0 +1,229 @@
+"""Drafters: proposals for the tokens that follow a stream, verified by the target in the next round.
+
+- `CopyDrafter` (context copy, prompt lookup): a 3-gram index over the stream's own prompt and reply; the longest
+  backward match of the stream's tail (up to 64 tokens, newest occurrence first on ties, at least `min_match`)
+  proposes what followed it. After 4 held proposals with nothing accepted it goes silent for 16 rounds.
+- `RecallDrafter`: the same over a `RecallStore` of earlier requests' replies (with the end of their prompts), shared
+  across requests and bounded in tokens; it also copies from the stream's own context and keeps the longer match.
+- `ModelDrafter`: a small model with the target's tokenizer, greedy, with its own per-stream caches; each draft
+  level costs one batched pass of the draft model, so it drafts exactly the depths it is asked for.
+
+A drafter never changes a reply: it only decides what is verified. `propose` is called only in drafted rounds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from moelane.lanes.lane import Lane
+from moelane.lanes.ngram import NgramIndex, longest_match
+from moelane.model.cache import Rows
+
+MAX_MATCH = 64
+MIN_MATCH = 6
+SILENT_AFTER_MISSES = 4
+SILENT_ROUNDS = 16
+RECALL_PROMPT_TAIL = 64  # prompt tokens kept in the recall store before each reply
+
+
+class Drafter(Protocol):
+    @property
+    def costs_passes(self) -> bool:
+        """True if each draft level costs a forward pass (then `propose` drafts exactly the depths asked)."""
+        ...
+
+    def propose(self, lanes: Sequence[Lane], depths: Sequence[int]) -> list[list[int]]:
+        """Up to `depths[i]` draft tokens following `lanes[i].tokens`."""
+        ...
+
+    def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None: ...
+
+    def release(self, lane: Lane) -> None:
+        """The lane has finished (or was cancelled): drop its state, learn from its reply."""
+        ...
+
+
+class _CopyState:
+    __slots__ = ("index", "misses", "silent")
+
+    def __init__(self) -> None:
+        self.index = NgramIndex()
+        self.misses = 0
+        self.silent = 0
+
+
+class CopyDrafter:
+    costs_passes = False
+
+    def __init__(self, min_match: int = MIN_MATCH) -> None:
+        self.min_match = min_match
+        self._states: dict[int, _CopyState] = {}
+
+    def _state(self, lane: Lane) -> _CopyState:
+        state = self._states.get(lane.id)
+        if state is None:
+            state = self._states[lane.id] = _CopyState()
+        return state
+
+    def propose(self, lanes: Sequence[Lane], depths: Sequence[int]) -> list[list[int]]:
+        return [self._propose_one(lane, depth) for lane, depth in zip(lanes, depths, strict=True)]
+
+    def _propose_one(self, lane: Lane, depth: int) -> list[int]:
+        state = self._state(lane)
+        state.index.extend(lane.tokens)
+        if state.silent > 0:
+            state.silent -= 1
+            return []
+        if depth <= 0:
+            return []
+        found = longest_match(state.index, lane.tokens, lane.tokens, MAX_MATCH, exclude_end=len(lane.tokens))
+        if found is None or found[1] < self.min_match:
+            return []
+        return lane.tokens[found[0] : found[0] + depth]
+
+    def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None:
+        if n_offered == 0:
+            return
+        state = self._state(lane)
+        if n_accepted:
+            state.misses = 0
+            return
+        state.misses += 1
+        if state.misses >= SILENT_AFTER_MISSES:
+            state.misses, state.silent = 0, SILENT_ROUNDS
+
+    def release(self, lane: Lane) -> None:
+        self._states.pop(lane.id, None)
+
+
+class RecallStore:
+    """Earlier replies (each after the tail of its prompt), indexed by 3-grams, at most `max_tokens` tokens in all;
+    the oldest go first. Thread-safe: engines may share one."""
+
+    def __init__(self, max_tokens: int = 1 << 20) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"a recall store needs max_tokens >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._seqs: dict[int, list[int]] = {}  # insertion order = age
+        self._indexes: dict[int, NgramIndex] = {}
+        self._n_tokens = 0
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    @property
+    def n_tokens(self) -> int:
+        return self._n_tokens
+
+    def add(self, token_ids: list[int]) -> None:
+        if len(token_ids) < 4 or len(token_ids) > self.max_tokens:
+            return
+        with self._lock:
+            seq_id, self._next_id = self._next_id, self._next_id + 1
+            index = NgramIndex()
+            index.extend(token_ids)
+            self._seqs[seq_id], self._indexes[seq_id] = list(token_ids), index
+            self._n_tokens += len(token_ids)
+            while self._n_tokens > self.max_tokens:
+                oldest = next(iter(self._seqs))
+                self._n_tokens -= len(self._seqs.pop(oldest))
+                del self._indexes[oldest]
+
+    def match(self, query: list[int], max_match: int) -> tuple[list[int], int, int] | None:
+        """The stored sequence, continuation start and length of the longest backward match of `query`'s tail,
+        newest sequence first on ties."""
+        best: tuple[list[int], int, int] | None = None
+        with self._lock:
+            for seq_id in reversed(self._seqs):
+                seq = self._seqs[seq_id]
+                found = longest_match(self._indexes[seq_id], seq, query, max_match, exclude_end=len(seq))
+                if found is not None and (best is None or found[1] > best[2]):
+                    best = (seq, found[0], found[1])
+        return best
+
+
+class RecallDrafter(CopyDrafter):
+    def __init__(self, store: RecallStore, min_match: int = MIN_MATCH) -> None:
+        super().__init__(min_match)
+        self.store = store
+
+    def _propose_one(self, lane: Lane, depth: int) -> list[int]:
+        own = super()._propose_one(lane, depth)
+        if depth <= 0 or self._state(lane).silent > 0:
+            return own
+        found = self.store.match(lane.tokens, MAX_MATCH)
+        if found is None or found[2] < self.min_match or len(own) >= depth:
+            return own
+        seq, start, _ = found
+        recalled = seq[start : start + depth]
+        return recalled if len(recalled) > len(own) else own
+
+    def release(self, lane: Lane) -> None:
+        super().release(lane)
+        self.store.add(lane.tokens[max(0, lane.n_prompt - RECALL_PROMPT_TAIL) :])
+
+
+class _DraftCache:
+    __slots__ = ("cache", "fed", "n_fed")
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.n_fed = 0  # lane.tokens[:n_fed] are in the draft cache
+        self.fed: list[int] = []  # drafts fed after them last time (valid while they match the lane's tokens)
+
+
+class ModelDrafter:
+    costs_passes = True
+
+    def __init__(self, draft: Any, prefill_chunk: int = 64) -> None:
+        self.draft = draft  # target protocol: new_cache / cache_for / forward
+        self.prefill_chunk = prefill_chunk
+        self._caches: dict[int, _DraftCache] = {}
+
+    def propose(self, lanes: Sequence[Lane], depths: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in lanes]
+        active = [i for i, d in enumerate(depths) if d > 0]
+        caches = {i: self._sync(lanes[i]) for i in active}
+        while active:  # one batched draft pass per draft level
+            feeds = {i: self._feed(lanes[i], caches[i], out[i]) for i in active}
+            rows = [Rows(caches[i].cache, feeds[i], caches[i].n_fed + len(caches[i].fed), lanes[i].id) for i in active]
+            logits = self.draft.forward(rows)
+            still = []
+            for i, lg in zip(active, logits, strict=True):
+                dc = caches[i]
+                if out[i]:
+                    dc.fed.append(feeds[i][0])
+                else:
+                    dc.n_fed += len(feeds[i])
+                    if dc.n_fed < len(lanes[i].tokens):
+                        continue  # the draft model is still prefilling this stream: no drafts this round
+                out[i].append(int(torch.argmax(lg[-1])))
+                if len(out[i]) < depths[i]:
+                    still.append(i)
+            active = still
+        return out
+
+    def _feed(self, lane: Lane, dc: _DraftCache, drafted: list[int]) -> list[int]:
+        return [drafted[-1]] if drafted else lane.tokens[dc.n_fed : dc.n_fed + self.prefill_chunk]
+
+    def _sync(self, lane: Lane) -> _DraftCache:
+        """Keep the fed drafts that the stream committed; always leave the last token to feed (its logits)."""
+        dc = self._caches.get(lane.id)
+        if dc is None:
+            dc = self._caches[lane.id] = _DraftCache(self.draft.cache_for(lane.n_prompt, lane.stream.max_tokens))
+        for tok in dc.fed:
+            if dc.n_fed >= len(lane.tokens) or lane.tokens[dc.n_fed] != tok:
+                break
+            dc.n_fed += 1
+        dc.n_fed = min(dc.n_fed, len(lane.tokens) - 1)
+        dc.fed = []
+        return dc
+
+    def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None:
+        pass
+
+    def release(self, lane: Lane) -> None:
+        self._caches.pop(lane.id, None)

@@ -1,0 +1,84 @@
+"""The handle a caller holds for one request: committed tokens as they come, the whole reply, the finish reason,
+and `cancel()`.
+
+Invariants: tokens are only ever appended (a committed token is final); the engine thread appends and finishes,
+any other thread may read, iterate, wait or cancel. `finish_reason` is None while the stream runs, then one of
+"stop" (an end-of-sequence or stop token, which is not part of the reply), "length" (max_tokens reached) or
+"cancelled".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+class Stream:
+    def __init__(self, stream_id: int, prompt_ids: list[int], max_tokens: int) -> None:
+        self.id = stream_id
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = max_tokens
+        self._tokens: list[int] = []
+        self._finish_reason: str | None = None
+        self._cancel_requested = False
+        self._changed = threading.Condition()
+
+    def __repr__(self) -> str:
+        return f"Stream(id={self.id}, n_tokens={len(self._tokens)}, finish_reason={self._finish_reason!r})"
+
+    @property
+    def token_ids(self) -> list[int]:
+        """A copy of the tokens committed so far (the whole reply once `done`)."""
+        with self._changed:
+            return list(self._tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason
+
+    @property
+    def done(self) -> bool:
+        return self._finish_reason is not None
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_requested
+
+    def cancel(self) -> None:
+        """Ask the engine to end this stream; it frees the stream's memory between rounds."""
+        with self._changed:
+            self._cancel_requested = True
+            self._changed.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the stream has finished; True if it has."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._finish_reason is not None, timeout)
+
+    def __iter__(self) -> Iterator[int]:
+        """Committed tokens, blocking until each is committed, ending when the stream finishes."""
+        i = 0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda n=i: len(self._tokens) > n or self._finish_reason is not None)
+                fresh = self._tokens[i:]
+                finished = self._finish_reason is not None
+            yield from fresh
+            i += len(fresh)
+            if finished and not fresh:
+                return
+
+    # engine side
+    def _append(self, token_ids: list[int]) -> None:
+        with self._changed:
+            self._tokens.extend(token_ids)
+            self._changed.notify_all()
+
+    def _finish(self, reason: str) -> None:
+        assert reason in FINISH_REASONS, reason
+        with self._changed:
+            if self._finish_reason is None:
+                self._finish_reason = reason
+            self._changed.notify_all()

@@ -1,0 +1,111 @@
+"""The decoder stack most MoE families share: embed, N x (norm, attention, norm, MLP or MoE), norm, LM head.
+
+A family file builds one `Decoder` from its config by saying what its attention and its feed-forward blocks are.
+Parameter names are those of Hugging Face checkpoints (`model.layers.3.self_attn.q_proj.weight`, `lm_head.weight`),
+so dense weights load with `load_state_dict` and need no renaming. Expert weights are not parameters: they live in
+the provider's pools.
+
+A feed-forward block is called as `block(x, layer, provider, routing)`; MoE blocks append their (ids, weights) to
+`routing`, dense blocks ignore both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from moelane.model.layers import MLP, Batch, RMSNorm, Rope, linear
+from moelane.model.provider import ExpertProvider
+
+Routing = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class FeedForward(Protocol):
+    def __call__(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor: ...
+
+
+class DenseMlp(MLP):
+    """A dense MLP layer with the feed-forward call signature (parameter names as in checkpoints)."""
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+
+class Stack(nn.Module):
+    def __init__(self, vocab: int, hidden: int, eps: float, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps)
+
+
+class Decoder(nn.Module):
+    """A whole causal LM. `forward` runs one pass over a `Batch` of stream rows and returns the final hidden states."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        eps: float,
+        n_layers: int,
+        make_attention: Callable[[int], nn.Module],
+        make_mlp: Callable[[int], nn.Module],
+        rope: Rope,
+        tie_embeddings: bool,
+        moe_layers: list[int],
+        cache_shape: tuple[int, int, int],
+    ) -> None:
+        super().__init__()
+        layers = [DecoderLayer(hidden, eps, make_attention(i), make_mlp(i)) for i in range(n_layers)]
+        self.model = Stack(vocab, hidden, eps, layers)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = rope
+        self.moe_layers = moe_layers
+        self._cache_shape = cache_shape
+
+    def cache_shapes(self) -> dict[int, tuple[int, int, int]]:
+        return {i: self._cache_shape for i in range(len(self.model.layers))}
+
+    def forward(
+        self, tokens: torch.Tensor, batch: Batch, provider: ExpertProvider, routing: Routing
+    ) -> torch.Tensor:
+        """tokens [N] -> hidden [N, H]. MoE layers append their routing to `routing` in layer order."""
+        x = self.model.embed_tokens(tokens)
+        rope = self.rope.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn(layer.input_layernorm(x), i, batch, rope)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), i, provider, routing)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.lm_head.weight).float()
+
+
+def config_get(config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of several hub spellings present in a config (e.g. num_experts / num_local_experts)."""
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return default
+
+
+def is_moe_layer(config: dict[str, Any], i: int) -> bool:
+    """Qwen-style placement: `mlp_only_layers` are dense, else every `decoder_sparse_step`-th layer is MoE."""
+    if i in (config.get("mlp_only_layers") or []):
+        return False
+    step = int(config.get("decoder_sparse_step") or 1)
+    return (i + 1) % step == 0

@@ -1,0 +1,239 @@
+"""Building blocks shared by the model families: norms, rotary embeddings, attention over per-stream KV caches.
+
+Batch invariance (docs/batch-invariance.md): a row's numbers must not depend on which other rows share the pass.
+Every projection goes through `linear`, which pads the rows to whole tiles of `TILE` so each row always meets the same
+matrix kernel; attention runs per stream over that stream's whole static cache (a fixed reduction length), with the
+stream's query rows padded to a tile as well. Nothing here takes a Python scalar from a tensor, so a decode step
+compiles whole.
+
+Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads, D head dim, C cache capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelane.model.cache import KVCache
+
+TILE = 8
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Pad dim -2 up to a whole number of tiles (zeros)."""
+    n = x.shape[-2]
+    extra = -n % TILE
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ w.T + b`, batch-invariant: rows are computed in tiles of TILE whatever their count."""
+    n = x.shape[0]
+    return F.linear(pad_rows(x), w, b)[:n]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling, wherever the config keeps them (top level, `rope_parameters`, `rope_scaling`)."""
+    params: dict[str, Any] = {"rope_theta": config.get("rope_theta", 10000.0), "rope_type": "default"}
+    for key in ("rope_parameters", "rope_scaling"):
+        extra = config.get(key)
+        if isinstance(extra, dict):
+            params.update(extra)
+    if "type" in params and params.get("rope_type", "default") == "default":
+        params["rope_type"] = params["type"]
+    return params
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """Rotary embedding: inverse frequencies and the attention scale factor a scaling scheme asks for."""
+
+    inv_freq: torch.Tensor  # [D/2]
+    attention_factor: float
+
+    @classmethod
+    def build(cls, params: dict[str, Any], dim: int, max_positions: int) -> Rope:
+        from moelane.errors import ModelLoadError
+
+        base = float(params["rope_theta"])
+        kind = params.get("rope_type", "default")
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor = 1.0
+        if kind == "linear":
+            inv = inv / float(params["factor"])
+        elif kind == "yarn":
+            inv, factor = yarn(inv, params, dim, base, max_positions)
+        elif kind != "default":
+            raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn)")
+        return cls(inv, factor)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+
+def yarn(
+    inv: torch.Tensor, params: dict[str, Any], dim: int, base: float, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    factor = float(params["factor"])
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("attention_factor") is not None:
+        attention = float(params["attention_factor"])
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        attention = mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    else:
+        attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+    return inv, attention
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos/sin [N, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """How the rows of one forward pass split into streams.
+
+    `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions.
+    """
+
+    spans: tuple[tuple[int, int], ...]
+    caches: tuple[KVCache, ...]
+    positions: torch.Tensor
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of one stream's n query rows over its whole cache.
+
+    q [n, Hq, D]; k [Hkv, C, D]; v [Hkv, C, Dv]; positions [n]. Keys past a row's position are masked, so stale
+    entries beyond the stream's length (rolled-back drafts) never count.
+    """
+    n, n_heads = q.shape[0], q.shape[1]
+    group = n_heads // k.shape[0]
+    capacity = k.shape[1]
+    qh = pad_rows(q.transpose(0, 1))  # [Hq, n8, D]
+    kk = k.repeat_interleave(group, dim=0)  # [Hq, C, D]
+    vv = v.repeat_interleave(group, dim=0)
+    scores = torch.matmul(qh, kk.transpose(1, 2)).float() * scale  # [Hq, n8, C]
+    key_pos = torch.arange(capacity, device=q.device)
+    row_pos = F.pad(positions, (0, qh.shape[1] - n), value=-1)
+    mask = key_pos[None, :] <= row_pos[:, None]  # [n8, C]
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
+    out = torch.matmul(probs, vv)  # [Hq, n8, Dv]
+    return out[:, :n].transpose(0, 1)  # [n, Hq, Dv]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE) and q/k/v bias (Qwen2)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        qk_norm: str | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":  # Qwen3: per head
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        elif qk_norm == "full":  # OLMoE: over all heads
+            self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        q = linear(x, self.q_proj.weight, self.q_proj.bias)
+        k = linear(x, self.k_proj.weight, self.k_proj.bias)
+        v = linear(x, self.v_proj.weight, self.v_proj.bias)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend_streams(q, k, v, layer, batch, self.scale)
+        return linear(out.reshape(n, -1), self.o_proj.weight)
+
+
+def attend_streams(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: Batch, scale: float
+) -> torch.Tensor:
+    """Write each stream's new K/V into its cache, then attend per stream. q [N, Hq, D], k/v [N, Hkv, D]."""
+    outs = []
+    for (first, n), cache in zip(batch.spans, batch.caches, strict=True):
+        pos = batch.positions[first : first + n]
+        kc, vc = cache.write(layer, pos, k[first : first + n], v[first : first + n])
+        outs.append(attend(q[first : first + n], kc, vc, pos, scale))
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward (dense layers, shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
+        return linear(h, self.down_proj.weight)

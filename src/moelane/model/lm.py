@@ -1,0 +1,207 @@
+"""`LM`: a loaded model with its tokenizer and expert provider, and the passes everything else is built on.
+
+- `forward(rows)`: one batched pass over rows of several streams, each with its own KV cache; row results are
+  batch-invariant (docs/batch-invariance.md). Observers get the pass's routing afterwards.
+- `logits(ids)`: logits of a fresh sequence.
+- `generate` / `stream` / `generate_ids`: one stream, prefill in chunks then one token per pass (compiled when asked).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from moelane.errors import InputError
+from moelane.model.cache import KVCache, Rows
+from moelane.model.decoder import Decoder
+from moelane.model.layers import Batch
+from moelane.model.loader import ExpertHandle
+from moelane.model.provider import ExpertProvider, RoutingObserver, RoutingRecord
+from moelane.model.sampling import SamplingParams, sample
+from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
+
+log = logging.getLogger(__name__)
+CACHE_BUCKET = 256  # KV capacities are rounded up to this, so compiled steps see few shapes
+
+
+class LM:
+    def __init__(
+        self,
+        folder: Path,
+        config: dict[str, Any],
+        family: ModuleType,
+        model: Decoder,
+        tokenizer: Tokenizer,
+        expert_handles: dict[int, list[ExpertHandle]],
+        provider: ExpertProvider,
+        dtype: torch.dtype,
+    ) -> None:
+        self.folder, self.config, self.family, self.model = folder, config, family, model
+        self.tokenizer, self.expert_handles, self.provider, self.dtype = tokenizer, expert_handles, provider, dtype
+        self.args = Args(config)
+        self.moe_layers: list[int] = list(model.moe_layers)
+        self.observers: list[RoutingObserver] = []
+        self.eos_ids = tokenizer.eos_ids
+        self.vocab_size = self.args.vocab_size
+        self.max_context = self.args.max_position_embeddings
+        self._compiled: Callable[..., torch.Tensor] | None = None
+
+    # ---- passes -------------------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> KVCache:
+        if capacity > self.max_context:
+            raise InputError(f"a cache of {capacity} positions exceeds the model's context of {self.max_context}")
+        return KVCache(self.model.cache_shapes(), capacity, self.dtype)
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
+        """A cache for a prompt and its reply, rounded up to a bucket (so compiled steps see few shapes)."""
+        need = n_prompt + max_tokens
+        if n_prompt >= self.max_context:
+            raise InputError(f"prompt of {n_prompt} tokens does not fit the model's context of {self.max_context}")
+        capacity = min(-(-need // CACHE_BUCKET) * CACHE_BUCKET, self.max_context)
+        return self.new_cache(capacity)
+
+    @torch.no_grad()
+    def forward(self, rows: list[Rows], phase: str | None = None, last_only: bool = False) -> list[torch.Tensor]:
+        """One pass over several streams' rows -> logits [n_i, vocab] per stream (only the last row's if
+        `last_only`)."""
+        tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
+        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
+            raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
+        positions = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows])
+        spans, first = [], 0
+        for r in rows:
+            spans.append((first, len(r.token_ids)))
+            first += len(r.token_ids)
+        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions)
+        routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hidden = self.model(tokens, batch, self.provider, routing)
+        if self.observers:
+            self._notify(routing, rows, phase)
+        if last_only:
+            picked = hidden[torch.tensor([f + n - 1 for f, n in spans])]
+            return list(self.model.logits(picked).split(1))
+        return list(self.model.logits(hidden).split([n for _, n in spans]))
+
+    def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
+        if phase is None:
+            phase = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill" if len(rows) == 1 else "mixed"
+        stream_ids = tuple(r.stream_id for r in rows for _ in r.token_ids)
+        ids = torch.stack([i for i, _ in routing]) if routing else torch.zeros(0, len(stream_ids), 0, dtype=torch.long)
+        weights = torch.stack([w for _, w in routing]).float() if routing else ids.float()
+        record = RoutingRecord(ids, weights, phase, stream_ids)
+        for observer in self.observers:
+            observer.observe(record)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] of a fresh sequence."""
+        if not token_ids:
+            raise InputError("empty token sequence")
+        cache = self.cache_for(len(token_ids), 0)
+        return self.forward([Rows(cache, list(token_ids), 0)])[0]
+
+    # ---- one stream ---------------------------------------------------------------------------------------------
+
+    def enable_compile(self) -> None:
+        """Compile the one-token decode step whole (fullgraph); the first step of each cache size pays the compile."""
+        self._compiled = torch.compile(self._decode_step, fullgraph=True, dynamic=False)
+
+    def _decode_step(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        batch = Batch(((0, 1),), (cache,), position)
+        hidden = self.model(token, batch, self.provider, [])
+        return self.model.logits(hidden)[0]
+
+    @torch.no_grad()
+    def step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
+        """Feed one token at `position`; logits [vocab] for the next. Compiled when enabled and nobody observes."""
+        if self._compiled is not None and not self.observers:
+            return self._compiled(torch.tensor([token]), torch.tensor([position]), cache)
+        return self.forward([Rows(cache, [token], position)], phase="decode")[0][0]
+
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int = 256,
+        params: SamplingParams | None = None,
+        prefill_chunk: int = 256,
+        stop_ids: frozenset[int] | None = None,
+    ) -> Iterator[int]:
+        """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`."""
+        params = params or SamplingParams()
+        if params.seed is None and not params.greedy:
+            params = SamplingParams(params.temperature, params.top_p, params.top_k, secrets.randbits(62))
+        if max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise InputError("empty prompt")
+        if len(prompt_ids) + 1 > self.max_context:
+            raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context}")
+        max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
+        stop_ids = self.eos_ids if stop_ids is None else stop_ids
+        cache = self.cache_for(len(prompt_ids), max_tokens)
+        with torch.no_grad():
+            for start in range(0, len(prompt_ids), prefill_chunk):
+                chunk = prompt_ids[start : start + prefill_chunk]
+                logits = self.forward([Rows(cache, chunk, start)], phase="prefill", last_only=True)[0][0]
+        position = len(prompt_ids)
+        for i in range(max_tokens):
+            token = sample(logits, params, position)
+            if token in stop_ids:
+                return
+            yield token
+            if i + 1 < max_tokens:
+                logits = self.step(token, position, cache)
+            position += 1
+
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+    ) -> Iterator[str]:
+        """Text pieces of the reply as they are produced, cut before the first stop string."""
+        params = sampling_params(temperature, top_p, top_k, seed)
+        detok, stops = Detokenizer(self.tokenizer), StopFilter([stop] if isinstance(stop, str) else stop or [])
+        for token in self.generate_ids(self.tokenizer.encode(prompt), max_tokens, params):
+            if piece := stops.push(detok.push([token])):
+                yield piece
+            if stops.stopped:
+                return
+        if tail := stops.flush():
+            yield tail
+
+    def generate(self, prompt: str, **kwargs: Any) -> str:
+        """The whole reply as text (same settings as `stream`)."""
+        return "".join(self.stream(prompt, **kwargs))
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(temperature, top_p, top_k, seed)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+class Args:
+    """The config fields every family has, under one spelling."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.model_type: str = config["model_type"]
+        self.vocab_size: int = config["vocab_size"]
+        self.hidden_size: int = config["hidden_size"]
+        self.num_hidden_layers: int = config["num_hidden_layers"]
+        self.num_experts: int = config.get("num_experts") or config.get("num_local_experts") or config.get(
+            "n_routed_experts"
+        ) or 0
+        self.num_experts_per_tok: int = config.get("num_experts_per_tok") or 0
+        self.max_position_embeddings: int = config.get("max_position_embeddings") or 4096

@@ -1,0 +1,122 @@
+"""`load(path)`: a Hugging Face model folder -> `LM`, with experts left on disk for the provider to fetch.
+
+Families are found by `model_type` through an import of `moelane.model.<model_type>`; each family module has
+`build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from moelane.errors import ModelLoadError
+from moelane.model.lm import LM
+from moelane.model.loader import (
+    ExpertHandle,
+    TensorRef,
+    find_expert_handles,
+    read_config,
+    read_eos_ids,
+    read_tensor,
+    scan_checkpoint,
+)
+from moelane.model.provider import ExpertProvider, ResidentProvider
+from moelane.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "qwen3", "llama")
+ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
+
+
+def family_module(model_type: str) -> ModuleType:
+    if model_type not in FAMILIES:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"moelane.model.{model_type}")
+
+
+def load(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    provider: ProviderFactory | None = None,
+    compile: bool = False,
+    progress: bool = False,
+) -> LM:
+    """Load a model folder (None: the shipped default model). `provider` builds the expert provider from the
+    experts' handles (default: all experts resident). `compile` compiles the one-token decode step."""
+    if path is None:
+        from moelane.assets import default_model_path
+
+        path = default_model_path()
+    folder = Path(path)
+    config = read_config(folder)
+    family = family_module(config["model_type"])
+    try:
+        model = family.build(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
+    refs = scan_checkpoint(folder)
+    handles = expert_handles(family, model.moe_layers, config, refs)
+    expert_names = {ref for hs in handles.values() for h in hs for ref in h.tensors.values()}
+    dense = {name: ref for name, ref in refs.items() if ref not in expert_names}
+    load_dense(model, family, dense, dtype)
+    tokenizer = Tokenizer(folder, read_eos_ids(folder, config))
+    build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
+    lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, dtype), dtype)
+    if compile:
+        lm.enable_compile()
+    return lm
+
+
+def expert_handles(
+    family: ModuleType, moe_layers: list[int], config: dict[str, object], refs: dict[str, TensorRef]
+) -> dict[int, list[ExpertHandle]]:
+    n_experts = int(getattr(family, "n_experts")(config))
+    handles: dict[int, list[ExpertHandle]] = {}
+    for layer in moe_layers:
+        found = find_expert_handles(refs, family.expert_prefix(layer), n_experts, family.EXPERT_NAMES)
+        if found is None:
+            raise ModelLoadError(f"checkpoint has no experts for MoE layer {layer} ({family.expert_prefix(layer)}.*)")
+        handles[layer] = found
+    check_expert_shapes(family, config, handles)
+    return handles
+
+
+def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: dict[int, list[ExpertHandle]]) -> None:
+    hidden, width = int(config["hidden_size"]), int(family.expert_width(config))  # type: ignore[call-overload]
+    expect = {"gate": (width, hidden), "up": (width, hidden), "gate_up": (2 * width, hidden), "down": (hidden, width)}
+    for layer_handles in handles.values():
+        for h in layer_handles:
+            for name, ref in h.tensors.items():
+                if ref.shape != expect[name]:
+                    raise ModelLoadError(
+                        f"expert {h.expert} of layer {h.layer}: {name} has shape {list(ref.shape)}, "
+                        f"config.json implies {list(expect[name])} ({ref.path})"
+                    )
+
+
+def load_dense(model: torch.nn.Module, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype) -> None:
+    weights = {name: read_tensor(ref, dtype) for name, ref in refs.items()}
+    if hasattr(family, "sanitize"):
+        weights = family.sanitize(weights)
+    own = model.state_dict()
+    for name, tensor in weights.items():
+        if name in own and own[name].shape != tensor.shape:
+            raise ModelLoadError(
+                f"tensor {name} has shape {list(tensor.shape)}, config.json implies {list(own[name].shape)}"
+            )
+    unexpected = sorted(set(weights) - set(own))
+    if unexpected:
+        log.warning("ignoring %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
+    missing = model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False).missing_keys
+    tied = {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set()
+    missing = [k for k in missing if k not in tied]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+    model.to(dtype)
+    model.eval()

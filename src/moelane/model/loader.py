@@ -1,0 +1,225 @@
+"""Reads a Hugging Face model folder as users have it, without loading the experts.
+
+What it reads: `config.json`, the safetensors shards (one file, or several with `model.safetensors.index.json`),
+`generation_config.json` (EOS ids). Every tensor becomes a `TensorRef` (file, byte offset, dtype, shape) taken from the
+shard's own header, so any one tensor -- and so any one expert -- can later be read alone with `os.pread`: that is how
+the pager fetches experts from disk. Dense tensors are read at load; experts only when a provider asks.
+
+Invariant: every TensorRef points inside its file (checked against the file size when the header is read), so a
+truncated or corrupt shard fails here with a message naming the file, not later with garbage numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelane.errors import ModelLoadError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """Where one tensor (or one expert's slice of a stacked tensor) lies on disk."""
+
+    path: str
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertHandle:
+    """One routed expert's tensors: "gate", "up" and "down" (or "gate_up" and "down" for fused checkpoints)."""
+
+    layer: int
+    expert: int
+    tensors: dict[str, TensorRef]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{what} not found: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{what} is not valid JSON: {path} ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{what} must hold a JSON object: {path}")
+    return data
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder not found: {folder}")
+    config = read_json(folder / "config.json", "config.json")
+    if "model_type" not in config:
+        raise ModelLoadError(f"config.json has no model_type: {folder / 'config.json'}")
+    return config
+
+
+def read_eos_ids(folder: Path, config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json; an int or a list in either."""
+    ids: set[int] = set()
+    sources = [config]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        sources.insert(0, read_json(gen, "generation_config.json"))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+        if ids:
+            break
+    return frozenset(ids)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"model.safetensors.index.json has no weight_map: {index}")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"missing shard {f.name} named in {index.name}: {f}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise ModelLoadError(f"no *.safetensors weights in {folder}")
+    return found
+
+
+def read_header(path: Path) -> dict[str, TensorRef]:
+    """Parse one safetensors header into TensorRefs, checking every tensor lies inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ModelLoadError(f"corrupt safetensors file (no header): {path}")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise ModelLoadError(f"corrupt safetensors header (length {n}, file {size} bytes): {path}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ModelLoadError(f"corrupt safetensors header (not JSON): {path}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"corrupt safetensors header (not an object): {path}")
+    refs: dict[str, TensorRef] = {}
+    base = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"corrupt safetensors header entry {name!r}: {path}") from None
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"unsupported dtype {dtype} for tensor {name!r} in {path}")
+        if base + end > size:
+            raise ModelLoadError(f"truncated shard {path.name}: tensor {name!r} ends past the end of the file")
+        refs[name] = TensorRef(str(path), base + begin, end - begin, dtype, shape)
+    return refs
+
+
+def scan_checkpoint(folder: Path) -> dict[str, TensorRef]:
+    refs: dict[str, TensorRef] = {}
+    for path in shard_files(folder):
+        refs.update(read_header(path))
+    return refs
+
+
+def read_tensor(ref: TensorRef, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Read one tensor with a positioned read (no mmap of the file)."""
+    fd = os.open(ref.path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, ref.nbytes, ref.offset)
+    finally:
+        os.close(fd)
+    if len(data) != ref.nbytes:
+        raise ModelLoadError(f"short read of {ref.nbytes} bytes at offset {ref.offset} in {ref.path} (truncated?)")
+    t = torch.frombuffer(bytearray(data), dtype=DTYPES[ref.dtype]).reshape(ref.shape)
+    return t if dtype is None else t.to(dtype)
+
+
+def expert_tensors(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool layout from one expert's tensors: (w13 [2I, H], w2 [H, I])."""
+    w13 = w["gate_up"] if "gate_up" in w else torch.cat([w["gate"], w["up"]], dim=0)
+    return w13, w["down"]
+
+
+def read_expert(handle: ExpertHandle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's weights in pool layout, read from its shard."""
+    try:
+        w = {name: read_tensor(ref, dtype) for name, ref in handle.tensors.items()}
+    except ModelLoadError as e:
+        raise ModelLoadError(f"expert {handle.expert} of layer {handle.layer}: {e}") from None
+    return expert_tensors(w)
+
+
+def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
+    """The TensorRef of row `index` of a stacked [E, ...] tensor (fused expert checkpoints)."""
+    per = ref.nbytes // ref.shape[0]
+    return TensorRef(ref.path, ref.offset + index * per, per, ref.dtype, ref.shape[1:])
+
+
+def find_expert_handles(
+    refs: dict[str, TensorRef], prefix: str, n_experts: int, names: dict[str, str]
+) -> list[ExpertHandle] | None:
+    """Handles for the experts under `prefix` (e.g. "model.layers.3.mlp.experts").
+
+    `names` maps our names ("gate", "up", "down") to the checkpoint's (e.g. "gate_proj"). Per-expert tensors
+    (`{prefix}.{e}.{name}.weight`) and fused stacked ones (`{prefix}.gate_up_proj`, `{prefix}.down_proj`) both work.
+    Returns None when the prefix holds no experts.
+    """
+    layer = int(prefix.split(".")[2])
+    fused_gu, fused_d = refs.get(f"{prefix}.gate_up_proj"), refs.get(f"{prefix}.down_proj")
+    if fused_gu is not None and fused_d is not None:
+        return [
+            ExpertHandle(layer, e, {"gate_up": slice_stacked(fused_gu, e), "down": slice_stacked(fused_d, e)})
+            for e in range(n_experts)
+        ]
+    if f"{prefix}.0.{names['gate']}.weight" not in refs:
+        return None
+    handles = []
+    for e in range(n_experts):
+        tensors = {}
+        for ours, theirs in names.items():
+            key = f"{prefix}.{e}.{theirs}.weight"
+            if key not in refs:
+                raise ModelLoadError(f"checkpoint is missing tensor {key}")
+            tensors[ours] = refs[key]
+        handles.append(ExpertHandle(layer, e, tensors))
+    return handles

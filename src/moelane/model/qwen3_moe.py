@@ -1,0 +1,66 @@
+"""Qwen3-MoE (Qwen3-30B-A3B and kin): GQA with per-head q/k RMSNorm, softmax top-k router, optional renormalisation
+(`norm_topk_prob`), dense layers where `mlp_only_layers` / `decoder_sparse_step` say so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get, is_moe_layer
+from moelane.model.layers import Attention, Rope, linear, rope_parameters
+from moelane.model.moe import run_experts, softmax_topk
+from moelane.model.provider import ExpertProvider
+
+EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def expert_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, hidden: int, n_experts: int, top_k: int, norm: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, n_experts, bias=False)
+        self.top_k, self.norm = top_k, norm
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+        weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)
+        routing.append((ids, weights))
+        return run_experts(x, layer, ids, weights, provider)
+
+
+def build(config: dict[str, Any]) -> Decoder:
+    hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+    n_heads = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_heads
+    head_dim = config.get("head_dim") or hidden // n_heads
+    n_experts = config_get(config, "num_experts", "num_local_experts")
+    top_k = config["num_experts_per_tok"]
+    n_layers = config["num_hidden_layers"]
+    moe_layers = [i for i in range(n_layers) if is_moe_layer(config, i)]
+
+    def make_attention(i: int) -> nn.Module:
+        return Attention(hidden, n_heads, n_kv, head_dim, bool(config.get("attention_bias")), "head", eps)
+
+    def make_mlp(i: int) -> nn.Module:
+        if i in moe_layers:
+            return SparseMoe(hidden, n_experts, top_k, bool(config.get("norm_topk_prob")))
+        return DenseMlp(hidden, config["intermediate_size"])
+
+    max_pos = config.get("max_position_embeddings", 32768)
+    rope = Rope.build(rope_parameters(config), head_dim, max_pos)
+    return Decoder(
+        config["vocab_size"], hidden, eps, n_layers, make_attention, make_mlp, rope,
+        bool(config.get("tie_word_embeddings")), moe_layers, (n_kv, head_dim, head_dim),
+    )  # fmt: skip
+
+
+def n_experts(config: dict[str, Any]) -> int:
+    return int(config_get(config, "num_experts", "num_local_experts"))
+
+
+def expert_width(config: dict[str, Any]) -> int:
+    return int(config["moe_intermediate_size"])

@@ -1,0 +1,119 @@
+"""Text <-> token ids, and chat prompts, from the model folder's `tokenizer.json` and `tokenizer_config.json`.
+
+The engine works on ids only; this is the one place text is turned into ids and back. The chat template is the
+folder's own Jinja template, rendered in a sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HfTokenizer
+
+from moelane.errors import InputError, ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, eos_ids: frozenset[int]) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"tokenizer.json not found in {folder}")
+        try:
+            self._tok = HfTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exceptions on bad files
+            raise ModelLoadError(f"cannot read {path}: {e}") from None
+        self.config: dict[str, Any] = {}
+        cfg = folder / "tokenizer_config.json"
+        if cfg.is_file():
+            try:
+                self.config = json.loads(cfg.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"tokenizer_config.json is not valid JSON: {cfg} ({e})") from None
+        self.chat_template: str | None = self.config.get("chat_template")
+        eos_token = self._token_str("eos_token")
+        self.eos_token = eos_token
+        ids = set(eos_ids)
+        if not ids and eos_token is not None and (tid := self._tok.token_to_id(eos_token)) is not None:
+            ids.add(tid)
+        self.eos_ids = frozenset(ids)
+
+    def _token_str(self, key: str) -> str | None:
+        value = self.config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InputError("this model has no chat template (tokenizer_config.json has no chat_template)")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_str("bos_token") or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise InputError(f"chat template failed: {e}") from None
+
+
+class Detokenizer:
+    """Turns a growing list of ids into text pieces, holding back an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def push(self, ids: Iterable[int]) -> str:
+        self._ids.extend(ids)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self._sent = text[self._sent :], len(text)
+        return piece
+
+
+class StopFilter:
+    """Cuts streamed text at the first stop string, never letting out text past it.
+
+    Text that could be the start of a stop string is held back until it is known not to be one.
+    """
+
+    def __init__(self, stops: Iterable[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + piece
+        cut = min((i for s in self.stops if (i := text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self._held = True, ""
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,302 @@
+"""Routing traces: a compact, streamed file of segment records (SPEC 2.1; layout in docs/trace-format.md).
+
+A trace is a file header (model shape, bytes per expert at each precision tier) followed by one record per segment
+(forward pass). Each record is self-delimiting and checksummed and is flushed when written, so a trace cut short by a
+crash reads back to its last whole segment. In memory a trace is a few numpy arrays indexed by token, with segment
+boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import numpy.typing as npt
+
+from moelane.errors import MoelaneError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MLTRACE1"
+SEG_MAGIC = b"SEGR"
+SEG_STRUCT = struct.Struct("<4sIIIII")  # magic, index, n_tokens, meta_len, payload_len, crc32(meta + payload)
+PHASES = ("prefill", "decode", "mixed", "unknown")
+
+IntArray = npt.NDArray[np.int64]
+
+
+class TraceError(MoelaneError):
+    """A trace file that cannot be read (not a trace, unsupported version, bad header)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    """Model shape of a trace. `tiers` lists (precision name, bytes per expert), tier 0 first."""
+
+    n_layers: int
+    n_experts: int
+    top_k: int
+    tiers: tuple[tuple[str, int], ...]
+    moe_layers: tuple[int, ...] = ()
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1 or self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"bad trace shape L={self.n_layers} E={self.n_experts} K={self.top_k}")
+        if not self.tiers or any(b <= 0 for _, b in self.tiers):
+            raise ValueError(f"tiers must be non-empty with positive byte sizes, got {self.tiers}")
+
+    @property
+    def n_total(self) -> int:
+        """Number of distinct expert ids (layer, expert) = L * E."""
+        return self.n_layers * self.n_experts
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert at tier 0."""
+        return self.tiers[0][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "top_k": self.top_k,
+            "tiers": [list(t) for t in self.tiers],
+            "moe_layers": list(self.moe_layers),
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> TraceHeader:
+        if body.get("version") != 1:
+            raise TraceError(f"unsupported trace version {body.get('version')!r}")
+        return cls(
+            n_layers=int(body["n_layers"]),
+            n_experts=int(body["n_experts"]),
+            top_k=int(body["top_k"]),
+            tiers=tuple((str(n), int(b)) for n, b in body["tiers"]),
+            moe_layers=tuple(int(x) for x in body.get("moe_layers", [])),
+            model=str(body.get("model", "")),
+        )
+
+    def id_dtype(self) -> type[np.unsignedinteger[Any]]:
+        return np.uint8 if self.n_experts <= 256 else np.uint16
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Segment:
+    """One forward pass. expert_ids [T, L, K], weights [T, L, K] or None, stream_ids [T]."""
+
+    index: int
+    phase: str
+    expert_ids: npt.NDArray[Any]
+    stream_ids: IntArray
+    weights: npt.NDArray[np.float32] | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.expert_ids.shape[0])
+
+    def flat_ids(self, n_experts: int) -> IntArray:
+        """Distinct flat expert ids `layer * E + expert` routed by this segment, sorted."""
+        return np.unique(token_flat_ids(self.expert_ids, n_experts))
+
+    def size(self, n_experts: int) -> int:
+        """Number of distinct experts routed (the segment size of SPEC 2)."""
+        return int(self.flat_ids(n_experts).size)
+
+
+def token_flat_ids(expert_ids: npt.NDArray[Any], n_experts: int) -> IntArray:
+    """[T, L, K] expert ids -> [T, L, K] flat ids `layer * E + expert` (int64)."""
+    n_layers = expert_ids.shape[1]
+    offsets = (np.arange(n_layers, dtype=np.int64) * n_experts)[None, :, None]
+    return expert_ids.astype(np.int64) + offsets
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Trace:
+    """A whole trace in memory. expert_ids/weights [N, L, K]; seg_offsets [S+1]; stream_ids [N]."""
+
+    header: TraceHeader
+    expert_ids: npt.NDArray[Any]
+    weights: npt.NDArray[np.float32]
+    seg_offsets: IntArray
+    seg_index: IntArray
+    seg_phase: tuple[str, ...]
+    stream_ids: IntArray
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.seg_phase)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.expert_ids.shape[0])
+
+    def segment(self, s: int) -> Segment:
+        a, b = int(self.seg_offsets[s]), int(self.seg_offsets[s + 1])
+        return Segment(
+            index=int(self.seg_index[s]),
+            phase=self.seg_phase[s],
+            expert_ids=self.expert_ids[a:b],
+            stream_ids=self.stream_ids[a:b],
+            weights=self.weights[a:b],
+        )
+
+    def segments(self) -> Iterator[Segment]:
+        for s in range(self.n_segments):
+            yield self.segment(s)
+
+
+def _encode_streams(stream_ids: IntArray) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for sid in stream_ids.tolist():
+        if runs and runs[-1][0] == sid:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(sid), 1])
+    return runs
+
+
+class TraceWriter:
+    """Appends segment records to a trace file; each record is flushed as written. Use as a context manager."""
+
+    def __init__(self, path: str | Path, header: TraceHeader, level: int = 1) -> None:
+        self.header = header
+        self._level = level
+        self._next_index = 0
+        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        body = json.dumps(header.to_dict()).encode()
+        self._f.write(MAGIC + struct.pack("<I", len(body)) + body)
+        self._f.flush()
+
+    def write_segment(
+        self,
+        expert_ids: npt.NDArray[Any],
+        weights: npt.NDArray[Any] | None,
+        phase: str,
+        stream_ids: npt.NDArray[Any] | None = None,
+    ) -> int:
+        """Append one segment ([T, L, K] ids and gate weights); returns its index."""
+        h = self.header
+        ids = np.asarray(expert_ids)
+        if ids.ndim != 3 or ids.shape[1:] != (h.n_layers, h.top_k):
+            raise ValueError(f"expert_ids must be [T, {h.n_layers}, {h.top_k}], got {ids.shape}")
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        n_tokens = ids.shape[0]
+        w = np.zeros(ids.shape, np.float32) if weights is None else np.asarray(weights, np.float32)
+        scale = float(max(float(np.abs(w).max(initial=0.0)), 1e-30))
+        q = np.clip(np.rint(w / scale * 255.0), 0, 255).astype(np.uint8)
+        sids = np.zeros(n_tokens, np.int64) if stream_ids is None else np.asarray(stream_ids, np.int64)
+        meta = json.dumps({"phase": phase, "scale": scale, "streams": _encode_streams(sids)}).encode()
+        payload = zlib.compress(ids.astype(h.id_dtype()).tobytes() + q.tobytes(), self._level)
+        index = self._next_index
+        crc = zlib.crc32(payload, zlib.crc32(meta))
+        self._f.write(SEG_STRUCT.pack(SEG_MAGIC, index, n_tokens, len(meta), len(payload), crc) + meta + payload)
+        self._f.flush()
+        self._next_index += 1
+        return index
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_header(f: BinaryIO, path: Path) -> TraceHeader:
+    head = f.read(len(MAGIC) + 4)
+    if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+        raise TraceError(f"{path}: not a moelane trace (bad magic)")
+    (n,) = struct.unpack("<I", head[len(MAGIC) :])
+    body = f.read(n)
+    if len(body) < n:
+        raise TraceError(f"{path}: truncated trace header")
+    try:
+        return TraceHeader.from_dict(json.loads(body))
+    except (ValueError, KeyError, TypeError) as e:
+        raise TraceError(f"{path}: bad trace header: {e}") from e
+
+
+def iter_segments(path: str | Path) -> tuple[TraceHeader, Iterator[Segment]]:
+    """Header and a lazy iterator over whole segments; stops (with a warning) at a torn or corrupt record."""
+    path = Path(path)
+    f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+    try:
+        header = _read_header(f, path)
+    except BaseException:
+        f.close()
+        raise
+    shape_tail = (header.n_layers, header.top_k)
+    id_dtype = header.id_dtype()
+
+    def gen() -> Iterator[Segment]:
+        with f:
+            while True:
+                fixed = f.read(SEG_STRUCT.size)
+                if not fixed:
+                    return
+                if len(fixed) < SEG_STRUCT.size:
+                    log.warning("%s: trace cut short inside a record header; read up to the last whole segment", path)
+                    return
+                magic, index, n_tokens, meta_len, payload_len, crc = SEG_STRUCT.unpack(fixed)
+                meta, payload = f.read(meta_len), f.read(payload_len)
+                if magic != SEG_MAGIC or len(meta) < meta_len or len(payload) < payload_len:
+                    log.warning("%s: trace cut short at segment %d; read up to the last whole segment", path, index)
+                    return
+                if zlib.crc32(payload, zlib.crc32(meta)) != crc:
+                    log.warning("%s: checksum mismatch at segment %d; stopping there", path, index)
+                    return
+                m = json.loads(meta)
+                raw = zlib.decompress(payload)
+                n_ids = n_tokens * shape_tail[0] * shape_tail[1]
+                ids = np.frombuffer(raw, id_dtype, count=n_ids).reshape(n_tokens, *shape_tail)
+                q = np.frombuffer(raw, np.uint8, offset=n_ids * np.dtype(id_dtype).itemsize)
+                w = (q.astype(np.float32) * np.float32(m["scale"] / 255.0)).reshape(ids.shape)
+                sids = np.concatenate([np.full(c, s, np.int64) for s, c in m["streams"]] or [np.zeros(0, np.int64)])
+                yield Segment(index=index, phase=m["phase"], expert_ids=ids, stream_ids=sids, weights=w)
+
+    return header, gen()
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a whole trace into memory (up to its last whole segment)."""
+    header, segs = iter_segments(path)
+    return trace_from_segments(header, list(segs))
+
+
+def trace_from_segments(header: TraceHeader, segs: list[Segment]) -> Trace:
+    k_shape = (0, header.n_layers, header.top_k)
+    counts = np.array([s.n_tokens for s in segs], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return Trace(
+        header=header,
+        expert_ids=np.concatenate([s.expert_ids for s in segs]) if segs else np.zeros(k_shape, header.id_dtype()),
+        weights=(
+            np.concatenate([s.weights if s.weights is not None else np.zeros(s.expert_ids.shape, np.float32) for s in segs])
+            if segs
+            else np.zeros(k_shape, np.float32)
+        ),
+        seg_offsets=offsets,
+        seg_index=np.array([s.index for s in segs], np.int64),
+        seg_phase=tuple(s.phase for s in segs),
+        stream_ids=np.concatenate([s.stream_ids for s in segs]) if segs else np.zeros(0, np.int64),
+    )
+
+
+def write_trace(path: str | Path, trace: Trace) -> None:
+    with TraceWriter(path, trace.header) as w:
+        for seg in trace.segments():
+            w.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids)

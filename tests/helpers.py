@@ -1,0 +1,70 @@
+"""Test helpers: tiny random models of every family, built with transformers and saved as users have them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TEXT = (
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "To be, or not to be, that is the question. The quick brown fox jumps over the lazy dog.\n"
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE of exactly `vocab_size` ids (the last one is the EOS token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    tok.add_special_tokens(["<|endoftext|>"])
+    assert tok.get_vocab_size() <= vocab_size
+    tok.save(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+
+
+def save_model(model: Any, folder: Path, vocab_size: int, **kwargs: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), **kwargs)
+    write_tokenizer(folder, vocab_size)
+    return folder
+
+
+def random_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Build a tiny random model of `family` with transformers, save it with its tokenizer, return the folder."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_cls, model_cls, base = FAMILY_CONFIGS[family]
+    params = {**base, **overrides}
+    config = getattr(transformers, cfg_cls)(**params)
+    model = getattr(transformers, model_cls)(config).eval()
+    # Random init leaves norms at 1 and routers near-uniform; perturb so every weight matters.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return save_model(model, folder, params["vocab_size"])
+
+
+COMMON = dict(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+              max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        COMMON, head_dim=16, intermediate_size=80, moe_intermediate_size=24, num_experts=10, num_experts_per_tok=3,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+}  # fmt: skip
