@@ -285,7 +285,9 @@ def trace_from_segments(header: TraceHeader, segs: list[Segment]) -> Trace:
         header=header,
         expert_ids=np.concatenate([s.expert_ids for s in segs]) if segs else np.zeros(k_shape, header.id_dtype()),
         weights=(
-            np.concatenate([s.weights if s.weights is not None else np.zeros(s.expert_ids.shape, np.float32) for s in segs])
+            np.concatenate(
+                [s.weights if s.weights is not None else np.zeros(s.expert_ids.shape, np.float32) for s in segs]
+            )
             if segs
             else np.zeros(k_shape, np.float32)
         ),
