@@ -59,6 +59,7 @@ class FakeTarget:
         if not 0.0 <= error_rate < 1.0:
             raise ValueError(f"error_rate must be in [0, 1), got {error_rate}")
         self.vocab_size = vocab_size
+        self.max_context = 1 << 20
         self.eos_ids = eos_ids
         self.seed = seed
         self.window = window
@@ -71,6 +72,9 @@ class FakeTarget:
 
     def new_cache(self, capacity: int) -> FakeCache:
         return FakeCache(capacity)
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> FakeCache:
+        return FakeCache(n_prompt + max_tokens)
 
     def forward(self, rows: Sequence[Rows]) -> list[torch.Tensor]:
         out = []

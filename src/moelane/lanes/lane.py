@@ -21,13 +21,13 @@ class Lane:
     stream: Stream
     params: SamplingParams
     stop_ids: frozenset[int]
-    cache: Any
+    cache: Any  # None until the stream is admitted
     acceptance: Acceptance
     tokens: list[int] = field(default_factory=list)
     n_prompt: int = 0
     n_fed: int = 0
     drafts: list[int] = field(default_factory=list)
-    draft_mode: str = ""  # the guard mode the drafts were prepared in ("" = none prepared)
+    drafted_at: int = -1  # len(tokens) when drafts were last proposed (a stream is drafted once per new token)
     last_round: int = -1  # the last round this lane took part in (least recently served goes first)
 
     @property

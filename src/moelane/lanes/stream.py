@@ -3,8 +3,8 @@ and `cancel()`.
 
 Invariants: tokens are only ever appended (a committed token is final); the engine thread appends and finishes,
 any other thread may read, iterate, wait or cancel. `finish_reason` is None while the stream runs, then one of
-"stop" (an end-of-sequence or stop token, which is not part of the reply), "length" (max_tokens reached) or
-"cancelled".
+"stop" (an end-of-sequence or stop token, which is not part of the reply), "length" (max_tokens reached),
+"cancelled" (by `cancel()` or an engine stop) or "error" (the engine failed; it logged why).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class Stream:
@@ -60,9 +60,13 @@ class Stream:
     def __iter__(self) -> Iterator[int]:
         """Committed tokens, blocking until each is committed, ending when the stream finishes."""
         i = 0
+
+        def ready() -> bool:
+            return len(self._tokens) > i or self._finish_reason is not None
+
         while True:
             with self._changed:
-                self._changed.wait_for(lambda n=i: len(self._tokens) > n or self._finish_reason is not None)
+                self._changed.wait_for(ready)
                 fresh = self._tokens[i:]
                 finished = self._finish_reason is not None
             yield from fresh

@@ -1,0 +1,363 @@
+"""The lanes engine: many streams served in shared rounds, drafting where it pays, replies never changed.
+
+A round is one batched forward pass over the streams taking part:
+
+    chosen  = choose(...)            # least recently served first, within stream and row limits
+    windows = plan_windows(...)      # pending rows + drafts held by the depth rule (drafted rounds only)
+    logits  = target.forward(rows)   # verify all
+    commit(verify(window, logits))   # accepted drafts + the model's token; rejected rows are rolled back
+    draft(...)                       # proposals for the next round, in the mode the guard chose for it
+
+Streams join and leave between rounds. The target is anything with `new_cache`, `cache_for`, `forward(rows)`,
+`vocab_size`, `eos_ids` and `max_context` (`LM`, or the fake of `moelane.lanes.fake`). Every time reading goes
+through the injected `Clock`; with `timed=False` nothing the engine decides depends on it. The engine knows nothing
+about text: callers detokenise and handle stop strings (cancelling the stream).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import secrets
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from moelane.errors import InputError
+from moelane.lanes.clock import Clock, RealClock
+from moelane.lanes.config import EngineConfig
+from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate
+from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore
+from moelane.lanes.guard import DRAFTED, PLAIN, Guard
+from moelane.lanes.lane import Lane
+from moelane.lanes.rounds import Window, choose, commit, plan_windows, verify
+from moelane.lanes.stream import Stream
+from moelane.model.cache import Rows
+from moelane.model.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_PRICE_RATE = 0.2
+
+
+def load_draft_model() -> Any:
+    """The shipped draft model (`moelane.assets.draft_model_path()`)."""
+    try:
+        path = importlib.import_module("moelane.assets").draft_model_path()
+    except (ImportError, AttributeError) as e:
+        raise InputError("drafter 'model' needs the shipped draft model, which this install lacks") from e
+    from moelane.model.load import load
+
+    return load(path)
+
+
+class Target(Protocol):
+    vocab_size: int
+    eos_ids: frozenset[int]
+    max_context: int
+
+    def new_cache(self, capacity: int) -> Any: ...
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> Any: ...
+
+    def forward(self, rows: list[Rows]) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    rounds: int = 0
+    holds: int = 0  # draft rows placed for verification
+    accepted: int = 0  # holds that became committed tokens
+    committed: int = 0  # tokens appended to replies
+    prefill_tokens: int = 0
+    finished: int = 0
+    n_active: int = 0
+    n_waiting: int = 0
+    guard_modes: dict[int, str] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Target,
+        config: EngineConfig | None = None,
+        *,
+        draft: Any = None,
+        clock: Clock | None = None,
+        recall_store: RecallStore | None = None,
+    ) -> None:
+        """`draft`: the draft model for drafter "model" (default: the shipped one). `recall_store`: a store to share
+        with other engines (default: a new one)."""
+        self.target, self.config = target, config or EngineConfig()
+        self.clock = clock or RealClock()
+        self.drafter = self._make_drafter(draft, recall_store)
+        self.guard = Guard() if self.config.guard_on else None
+        self.prices = PriceTable(self.config.prices)
+        self.draft_price = self.config.draft_price
+        self._waiting: deque[Lane] = deque()
+        self._active: list[Lane] = []
+        self._cv = threading.Condition()
+        self._next_id = 0
+        self._round = 0
+        self._counts = dict.fromkeys(("holds", "accepted", "committed", "prefill_tokens", "finished"), 0)
+        self._span_start: float | None = None  # when the current round's host work (drafting) began
+        self._drafted_for = PLAIN  # the mode the drafts for the next round were prepared in
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moelane-forward") if self.config.overlap else None
+        if self.config.timed:
+            self._calibrate()
+
+    def _make_drafter(self, draft: Any, store: RecallStore | None) -> Drafter | None:
+        c = self.config
+        if c.drafter == "copy":
+            return CopyDrafter(c.min_match)
+        if c.drafter == "recall":
+            return RecallDrafter(store or RecallStore(c.recall_tokens), c.min_match)
+        if c.drafter == "model":
+            draft = draft if draft is not None else load_draft_model()
+            if draft.vocab_size != self.target.vocab_size:
+                raise InputError(f"draft vocabulary {draft.vocab_size} != target's {self.target.vocab_size}")
+            return ModelDrafter(draft, c.prefill_chunk)
+        return None
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Stream:
+        """Queue a request; its tokens arrive on the returned `Stream` as rounds commit them. Ends at an EOS id or a
+        stop token (not part of the reply) or after `max_tokens` tokens."""
+        try:
+            params = SamplingParams(temperature, top_p, top_k, seed)
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        if not params.greedy and params.seed is None:
+            params = SamplingParams(temperature, top_p, top_k, secrets.randbits(62))
+        prompt = list(token_ids)
+        if not prompt:
+            raise InputError("empty prompt")
+        if max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+        if min(prompt) < 0 or max(prompt) >= self.target.vocab_size:
+            raise InputError(f"token id out of range for a vocabulary of {self.target.vocab_size}")
+        if len(prompt) + 1 > self.target.max_context:
+            raise InputError(f"prompt of {len(prompt)} tokens does not fit the context of {self.target.max_context}")
+        max_tokens = min(max_tokens, self.target.max_context - len(prompt))
+        stop_ids = self.target.eos_ids | frozenset(stop_token_ids or ())
+        with self._cv:
+            stream = Stream(self._next_id, prompt, max_tokens)
+            self._next_id += 1
+            lane = Lane(stream, params, stop_ids, None, Acceptance(self.config.max_depth), prompt, len(prompt))
+            self._waiting.append(lane)
+            self._cv.notify_all()
+        return stream
+
+    @property
+    def n_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            rounds=self._round, **self._counts, n_active=self.n_active, n_waiting=self.n_waiting,
+            guard_modes=self.guard.modes() if self.guard else {},
+        )  # fmt: skip
+
+    # ---- rounds -------------------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one round; False if there was nothing to do."""
+        self._admit()
+        chosen = choose(self._active, self.config.max_streams, self.config.max_rows, self.config.prefill_chunk)
+        if not chosen:
+            self._span_start = None
+            return False
+        start = self.clock.now() if self._span_start is None else self._span_start
+        mode = self._mode(len(chosen))
+        windows = plan_windows(chosen, mode == DRAFTED, self.prices, self.config.max_rows)
+        logits = self._forward(windows)
+        n_committed = sum(self._settle(w, lg, mode) for w, lg in zip(windows, logits, strict=True))
+        self._round += 1
+        end = self.clock.now()
+        if self.guard is not None:
+            self.guard.observe(len(chosen), mode, n_committed, end - start, measured=self._drafted_for == mode)
+        self._span_start = end
+        self._draft()
+        return True
+
+    def run_until_idle(self) -> None:
+        """Run rounds in this thread until every submitted stream has finished (not while `start`ed)."""
+        assert self._thread is None, "run_until_idle while the engine thread runs"
+        while self.step():
+            pass
+
+    def _mode(self, n_streams: int) -> str:
+        if self.drafter is None:
+            return PLAIN
+        return self.guard.mode(n_streams) if self.guard is not None else DRAFTED
+
+    def _forward(self, windows: list[Window]) -> list[torch.Tensor]:
+        rows = [w.rows() for w in windows]
+        t0 = self.clock.now()
+        if self._pool is not None:
+            pending = self._pool.submit(self.target.forward, rows)
+            self._admit()  # host work that does not depend on this pass
+            logits = pending.result()
+        else:
+            logits = self.target.forward(rows)
+        if self.config.timed:
+            self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0)
+        for w in windows:
+            w.lane.last_round = self._round
+        return logits
+
+    def _settle(self, window: Window, logits: torch.Tensor, mode: str) -> int:
+        """Verify and commit one window; count it; finish its stream if it ended. Returns tokens committed."""
+        lane = window.lane
+        had_drafts, prefilling = bool(lane.drafts), lane.n_fed < lane.n_prompt
+        tokens = verify(window, logits)
+        n_before = lane.n_generated
+        reason = commit(window, tokens)
+        if prefilling:
+            self._counts["prefill_tokens"] += len(window.feed)
+        if window.commits and mode == DRAFTED and had_drafts:
+            lane.acceptance.observe(len(window.drafts), len(tokens) - 1)
+            if self.drafter is not None:
+                self.drafter.feedback(lane, len(window.drafts), len(tokens) - 1)
+        self._counts["holds"] += len(window.drafts)
+        self._counts["accepted"] += max(0, len(tokens) - 1)
+        n_committed = lane.n_generated - n_before
+        self._counts["committed"] += n_committed
+        if reason is not None or lane.stream.cancel_requested:
+            self._retire(lane, reason or "cancelled")
+        return n_committed
+
+    def _draft(self) -> None:
+        """Proposals for the next round, in the mode the guard runs that round's stream count in."""
+        if self.drafter is None:
+            return
+        with self._cv:
+            n_next = min(len(self._active) + len(self._waiting), self.config.max_streams)
+        if n_next == 0:
+            return
+        mode = self._mode(n_next)
+        self._drafted_for = mode
+        if mode == PLAIN:
+            for lane in self._active:
+                lane.drafts = []
+            return
+        lanes = [x for x in self._active if x.decoding and x.room > 0 and x.drafted_at != len(x.tokens)]
+        if not lanes:
+            return
+        depths = [min(self.config.max_depth, x.room) for x in lanes]
+        if self.drafter.costs_passes:
+            seats = [Seat(min(x.n_pending, self.config.prefill_chunk), True, d, x.acceptance)
+                     for x, d in zip(lanes, depths, strict=True)]  # fmt: skip
+            depths = allocate(seats, self.prices, self.config.max_rows, self.draft_price)
+        t0 = self.clock.now()
+        proposals = self.drafter.propose(lanes, depths)
+        if self.config.timed and self.drafter.costs_passes and max(depths, default=0) > 0:
+            per_pass = (self.clock.now() - t0) / max(depths)
+            self.draft_price += DRAFT_PRICE_RATE * (per_pass - self.draft_price)
+        for lane, drafts in zip(lanes, proposals, strict=True):
+            lane.drafts = drafts[: lane.room]
+            lane.drafted_at = len(lane.tokens)
+
+    # ---- membership ---------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        with self._cv:
+            for lane in [x for x in self._active if x.stream.cancel_requested]:
+                self._retire(lane, "cancelled")
+            while self._waiting and len(self._active) < self.config.max_streams:
+                lane = self._waiting.popleft()
+                if lane.stream.cancel_requested:
+                    lane.stream._finish("cancelled")
+                    continue
+                lane.cache = self.target.cache_for(lane.n_prompt, lane.stream.max_tokens)
+                self._active.append(lane)
+
+    def _retire(self, lane: Lane, reason: str) -> None:
+        if lane in self._active:
+            self._active.remove(lane)
+        if self.drafter is not None:
+            self.drafter.release(lane)
+        lane.cache, lane.drafts = None, []
+        self._counts["finished"] += 1
+        lane.stream._finish(reason)
+
+    def _calibrate(self) -> None:
+        """Measure the price of a pass by width (and of a draft pass) before serving."""
+        widths = [w for w in CALIBRATION_WIDTHS if w <= self.config.max_rows]
+        cache = self.target.new_cache(widths[-1])
+        points = []
+        for w in widths:
+            seconds = []
+            for _ in range(2):
+                t0 = self.clock.now()
+                self.target.forward([Rows(cache, [0] * w, 0)])
+                seconds.append(self.clock.now() - t0)
+            points.append((w, max(min(seconds), 1e-9)))
+        self.prices = PriceTable(points)
+        if isinstance(self.drafter, ModelDrafter):
+            draft_cache = self.drafter.draft.new_cache(1)
+            t0 = self.clock.now()
+            self.drafter.draft.forward([Rows(draft_cache, [0], 0)])
+            self.draft_price = self.clock.now() - t0
+
+    # ---- threaded mode ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run rounds on a thread of the engine's own (for a server); `submit` from any thread."""
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="moelane-lanes", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the engine thread; streams still running end as "cancelled"."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        thread.join()
+        self._thread = None
+        with self._cv:
+            for lane in list(self._active) + list(self._waiting):
+                self._retire(lane, "cancelled")
+            self._waiting.clear()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not (self._waiting or self._active):
+                    self._span_start = None  # idle time is no round's cost
+                self._cv.wait_for(lambda: self._stopping or bool(self._waiting or self._active))
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:
+                log.exception("lanes engine round failed; ending its streams")
+                with self._cv:
+                    for lane in list(self._active):
+                        self._retire(lane, "error")

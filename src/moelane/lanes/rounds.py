@@ -1,0 +1,113 @@
+"""The steps of one round, as plain functions over lanes: choose, plan windows, verify, commit.
+
+- `choose`: the streams taking part, least recently served first, each with its base rows (the one pending token of
+  a decoding stream, or a chunk of a prefilling stream's prompt), within the stream and row limits.
+- `plan_windows`: adds draft rows by the depth rule (drafts are held only in drafted rounds).
+- `verify`: the model's own token at each row from the first row that predicts a new token; the longest prefix of
+  drafts equal to those tokens is accepted, plus the model's token after it. Tokens come from `sample(logits,
+  params, absolute position)`, so a drafted row yields exactly what a one-token step would.
+- `commit`: appends the committed tokens (cut at a stop token or at max_tokens), moves the lane's fed position past
+  the rows that stay valid; rejected rows are rolled back by simply feeding later rows from an earlier position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moelane.lanes.depth import PriceTable, Seat, allocate
+from moelane.lanes.lane import Lane
+from moelane.model.cache import Rows
+from moelane.model.sampling import sample
+
+
+@dataclass(slots=True)
+class Window:
+    """One lane's rows in a round: `feed` (pending tokens) then `drafts` (held drafts)."""
+
+    lane: Lane
+    feed: list[int]
+    drafts: list[int]
+
+    @property
+    def commits(self) -> bool:
+        """Whether the model's next token is read this round (the lane's pending tokens all fit)."""
+        return self.lane.n_fed + len(self.feed) == len(self.lane.tokens)
+
+    def rows(self) -> Rows:
+        return Rows(self.lane.cache, self.feed + self.drafts, self.lane.n_fed, self.lane.id)
+
+
+def choose(lanes: Sequence[Lane], max_streams: int, max_rows: int, prefill_chunk: int) -> list[tuple[Lane, int]]:
+    """(lane, base rows) of the streams in the next round, least recently served first."""
+    order = sorted(lanes, key=lambda lane: lane.last_round)[:max_streams]
+    spare = max_rows - sum(1 for lane in order if lane.decoding)
+    chosen: list[tuple[Lane, int]] = []
+    for lane in order:
+        if lane.decoding:
+            if len(chosen) < max_rows:
+                chosen.append((lane, 1))
+            continue
+        n = min(lane.n_pending, prefill_chunk, spare)
+        if n > 0:
+            chosen.append((lane, n))
+            spare -= n
+    return chosen
+
+
+def plan_windows(chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: PriceTable, max_rows: int) -> list[Window]:
+    seats = [
+        Seat(base, lane.n_fed + base == len(lane.tokens), min(len(lane.drafts), lane.room) if drafted else 0,
+             lane.acceptance)
+        for lane, base in chosen
+    ]  # fmt: skip
+    depths = allocate(seats, prices, max_rows) if drafted else [0] * len(seats)
+    return [
+        Window(lane, lane.tokens[lane.n_fed : lane.n_fed + base], lane.drafts[:depth])
+        for (lane, base), depth in zip(chosen, depths, strict=True)
+    ]
+
+
+def verify(window: Window, logits: torch.Tensor) -> list[int]:
+    """The committed tokens of a window, from its logits [rows, vocab]."""
+    if not window.commits:
+        return []
+    lane, first = window.lane, len(window.feed) - 1
+    position = len(lane.tokens)
+    if lane.params.greedy:
+        model_ids: list[int] = logits[first:].argmax(-1).tolist()
+    else:
+        model_ids = []
+    out = []
+    for j in range(len(window.drafts) + 1):
+        token = model_ids[j] if lane.params.greedy else sample(logits[first + j], lane.params, position + j)
+        out.append(token)
+        if j == len(window.drafts) or window.drafts[j] != token:
+            break
+    return out
+
+
+def commit(window: Window, tokens: list[int]) -> str | None:
+    """Append a window's committed tokens to its lane; the finish reason if the stream ends here."""
+    lane = window.lane
+    if not window.commits:
+        lane.n_fed += len(window.feed)
+        return None
+    old_len = len(lane.tokens)
+    kept: list[int] = []
+    reason = None
+    for token in tokens:
+        if token in lane.stop_ids:
+            reason = "stop"
+            break
+        kept.append(token)
+        if lane.n_generated + len(kept) >= lane.stream.max_tokens:
+            reason = "length"
+            break
+    lane.tokens.extend(kept)
+    lane.n_fed = old_len + len(tokens) - 1  # the accepted drafts' rows stay valid; the model's token is pending
+    lane.drafts = []
+    lane.stream._append(kept)
+    return reason
