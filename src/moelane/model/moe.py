@@ -42,7 +42,10 @@ def dispatch(
     n_tokens, k = slots.shape
     flat = slots.reshape(-1)
     if torch.compiler.is_compiling():
-        ys = [expert_mlp(x[j // k : j // k + 1], w13[flat[j]], w2[flat[j]]) for j in range(n_tokens * k)]
+        ys = [
+            expert_mlp(x[j // k : j // k + 1], w13.index_select(0, flat[j : j + 1])[0], w2.index_select(0, flat[j : j + 1])[0])
+            for j in range(n_tokens * k)
+        ]
         y = torch.cat(ys, dim=0)
     else:
         y = x.new_empty(n_tokens * k, x.shape[1])

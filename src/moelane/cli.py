@@ -1,0 +1,169 @@
+"""The `moelane` command line: run, serve, bench, trace.
+
+This is the one place that configures logging and turns a `MoelaneError` into one line on stderr and exit code 2.
+Each area registers its own subcommands (`add_parser(subparsers)`); `run` lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+from moelane.errors import InputError, MoelaneError
+
+log = logging.getLogger("moelane")
+
+# Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
+SUBCOMMANDS = ("moelane.server.commands", "moelane.pager.commands", "moelane.bench_commands")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moelane",
+        description="Run Mixture-of-Experts language models that do not fit in fast memory, and serve them. "
+        "With no --model, commands use the small MoE model shipped inside the package.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    add_run_parser(sub)
+    for module in SUBCOMMANDS:
+        try:
+            add = importlib.import_module(module).add_parser
+        except (ImportError, AttributeError):  # an area that is not built yet
+            continue
+        add(sub)
+    return parser
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the shipped model)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--expert-memory", metavar="X", help="budget for resident experts: bytes (512MiB, 2GiB) or a "
+                   "share of all expert bytes (25%%); default: all experts resident")  # fmt: skip
+    p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")
+    p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"), default="planner",
+                   help="eviction policy of the expert pool (with --expert-memory)")  # fmt: skip
+    p.add_argument("--default-tier", choices=("0", "int8", "int4"), default="0",
+                   help="precision of experts fetched on a miss (0: the checkpoint's own)")  # fmt: skip
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout",
+                       description="Generate a reply to PROMPT and stream it to stdout; a summary line (tokens, "
+                       "prefill and decode speed) goes to stderr.")  # fmt: skip
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
+    add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
+    p.add_argument("--seed", type=int, help="seed for sampling (default: random)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with torch.compile (faster decode after a one-time warm-up; "
+                   "compiled graphs are cached for later runs)")  # fmt: skip
+    p.add_argument("--trace", metavar="FILE", help="record the routing trace of this run to FILE")
+    p.add_argument("--stats", action="store_true", help="print the expert pager's statistics to stderr")
+    p.set_defaults(func=cmd_run)
+
+
+def provider_factory(args: argparse.Namespace) -> Callable[..., object] | None:
+    if not args.expert_memory and not args.host_memory and args.default_tier == "0":
+        return None
+    try:
+        from moelane.pager.store import store_factory
+    except ImportError:
+        raise InputError("--expert-memory needs the expert store, which this build lacks") from None
+    return store_factory(args.expert_memory, args.host_memory, args.pager_policy, args.default_tier)
+
+
+def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore[no-untyped-def]
+    import torch
+
+    import moelane
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    factory = provider_factory(args)
+    return moelane.load(args.model, dtype, provider=factory, compile=compile, progress=True)  # type: ignore[arg-type]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from moelane.model.lm import sampling_params
+    from moelane.model.tokenizer import Detokenizer, StopFilter
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed)
+    lm = load_model(args, compile=args.compile)
+    if args.chat:
+        prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    prompt_ids = lm.tokenizer.encode(prompt)
+    recorder = open_trace(args.trace, lm) if args.trace else None
+    if args.compile:
+        print("compiling the decode step (first run of a shape takes a while; later runs use the cache)...",
+              file=sys.stderr, flush=True)  # fmt: skip
+    detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
+    t0 = time.perf_counter()
+    t_first, n_new = 0.0, 0
+    try:
+        for token in lm.generate_ids(prompt_ids, args.max_tokens, params):
+            if n_new == 0:
+                t_first = time.perf_counter()
+            n_new += 1
+            sys.stdout.write(stops.push(detok.push([token])))
+            sys.stdout.flush()
+            if stops.stopped:
+                break
+        sys.stdout.write(stops.flush() + "\n")
+    finally:
+        if recorder is not None:
+            recorder.close()
+    t_end = time.perf_counter()
+    prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
+    decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0
+    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens, prefill {prefill:.1f} tok/s, "
+          f"decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    if args.stats:
+        print_stats(lm)
+    return 0
+
+
+def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
+    try:
+        from moelane.pager.commands import open_recorder
+    except ImportError:
+        raise InputError("--trace needs the pager's trace recorder, which this build lacks") from None
+    return open_recorder(path, lm)
+
+
+def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
+    try:
+        from moelane.pager.store import format_stats
+    except ImportError:
+        print("no pager statistics: all experts are resident", file=sys.stderr)
+        return
+    print(format_stats(lm.provider), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except MoelaneError as e:
+        print(f"moelane: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
