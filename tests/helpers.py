@@ -67,4 +67,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         COMMON, head_dim=16, intermediate_size=80, moe_intermediate_size=24, num_experts=10, num_experts_per_tok=3,
         norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        COMMON, intermediate_size=72, moe_intermediate_size=16, shared_expert_intermediate_size=36, num_experts=9,
+        num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1])),
 }  # fmt: skip

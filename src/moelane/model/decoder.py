@@ -109,3 +109,27 @@ def is_moe_layer(config: dict[str, Any], i: int) -> bool:
         return False
     step = int(config.get("decoder_sparse_step") or 1)
     return (i + 1) % step == 0
+
+
+def sliding_windows(config: dict[str, Any]) -> list[int | None]:
+    """Per layer, its sliding attention window (None: full attention).
+
+    Windowed layers are those `layer_types` marks "sliding_attention" (transformers writes the list into config.json);
+    without `layer_types`, every layer is windowed when `sliding_window` is set (Mixtral) unless `use_sliding_window`
+    is false (Qwen). Old Qwen configs with `use_sliding_window: true` and no `layer_types` are refused: their layer
+    rule differs by family and version.
+    """
+    from moelane.errors import ModelLoadError
+
+    n_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return [None] * n_layers
+    types = config.get("layer_types")
+    if types is None:
+        if "use_sliding_window" in config:
+            raise ModelLoadError("config.json sets use_sliding_window but has no layer_types to say which layers")
+        return [int(window)] * n_layers
+    if len(types) != n_layers:
+        raise ModelLoadError(f"config.json has {len(types)} layer_types for {n_layers} layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]

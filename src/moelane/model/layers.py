@@ -81,8 +81,10 @@ class Rope:
             inv = inv / float(params["factor"])
         elif kind == "yarn":
             inv, factor = yarn(inv, params, dim, base, max_positions)
+        elif kind == "llama3":
+            inv = llama3(inv, params, max_positions)
         elif kind != "default":
-            raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn)")
+            raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn, llama3)")
         return cls(inv, factor)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +125,18 @@ def yarn(
     return inv, attention
 
 
+def llama3(inv: torch.Tensor, params: dict[str, Any], max_positions: int) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    factor, low, high = float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    original = float(params.get("original_max_position_embeddings") or max_positions)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -146,12 +160,18 @@ class Batch:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one stream's n query rows over its whole cache.
 
     q [n, Hq, D]; k [Hkv, C, D]; v [Hkv, C, Dv]; positions [n]. Keys past a row's position are masked, so stale
-    entries beyond the stream's length (rolled-back drafts) never count.
+    entries beyond the stream's length (rolled-back drafts) never count. With a sliding `window`, a row sees only
+    the `window` keys ending at its own position.
     """
     n, n_heads = q.shape[0], q.shape[1]
     group = n_heads // k.shape[0]
@@ -163,6 +183,8 @@ def attend(
     key_pos = torch.arange(capacity, device=q.device)
     row_pos = F.pad(positions, (0, qh.shape[1] - n), value=-1)
     mask = key_pos[None, :] <= row_pos[:, None]  # [n8, C]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > row_pos[:, None] - window)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
     out = torch.matmul(probs, vv)  # [Hq, n8, Dv]
@@ -170,7 +192,8 @@ def attend(
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE) and q/k/v bias (Qwen2)."""
+    """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE), q/k/v bias (Qwen2), o bias (Llama),
+    q/k/v clipping (OLMoE `clip_qkv`) and a sliding window (Mixtral, Qwen sliding layers)."""
 
     def __init__(
         self,
@@ -181,13 +204,17 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: str | None = None,
         eps: float = 1e-6,
+        o_bias: bool = False,
+        clip: float | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+        self.clip, self.window = clip, window
         self.qk_norm = qk_norm
         if qk_norm == "head":  # Qwen3: per head
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
@@ -195,13 +222,17 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
         self.scale = head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = linear(x, self.q_proj.weight, self.q_proj.bias)
         k = linear(x, self.k_proj.weight, self.k_proj.bias)
         v = linear(x, self.v_proj.weight, self.v_proj.bias)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = q.clamp(-self.clip, self.clip), k.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
         q = q.view(n, self.n_heads, self.head_dim)
         k = k.view(n, self.n_kv_heads, self.head_dim)
         v = v.view(n, self.n_kv_heads, self.head_dim)
@@ -209,31 +240,38 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend_streams(q, k, v, layer, batch, self.scale)
-        return linear(out.reshape(n, -1), self.o_proj.weight)
+        out = attend_streams(q, k, v, layer, batch, self.scale, self.window)
+        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 def attend_streams(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: Batch, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: Batch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend per stream. q [N, Hq, D], k/v [N, Hkv, D]."""
     outs = []
     for (first, n), cache in zip(batch.spans, batch.caches, strict=True):
         pos = batch.positions[first : first + n]
         kc, vc = cache.write(layer, pos, k[first : first + n], v[first : first + n])
-        outs.append(attend(q[first : first + n], kc, vc, pos, scale))
+        outs.append(attend(q[first : first + n], kc, vc, pos, scale, window))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU feed-forward (dense layers, shared experts)."""
+    """Dense SwiGLU feed-forward (dense layers, shared experts); `bias` for Llama/DeepSeek `mlp_bias`."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
-        return linear(h, self.down_proj.weight)
+        gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
+        h = F.silu(gate) * linear(x, self.up_proj.weight, self.up_proj.bias)
+        return linear(h, self.down_proj.weight, self.down_proj.bias)
