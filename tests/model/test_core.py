@@ -1,0 +1,243 @@
+"""Model core: loading (and every way a model folder can be bad), generation, sampling, batch invariance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelane
+from moelane.cli import main
+from moelane.errors import InputError, ModelLoadError
+from moelane.model.cache import Rows
+from moelane.model.sampling import SamplingParams, sample
+from moelane.model.tokenizer import StopFilter
+from tests.helpers import random_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("q3"))
+
+
+@pytest.fixture(scope="module")
+def lm(folder: Path) -> moelane.LM:
+    return moelane.load(folder)
+
+
+def broken_copy(folder: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moelane: error:"), err
+    return err[0]
+
+
+# ---- bad model folders: one clear line, exit code 2 ------------------------------------------------------------
+
+
+def test_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "not found" in cli_error(["run", "--model", str(tmp_path / "nope"), "hi"], capsys)
+
+
+def test_missing_config(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    (bad / "config.json").unlink()
+    assert "config.json not found" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_invalid_config(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    (bad / "config.json").write_text("{not json")
+    assert "not valid JSON" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_config_missing_field(folder: Path, tmp_path: Path) -> None:
+    bad = broken_copy(folder, tmp_path)
+    config = json.loads((bad / "config.json").read_text())
+    del config["hidden_size"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="hidden_size"):
+        moelane.load(bad)
+
+
+def test_unknown_model_type(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    config = json.loads((bad / "config.json").read_text())
+    config["model_type"] = "gpt9"
+    (bad / "config.json").write_text(json.dumps(config))
+    line = cli_error(["run", "--model", str(bad), "hi"], capsys)
+    assert "gpt9" in line and "qwen3_moe" in line and "mixtral" in line
+
+
+def shard_into_two(folder: Path) -> list[Path]:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, folder / file, metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return [folder / f for f in halves]
+
+
+def test_sharded_checkpoint_loads_same(folder: Path, lm: moelane.LM, tmp_path: Path) -> None:
+    sharded = broken_copy(folder, tmp_path)
+    shard_into_two(sharded)
+    ids = list(range(5, 40))
+    assert torch.equal(moelane.load(sharded).logits(ids), lm.logits(ids))
+
+
+def test_missing_shard(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    shard_into_two(bad)[1].unlink()
+    assert "missing shard model-00002-of-00002.safetensors" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_truncated_shard(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    shard = bad / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    assert "truncated shard model.safetensors" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_corrupt_header(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    shard = bad / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 : 8 + n] = b"\xff" * n
+    shard.write_bytes(bytes(data))
+    assert "corrupt safetensors header" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_shape_disagrees_with_config(folder: Path, tmp_path: Path) -> None:
+    bad = broken_copy(folder, tmp_path)
+    config = json.loads((bad / "config.json").read_text())
+    config["moe_intermediate_size"] += 1
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="implies"):
+        moelane.load(bad)
+    config["moe_intermediate_size"] -= 1
+    config["intermediate_size"] += 2  # the dense layer's MLP
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="mlp.*implies"):
+        moelane.load(bad)
+
+
+def test_missing_tokenizer(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = broken_copy(folder, tmp_path)
+    (bad / "tokenizer.json").unlink()
+    assert "tokenizer.json not found" in cli_error(["run", "--model", str(bad), "hi"], capsys)
+
+
+def test_prompt_longer_than_context(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    long_prompt = "To be, or not to be " * 400
+    assert "does not fit" in cli_error(["run", "--model", str(folder), long_prompt], capsys)
+
+
+# ---- generation ------------------------------------------------------------------------------------------------
+
+
+def test_cli_run_streams_reply_and_summary(folder: Path, lm: moelane.LM, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", str(folder), "--max-tokens", "12", "def fib"]) == 0
+    out, err = capsys.readouterr()
+    assert out.rstrip("\n") == lm.generate("def fib", max_tokens=12)
+    assert "prompt" in err and "decode" in err and "tok/s" in err
+
+
+def test_chunked_prefill_matches_whole(lm: moelane.LM) -> None:
+    ids = [(i * 7) % 290 for i in range(50)]
+    whole = list(lm.generate_ids(ids, 10, prefill_chunk=512))
+    assert list(lm.generate_ids(ids, 10, prefill_chunk=7)) == whole
+
+
+def test_rows_are_batch_invariant(lm: moelane.LM) -> None:
+    """A stream's logits are bit-identical alone, chunked, batched with other streams, or as drafted rows."""
+    a, b, extra = list(range(3, 40)), list(range(100, 120)), [5, 6, 7, 8]
+    cache = lm.new_cache(256)
+    solo = [lm.forward([Rows(cache, a, 0)])[0][-1]]
+    solo += [lm.forward([Rows(cache, [t], 37 + i)])[0][0] for i, t in enumerate(extra)]
+    ca, cb = lm.new_cache(256), lm.new_cache(256)
+    lm.forward([Rows(ca, a[:13], 0), Rows(cb, b, 0)])
+    last = lm.forward([Rows(cb, [3], 20), Rows(ca, a[13:], 13)])[1][-1:]
+    drafted = lm.forward([Rows(ca, extra, 37), Rows(cb, [4, 5, 6], 21)])[0]
+    assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
+
+
+def test_max_tokens_and_eos(lm: moelane.LM) -> None:
+    ids = list(range(10, 30))
+    out = list(lm.generate_ids(ids, 8))
+    assert len(out) <= 8
+    first = out[0]
+    assert list(lm.generate_ids(ids, 8, stop_ids=frozenset({first}))) == []
+    with pytest.raises(InputError):
+        list(lm.generate_ids(ids, 0))
+
+
+def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
+    """The one-token decode step compiles whole (fullgraph=True raises on any graph break)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cache = lm.new_cache(256)
+    ids = list(range(10, 30))
+    eager_logits = lm.forward([Rows(cache, ids, 0)])[0][-1]
+    token = int(torch.argmax(eager_logits))
+    step = torch.compile(lm._decode_step, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled = step(torch.tensor([token]), torch.tensor([20]), cache)
+    eager = lm.forward([Rows(cache, [token], 20)])[0][0]
+    assert (compiled - eager).abs().max() < 1e-4
+
+
+# ---- sampling and stop strings ---------------------------------------------------------------------------------
+
+
+def test_sampling_is_a_function_of_seed_and_position() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(300)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    draws = [sample(logits, params, pos) for pos in range(200)]
+    assert draws == [sample(logits, params, pos) for pos in range(200)]
+    assert len(set(draws)) > 5
+    other = [sample(logits, SamplingParams(temperature=0.8, top_p=0.9, seed=8), pos) for pos in range(200)]
+    assert draws != other
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    params = SamplingParams(temperature=1.0, seed=3)
+    counts = torch.bincount(torch.tensor([sample(logits, params, p) for p in range(4000)]), minlength=4).float()
+    assert torch.allclose(counts / 4000, torch.softmax(logits, 0), atol=0.03)
+
+
+def test_top_k_and_top_p_cut_the_tail() -> None:
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    top_k = {sample(logits, SamplingParams(temperature=2.0, top_k=2, seed=1), p) for p in range(500)}
+    assert top_k == {0, 1}
+    top_p = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), p) for p in range(500)}
+    assert top_p == {0}  # p(0) = 0.64 >= 0.5
+    assert sample(logits, SamplingParams(), 0) == 0
+
+
+def test_stop_filter_never_leaks_past_a_stop() -> None:
+    f = StopFilter(["STOP", "\n\n"])
+    pieces = ["hello S", "TO", "P world"]
+    out = "".join(f.push(p) for p in pieces) + f.flush()
+    assert out == "hello " and f.stopped
+    g = StopFilter(["STOP"])
+    assert "".join([g.push("a ST"), g.push("ar"), g.flush()]) == "a STar"
