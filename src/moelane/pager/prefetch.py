@@ -1,0 +1,203 @@
+"""Background fetching and the two predictors that issue early loads (SPEC 2.8), hooked into a live model.
+
+- `FetchPool`: I/O threads serving a priority queue: a pass's own misses (priority 0) before prefetches (1).
+- `LookAhead`: applies layer L+1's router to the input of layer L's MoE block (as mixtral-offloading does) and
+  prefetches what it predicts while layer L computes. It runs only on passes of at most `max_rows` rows (decode).
+- `CooccurrencePredictor`: per layer, counts transitions from one token's experts to the next token's (per thread,
+  i.e. per stream), and after each layer call predicts the next token's experts of that layer by noisy-OR,
+  P(e) = 1 - prod_p (1 - n(p -> e) / n(p)), prefetching those with P >= threshold. Its counting and predicting run on
+  its own thread: the pass only enqueues the routed ids (no policy work on the per-token path).
+- `attach(lm, store)` installs both plus a post-block hook that releases the thread's slot lease as soon as a MoE
+  block has computed.
+
+Each predictor scores itself against the routing it predicted (`PrefetchCounts.correct / routed` is its recall);
+the store counts the loads it issued, used and wasted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+class RoutingListener(Protocol):
+    def routed(self, layer_index: int, keys: list[int]) -> None:
+        """A `slots` call routed these flat expert keys (layer index * E + expert) on the calling thread."""
+        ...
+
+
+class PrefetchTarget(Protocol):
+    layers: list[int]
+    n_experts: int
+    listeners: list[RoutingListener]
+
+    def prefetch(self, layer: int, experts: list[int], source: str) -> int: ...
+    def prefetch_keys(self, keys: list[int], source: str) -> int: ...
+    def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None: ...
+    def release(self) -> None: ...
+
+
+class FetchPool:
+    """`n_threads` daemon threads running jobs by priority, then submission order. With 0 threads jobs run inline."""
+
+    def __init__(self, n_threads: int) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"moelane-fetch-{i}", daemon=True) for i in range(n_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, job: Callable[[], None]) -> None:
+        if not self._threads:
+            job()
+            return
+        self._queue.put((priority, next(self._seq), job))
+
+    def _work(self) -> None:
+        while True:
+            _, _, job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # jobs report their own failures through futures; this is a bug guard
+                log.exception("expert fetch job failed")
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((1 << 30, next(self._seq), None))
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+class LookAhead:
+    """Predicts layer L+1's experts from layer L's block input; `gates[L] = (next layer, its router weight, k)`."""
+
+    def __init__(self, store: PrefetchTarget, gates: dict[int, tuple[int, torch.Tensor, int]], max_rows: int = 4):
+        self.store, self.gates, self.max_rows = store, gates, max_rows
+        self._index = {layer: i for i, layer in enumerate(store.layers)}
+        self._predicted: dict[tuple[int, int], set[int]] = {}
+
+    def before_block(self, layer: int, x: torch.Tensor) -> None:
+        if layer not in self.gates or x.shape[0] > self.max_rows:
+            return
+        nxt, weight, k = self.gates[layer]
+        ids = sorted(set(torch.topk(F.linear(x, weight), k, dim=-1).indices.reshape(-1).tolist()))
+        base = self._index[nxt] * self.store.n_experts
+        self._predicted[(threading.get_ident(), self._index[nxt])] = {base + e for e in ids}
+        self.store.prefetch(nxt, ids, "lookahead")
+
+    def routed(self, layer_index: int, keys: list[int]) -> None:
+        predicted = self._predicted.pop((threading.get_ident(), layer_index), None)
+        if predicted is not None:
+            self.store.count_prediction("lookahead", len(predicted), len(predicted.intersection(keys)), len(keys))
+
+
+class CooccurrencePredictor:
+    """Noisy-OR over observed token-to-token transitions, per layer and per thread (stream)."""
+
+    def __init__(self, store: PrefetchTarget, threshold: float = 0.3, max_predict: int = 8) -> None:
+        if not 0.0 < threshold <= 1.0 or max_predict < 1:
+            raise ValueError(f"bad co-occurrence predictor settings: threshold {threshold}, max {max_predict}")
+        self.store, self.threshold, self.max_predict = store, threshold, max_predict
+        n_layers, n_experts = len(store.layers), store.n_experts
+        self._pairs = np.zeros((n_layers, n_experts, n_experts), np.float32)
+        self._seen = np.zeros((n_layers, n_experts), np.float32)
+        self._prev: dict[tuple[int, int], np.ndarray] = {}
+        self._predicted: dict[tuple[int, int], set[int]] = {}
+        self._queue: queue.SimpleQueue[tuple[int, int, list[int]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="moelane-cooc", daemon=True)
+        self._thread.start()
+
+    def routed(self, layer_index: int, keys: list[int]) -> None:
+        self._queue.put((threading.get_ident(), layer_index, keys))
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self.step(*item)
+            except Exception:
+                log.exception("co-occurrence predictor step failed")
+
+    def step(self, ident: int, li: int, keys: list[int]) -> None:
+        base = li * self.store.n_experts
+        experts = np.asarray(keys, np.int64) - base
+        predicted = self._predicted.pop((ident, li), None)
+        if predicted is not None:
+            self.store.count_prediction("cooc", len(predicted), len(predicted.intersection(keys)), len(keys))
+        prev = self._prev.get((ident, li))
+        if prev is not None:
+            self._pairs[li][np.ix_(prev, experts)] += 1.0
+            self._seen[li, prev] += 1.0
+        self._prev[(ident, li)] = experts
+        seen = self._seen[li, experts]
+        if not seen.any():
+            return
+        rates = self._pairs[li][experts] / np.maximum(seen, 1.0)[:, None]  # [n_prev, E]
+        p = 1.0 - np.prod(1.0 - rates, axis=0)
+        ranked = np.argsort(-p, kind="stable")[: self.max_predict]
+        chosen = [int(e) + base for e in ranked if p[e] >= self.threshold]
+        self._predicted[(ident, li)] = set(chosen)
+        if chosen:
+            self.store.prefetch_keys(chosen, "cooc")
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+@dataclass(slots=True)
+class Attachment:
+    """What `attach` installed; `detach()` removes it."""
+
+    hooks: list[Any] = field(default_factory=list)
+    listeners: list[RoutingListener] = field(default_factory=list)
+    store: PrefetchTarget | None = None
+
+    def detach(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        if self.store is not None:
+            for listener in self.listeners:
+                self.store.listeners.remove(listener)
+                if isinstance(listener, CooccurrencePredictor):
+                    listener.close()
+        self.hooks.clear()
+        self.listeners.clear()
+
+
+def attach(lm: Any, store: PrefetchTarget, lookahead: bool = True, cooc: bool = True) -> Attachment:
+    """Hook a loaded LM's MoE blocks to the store: lease release after each block, and the predictors."""
+    blocks = {layer: lm.model.model.layers[layer].mlp for layer in store.layers}
+    out = Attachment(store=store)
+    for block in blocks.values():
+        out.hooks.append(block.register_forward_hook(lambda module, args, output: store.release()))
+    if lookahead:
+        gates = {}
+        for layer, nxt in itertools.pairwise(store.layers):
+            gate, k = getattr(blocks[nxt], "gate", None), getattr(blocks[nxt], "top_k", None)
+            if isinstance(gate, torch.nn.Linear) and isinstance(k, int):
+                gates[layer] = (nxt, gate.weight, k)
+        ahead = LookAhead(store, gates)
+        for layer in gates:
+            out.hooks.append(
+                blocks[layer].register_forward_pre_hook(lambda m, args, layer=layer: ahead.before_block(layer, args[0]))
+            )
+        out.listeners.append(ahead)
+    if cooc:
+        out.listeners.append(CooccurrencePredictor(store))
+    store.listeners.extend(out.listeners)
+    return out

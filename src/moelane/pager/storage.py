@@ -1,0 +1,285 @@
+"""Where a missing expert comes from: the model's own shards, a tier file of quantised experts, or host RAM.
+
+- `ShardFiles` keeps one read-only descriptor per shard and reads an expert's tensors with positioned reads
+  (`os.preadv` into a preallocated buffer; no mmap of the model, nothing loaded at start-up). Each read first checks
+  the file's size and mtime against those seen when it was opened, and a short read is an error: a shard truncated or
+  rewritten while we run raises `ExpertReadError` naming the file and the expert, never yields wrong numbers.
+- `TierFile`: every expert of the model encoded at one quantised tier (tiers.py), at fixed offsets in one file beside
+  the model (or under ~/.cache/moelane when the model folder is read-only), with a CRC-32 per expert checked on every
+  read and a fingerprint of the shards it was built from (a changed checkpoint rebuilds it). Built once, on first use.
+- `HostCache`: stored forms (any tier) kept in host RAM under their own byte budget, least recently used dropped first.
+
+An expert's *stored form* is a flat uint8 buffer: at tier 0 its checkpoint tensors' raw bytes back to back in handle
+order, at tier > 0 its `ExpertCodec` blob. Decoding writes straight into a pool slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from moelane.errors import MoelaneError
+from moelane.model.loader import DTYPES, ExpertHandle, TensorRef
+from moelane.pager.tiers import TIER_NAMES, ExpertCodec
+
+log = logging.getLogger(__name__)
+TIER_FILE_VERSION = 1
+
+
+class ExpertReadError(MoelaneError):
+    """An expert could not be read intact (shard truncated, rewritten or corrupt; tier file damaged)."""
+
+
+def expert_name(handle: ExpertHandle) -> str:
+    return f"expert {handle.expert} of layer {handle.layer}"
+
+
+class ShardFiles:
+    """Read-only descriptors of the shards, opened lazily, validated on every read."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[int, int, int]] = {}  # path -> (fd, size, mtime_ns) at open
+        self._lock = threading.Lock()
+
+    def _fd(self, path: str) -> tuple[int, int, int]:
+        with self._lock:
+            if path not in self._open:
+                fd = os.open(path, os.O_RDONLY)
+                st = os.fstat(fd)
+                self._open[path] = (fd, st.st_size, st.st_mtime_ns)
+            return self._open[path]
+
+    def read_into(self, ref: TensorRef, out: memoryview, what: str) -> None:
+        """Read one tensor's bytes into `out` (exactly `ref.nbytes` long)."""
+        try:
+            fd, size, mtime = self._fd(ref.path)
+            st = os.fstat(fd)
+            if st.st_size != size or st.st_mtime_ns != mtime:
+                raise ExpertReadError(
+                    f"{what}: shard {ref.path} changed on disk while the model was running "
+                    f"(size {size} -> {st.st_size} bytes)"
+                )
+            n = os.preadv(fd, [out], ref.offset)
+        except OSError as e:
+            raise ExpertReadError(f"{what}: cannot read {ref.path}: {e}") from None
+        if n != ref.nbytes:
+            raise ExpertReadError(
+                f"{what}: short read ({n} of {ref.nbytes} bytes at offset {ref.offset}) from {ref.path}: "
+                "shard truncated?"
+            )
+
+    def drop_page_cache(self, paths: list[str]) -> None:
+        """Ask the OS to drop these files' cached pages (benchmarks: reads then really come from the disk)."""
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+
+def read_native(files: ShardFiles, handle: ExpertHandle) -> torch.Tensor:
+    """An expert's tier-0 stored form: its checkpoint tensors' bytes, back to back (uint8 [handle.nbytes])."""
+    buf = torch.empty(handle.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy().data)
+    pos = 0
+    for ref in handle.tensors.values():
+        files.read_into(ref, view[pos : pos + ref.nbytes], expert_name(handle))
+        pos += ref.nbytes
+    return buf
+
+
+def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
+    """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does."""
+    parts: dict[str, torch.Tensor] = {}
+    pos = 0
+    for name, ref in handle.tensors.items():
+        parts[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
+        pos += ref.nbytes
+    if "gate_up" in parts:
+        w13_out.copy_(parts["gate_up"])
+    else:
+        width = parts["gate"].shape[0]
+        w13_out[:width].copy_(parts["gate"])
+        w13_out[width:].copy_(parts["up"])
+    w2_out.copy_(parts["down"])
+
+
+def shard_fingerprint(handles: dict[int, list[ExpertHandle]]) -> list[list[object]]:
+    paths = sorted({ref.path for hs in handles.values() for h in hs for ref in h.tensors.values()})
+    return [[Path(p).name, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
+
+
+def tier_dir(model_folder: Path) -> Path:
+    """`<model>/.moelane/` when writable, else `~/.cache/moelane/tiers/<hash of the model path>/`."""
+    beside = model_folder / ".moelane"
+    try:
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside
+    except OSError:
+        pass
+    digest = hashlib.sha1(str(model_folder.resolve()).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelane" / "tiers" / digest
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+class TierFile:
+    """All experts at one quantised tier, in handle order (MoE layers ascending, experts ascending)."""
+
+    def __init__(self, path: Path, codec: ExpertCodec, order: dict[tuple[int, int], int], crcs: list[int]) -> None:
+        self.path, self.codec, self._order, self._crcs = path, codec, order, crcs
+        self._fd = os.open(path, os.O_RDONLY)
+
+    @classmethod
+    def open_or_build(
+        cls, handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, folder: Path, files: ShardFiles
+    ) -> TierFile:
+        name = TIER_NAMES[codec.tier]
+        bin_path, index_path = folder / f"experts-{name}.bin", folder / f"experts-{name}.json"
+        keys = [(h.layer, h.expert) for layer in sorted(handles) for h in handles[layer]]
+        order = {k: i for i, k in enumerate(keys)}
+        fingerprint = shard_fingerprint(handles)
+        if index_path.is_file() and bin_path.is_file():
+            index = json.loads(index_path.read_text())
+            if (
+                index.get("version") == TIER_FILE_VERSION
+                and index.get("fingerprint") == fingerprint
+                and index.get("blob_bytes") == codec.nbytes
+                and bin_path.stat().st_size == codec.nbytes * len(keys)
+            ):
+                return cls(bin_path, codec, order, [int(c) for c in index["crcs"]])
+        log.info("building the %s tier file for %d experts: %s", name, len(keys), bin_path)
+        crcs = build_tier_file(handles, codec, files, bin_path)
+        body = {"version": TIER_FILE_VERSION, "tier": name, "blob_bytes": codec.nbytes, "fingerprint": fingerprint}
+        tmp = index_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({**body, "crcs": crcs}))
+        os.replace(tmp, index_path)
+        return cls(bin_path, codec, order, crcs)
+
+    def read(self, handle: ExpertHandle) -> torch.Tensor:
+        i, n = self._order[(handle.layer, handle.expert)], self.codec.nbytes
+        buf = torch.empty(n, dtype=torch.uint8)
+        try:
+            got = os.preadv(self._fd, [memoryview(buf.numpy().data)], i * n)
+        except OSError as e:
+            raise ExpertReadError(f"{expert_name(handle)}: cannot read tier file {self.path}: {e}") from None
+        if got != n or zlib.crc32(buf.numpy().data) != self._crcs[i]:
+            raise ExpertReadError(f"{expert_name(handle)}: tier file {self.path} is truncated or corrupt (delete it)")
+        return buf
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def build_tier_file(
+    handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, files: ShardFiles, path: Path
+) -> list[int]:
+    """Encode every expert (read at tier 0) into `path`, written atomically; -> CRC-32 per expert."""
+    crcs: list[int] = []
+    tmp = path.with_suffix(".bin.tmp")
+    with open(tmp, "wb") as f:
+        for layer in sorted(handles):
+            for handle in handles[layer]:
+                down = handle.tensors["down"].shape
+                w13 = torch.empty(2 * down[1], down[0])
+                w2 = torch.empty(down[0], down[1])
+                decode_native(handle, read_native(files, handle), w13, w2)
+                blob = codec.encode(w13, w2).numpy()
+                crcs.append(zlib.crc32(blob.data))
+                f.write(blob.tobytes())
+    os.replace(tmp, path)
+    return crcs
+
+
+class HostCache:
+    """Stored forms of experts in host RAM, keyed (layer, expert, tier), under `budget` bytes (LRU)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.nbytes = 0
+        self._items: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[int, int, int]) -> torch.Tensor | None:
+        with self._lock:
+            buf = self._items.get(key)
+            if buf is not None:
+                self._items.move_to_end(key)
+            return buf
+
+    def put(self, key: tuple[int, int, int], buf: torch.Tensor) -> None:
+        n = buf.numel()
+        if n > self.budget:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            while self.nbytes + n > self.budget:
+                _, old = self._items.popitem(last=False)
+                self.nbytes -= old.numel()
+            self._items[key] = buf
+            self.nbytes += n
+
+
+class Storage:
+    """Every storage level of one model together: `load_into` puts an expert, at a tier, into a pool slot."""
+
+    def __init__(self, handles: dict[int, list[ExpertHandle]], host_bytes: int, check_finite: bool) -> None:
+        self.handles, self.check_finite = handles, check_finite
+        self.files = ShardFiles()
+        self.host = HostCache(host_bytes)
+        self.model_folder = Path(next(iter(handles.values()))[0].tensors["down"].path).parent
+        self._tiers: dict[int, TierFile] = {}
+        self._lock = threading.Lock()
+
+    def tier_source(self, tier: int) -> TierFile | None:
+        """The tier file of a quantised tier, built on first use; None for tier 0 (the shards themselves)."""
+        if tier == 0:
+            return None
+        with self._lock:
+            if tier not in self._tiers:
+                hidden, width = next(iter(self.handles.values()))[0].tensors["down"].shape
+                codec = ExpertCodec(tier, width, hidden)
+                folder = tier_dir(self.model_folder)
+                self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files)
+            return self._tiers[tier]
+
+    def load_into(self, handle: ExpertHandle, tier: int, w13: torch.Tensor, w2: torch.Tensor) -> tuple[str, int]:
+        """Fetch the stored form (host RAM, else disk) and decode it into the slot views. -> (level, bytes read)."""
+        cache_key = (handle.layer, handle.expert, tier)
+        buf, level = self.host.get(cache_key), "host"
+        source = self.tier_source(tier)
+        if buf is None:
+            level = "disk"
+            buf = read_native(self.files, handle) if source is None else source.read(handle)
+            self.host.put(cache_key, buf)
+        if source is None:
+            decode_native(handle, buf, w13, w2)
+        else:
+            source.codec.decode_into(buf, w13, w2)
+        if self.check_finite and not (bool(torch.isfinite(w13).all()) and bool(torch.isfinite(w2).all())):
+            where = handle.tensors["down"].path if source is None else source.path
+            raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {where} (corrupt file?)")
+        return level, buf.numel()
+
+    def close(self) -> None:
+        self.files.close()
+        with self._lock:
+            for tier_file in self._tiers.values():
+                tier_file.close()

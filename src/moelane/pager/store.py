@@ -1,0 +1,460 @@
+"""The live expert store: the pager's mechanism (SPEC 2.9), an `ExpertProvider` with a pool under a hard byte budget.
+
+Pool: one global pair of tensors shared by all MoE layers, `w13 [S, 2I, H]` and `w2 [S, H, I]` in the compute dtype,
+with S = budget // (bytes of one expert in that dtype), allocated once (pages are touched only as slots fill, so RSS
+grows with use). `weights(layer)` returns the same pool for every layer; `slots(layer, ids)` returns global slot
+indices. Resident bytes = occupied slots x slot bytes <= S x slot bytes <= budget, whatever happens.
+
+`slots(layer, ids)` (the only per-layer Python on the hot path): under one lock it leases the routed experts' slots,
+picks victims for the misses as one batch (`victims`), marks them loading; outside the lock the misses are read in
+parallel (storage.py) and decoded straight into their slots; it then waits for its own and any in-flight loads.
+At tier 0 a slot holds exactly `read_expert(handle, dtype)`, so greedy tokens equal the all-resident run bitwise.
+
+Leases (why a slot being computed on is never overwritten): every slot handed out by `slots` is leased by the calling
+thread and cannot be a victim until released. A thread's lease is released at its next `slots` call (its previous MoE
+layer has finished computing by then: one thread runs one pass's layers in order), by the post-block hook `attach`
+installs, by `release()`, or when the thread has died. A thread that waits for room holds no lease (it releases its
+old lease first and leases nothing until its whole batch fits), so waiting threads cannot deadlock each other; a
+single layer call that needs more experts than the pool can ever hold raises `StoreError` instead of waiting.
+
+Eviction (`policy`): "planner" (the source's): the oldest token generation first, then least recent access; a token
+generation is one pass, counted at each `slots` call of the first MoE layer; pins from the applied plan get a credit of
+`2 * window_k` generations ("bias") or are never evicted ("hard", at most half the slots). "lru" and "lfu" ignore pins
+and serve as baselines. Prefetches (prefetch.py) only take free slots or slots not used in the current generation, and
+never wait. Precision tiers come from the plan (pin tiers, `default_tier`); the pool always holds the compute dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moelane.errors import MoelaneError
+from moelane.model.loader import ExpertHandle
+from moelane.pager.memory import format_bytes, parse_memory
+from moelane.pager.plan import Plan
+from moelane.pager.prefetch import FetchPool, RoutingListener
+from moelane.pager.stats import PagerStats, format_counts
+from moelane.pager.storage import Storage
+from moelane.pager.tiers import TIER_NAMES, parse_tier
+
+POLICIES = ("planner", "lru", "lfu")
+EMPTY, LOADING, READY = 0, 1, 2
+Key = int  # flat expert id: layer index * E + expert
+
+
+class StoreError(MoelaneError):
+    """A store setting that cannot work (a budget too small for one layer's experts, a bad policy or tier)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    budget_bytes: int  # resident pool, in the compute dtype
+    host_bytes: int = 0  # host-RAM copies of stored forms (0: every miss reads storage)
+    policy: str = "planner"
+    default_tier: int = 0
+    pin_mode: str = "bias"
+    window_k: int = 4
+    io_threads: int = 4
+    check_finite: bool = True  # reject experts whose weights read back non-finite (a corrupt shard)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0 or self.host_bytes < 0:
+            raise ValueError(f"bad budgets: pool {self.budget_bytes}, host {self.host_bytes} bytes")
+        if self.policy not in POLICIES:
+            raise ValueError(f"pager policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0 <= self.default_tier < len(TIER_NAMES):
+            raise ValueError(f"default tier must be one of {', '.join(TIER_NAMES)}, got {self.default_tier}")
+        if self.pin_mode not in ("bias", "hard") or self.window_k < 1 or self.io_threads < 0:
+            raise ValueError(
+                f"bad pin_mode {self.pin_mode!r}, window_k {self.window_k} or io_threads {self.io_threads}"
+            )
+
+
+class ExpertStore:
+    def __init__(self, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, config: StoreConfig) -> None:
+        self.config, self.dtype = config, dtype
+        self.layers = sorted(handles)
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
+        self._handles = [handles[layer] for layer in self.layers]
+        self.n_experts = len(self._handles[0])
+        if any(len(hs) != self.n_experts for hs in self._handles):
+            raise StoreError("every MoE layer must have the same number of routed experts")
+        hidden, width = self._handles[0][0].tensors["down"].shape
+        self.slot_bytes = 3 * width * hidden * dtype.itemsize
+        n_total = len(self.layers) * self.n_experts
+        self.total_bytes = n_total * self.slot_bytes  # all experts in the compute dtype (what "100%" means)
+        self.n_slots = min(config.budget_bytes // self.slot_bytes, n_total)
+        if self.n_slots < 1:
+            raise StoreError(f"expert memory of {config.budget_bytes} bytes holds no expert ({self.slot_bytes} bytes)")
+        self.w13 = torch.empty(self.n_slots, 2 * width, hidden, dtype=dtype)
+        self.w2 = torch.empty(self.n_slots, hidden, width, dtype=dtype)
+        s, n = self.n_slots, n_total
+        self._slot_key = np.full(s, -1, np.int64)
+        self._state, self._lease = np.zeros(s, np.int8), np.zeros(s, np.int32)
+        self._gen, self._tick = np.zeros(s, np.int64), np.zeros(s, np.int64)
+        self._credit, self._hard = np.zeros(s, np.int64), np.zeros(s, bool)
+        self._tier, self._prefetched = np.zeros(s, np.int8), np.zeros(s, np.int8)  # prefetched: source index + 1
+        self._slot_of = np.full(n, -1, np.int64)
+        self._count, self._credit_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self._hard_of, self._tier_of = np.zeros(n, bool), np.full(n, config.default_tier, np.int8)
+        self._futures: dict[int, Future[None]] = {}
+        self._leases: dict[threading.Thread, list[int]] = {}
+        self._now_gen, self._now_tick, self._n_assigned = 0, 0, 0
+        self.high_water_bytes = 0
+        self.plan: Plan | None = None
+        self.stats = PagerStats()
+        self.sources: list[str] = []
+        self.listeners: list[RoutingListener] = []
+        self._cond = threading.Condition()
+        self._local = threading.local()
+        self.storage = Storage(handles, config.host_bytes, config.check_finite)
+        self.storage.tier_source(config.default_tier)
+        self._pool = FetchPool(config.io_threads)
+
+    # ---- the provider protocol ----------------------------------------------------------------------------------
+
+    def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13, self.w2
+
+    def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        li = self._index[layer]
+        flat = expert_ids.reshape(-1).tolist()
+        base = li * self.n_experts
+        keys = sorted({base + int(e) for e in flat})
+        phase = getattr(self._local, "phase", None) or ("decode" if expert_ids.shape[0] == 1 else "prefill")
+        if li == 0:
+            self._new_generation(phase)
+        if phase == "prefill" and (counts := getattr(self._local, "prefill_keys", None)) is not None:
+            for k in keys:
+                counts[k] = counts.get(k, 0) + 1
+        start = time.perf_counter()
+        mapping, jobs, waits = self._acquire(keys, phase)
+        if jobs or waits:
+            self._finish(jobs, waits, phase)
+            with self._cond:
+                for stats in self._targets():
+                    stats.phase(phase).stall_s += time.perf_counter() - start
+        for listener in self.listeners:
+            listener.routed(li, keys)
+        return torch.tensor([mapping[base + int(e)] for e in flat], dtype=torch.long).view(expert_ids.shape)
+
+    # ---- slot decisions (under the lock) -------------------------------------------------------------------------
+
+    def _acquire(self, keys: list[Key], phase: str) -> tuple[dict[Key, int], list[tuple[int, Key]], list[Future[None]]]:
+        thread = threading.current_thread()
+        with self._cond:
+            self._release_locked(thread)
+            self._now_tick += 1
+            while True:
+                have = self._slot_of[keys]
+                missing = [k for k, s in zip(keys, have, strict=True) if s < 0]
+                victims = self._victims(len(missing), have[have >= 0]) if missing else []
+                if victims is not None and len(victims) == len(missing):
+                    break
+                n_hard = int(self._hard.sum()) - int(self._hard[have[have >= 0]].sum())
+                if len(keys) + n_hard > self.n_slots:
+                    raise StoreError(
+                        f"one MoE layer call needs {len(keys)} experts at once but the expert memory holds "
+                        f"{self.n_slots - n_hard}; raise --expert-memory or prefill in smaller chunks"
+                    )
+                self._reap_dead_locked()
+                self._cond.wait(0.05)
+            counts = [s.phase(phase) for s in self._targets()]
+            waits: list[Future[None]] = []
+            for s in have:
+                if s < 0:
+                    continue
+                src = int(self._prefetched[s])
+                for c in counts:
+                    c.prefetch_hits += src > 0
+                    c.hits += src == 0
+                if src:
+                    self.stats.source(self.sources[src - 1]).used += 1
+                    self._prefetched[s] = 0
+                if self._state[s] == LOADING:
+                    waits.append(self._futures[s])
+            jobs = [(self._assign_locked(s, k, 0), k) for k, s in zip(missing, victims, strict=True)]
+            for c in counts:
+                c.misses += len(missing)
+                c.layer_calls += 1
+            slots = self._slot_of[keys]
+            self._lease[slots] += 1
+            self._gen[slots], self._tick[slots] = self._now_gen, self._now_tick
+            self._count[keys] += 1
+            self._leases[thread] = slots.tolist()
+            return dict(zip(keys, slots.tolist(), strict=True)), jobs, waits
+
+    def _victims(self, n: int, keep: np.ndarray, prefetch: bool = False) -> list[int] | None:
+        """Up to n slots to reuse, cheapest first by the policy; None when fewer than n exist (demand only)."""
+        ok = (self._lease == 0) & (self._state != LOADING) & ~self._hard
+        if prefetch:
+            ok &= (self._gen < self._now_gen) | (self._state == EMPTY)
+        ok[keep] = False
+        cand = np.flatnonzero(ok)
+        if len(cand) < n and not prefetch:
+            return None
+        n = min(n, len(cand))
+        if n == 0:
+            return []
+        key = self._eviction_key(cand)
+        pick = cand if n == len(cand) else cand[np.argpartition(key, n - 1)[:n]]
+        return [int(s) for s in pick]
+
+    def _eviction_key(self, cand: np.ndarray) -> np.ndarray:
+        tick = self._tick[cand]
+        if self.config.policy == "lru":
+            key = tick
+        elif self.config.policy == "lfu":
+            key = (self._count[np.maximum(self._slot_key[cand], 0)] << 32) + tick
+        else:
+            key = ((self._gen[cand] + self._credit[cand]) << 32) + tick
+        return np.where(self._state[cand] == EMPTY, -1, key)
+
+    def _assign_locked(self, slot: int, key: Key, source: int) -> int:
+        """Evict what `slot` holds and give it to `key` (state LOADING, a future to wait on)."""
+        old = int(self._slot_key[slot])
+        if old >= 0:
+            self._slot_of[old] = -1
+            self._n_assigned -= 1
+            self.stats.evictions += 1
+            if self._prefetched[slot]:
+                self.stats.source(self.sources[self._prefetched[slot] - 1]).wasted += 1
+        assert self._slot_of[key] < 0 and self._lease[slot] == 0 and self._state[slot] != LOADING
+        self._slot_key[slot], self._slot_of[key] = key, slot
+        self._state[slot], self._prefetched[slot], self._tier[slot] = LOADING, source, self._tier_of[key]
+        self._credit[slot], self._hard[slot] = self._credit_of[key], self._hard_of[key]
+        self._gen[slot], self._tick[slot] = self._now_gen, self._now_tick
+        self._futures[slot] = Future()
+        self._n_assigned += 1
+        self.high_water_bytes = max(self.high_water_bytes, self._n_assigned * self.slot_bytes)
+        return slot
+
+    def _release_locked(self, thread: threading.Thread) -> None:
+        slots = self._leases.pop(thread, None)
+        if slots:
+            self._lease[slots] -= 1
+            self._cond.notify_all()
+
+    def _reap_dead_locked(self) -> None:
+        for thread in [t for t in self._leases if not t.is_alive()]:
+            self._release_locked(thread)
+
+    def release(self) -> None:
+        """Release the calling thread's lease (its last layer has computed)."""
+        with self._cond:
+            self._release_locked(threading.current_thread())
+
+    # ---- loads (outside the lock) --------------------------------------------------------------------------------
+
+    def _finish(self, jobs: list[tuple[int, Key]], waits: list[Future[None]], phase: str) -> None:
+        """Run this call's misses (all but the last on the I/O threads, the last here) and wait for every load."""
+        targets = self._targets()
+        futures = [self._futures_of(jobs)]
+        for slot, key in jobs[:-1]:
+            self._pool.submit(0, functools.partial(self._load, slot, key, targets))
+        if jobs:
+            self._load(*jobs[-1], targets)
+        try:
+            for fut in [*futures[0], *waits]:
+                fut.result()
+        except BaseException:
+            self.release()
+            raise
+
+    def _futures_of(self, jobs: list[tuple[int, Key]]) -> list[Future[None]]:
+        with self._cond:
+            return [self._futures[slot] for slot, _ in jobs]
+
+    def _load(self, slot: int, key: Key, targets: list[PagerStats]) -> None:
+        """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
+        handle = self._handles[key // self.n_experts][key % self.n_experts]
+        tier = int(self._tier[slot])
+        try:
+            level, n_bytes = self.storage.load_into(handle, tier, self.w13[slot], self.w2[slot])
+        except BaseException as e:
+            with self._cond:
+                fut = self._futures.pop(slot)
+                self._slot_of[key], self._slot_key[slot], self._state[slot] = -1, -1, EMPTY
+                self._prefetched[slot] = 0
+                self._n_assigned -= 1
+                self._cond.notify_all()
+            fut.set_exception(e)
+            return
+        with self._cond:
+            fut = self._futures.pop(slot)
+            self._state[slot] = READY
+            for stats in targets:
+                stats.add_read(level, TIER_NAMES[tier], n_bytes)
+            self._cond.notify_all()
+        fut.set_result(None)
+
+    # ---- prefetch, generations, plans ----------------------------------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Iterable[int], source: str) -> int:
+        """Start loading these experts of `layer` in the background where a slot is free or stale; never waits.
+        -> loads started."""
+        base = self._index[layer] * self.n_experts
+        return self.prefetch_keys([base + int(e) for e in experts], source)
+
+    def prefetch_keys(self, keys: Iterable[Key], source: str) -> int:
+        with self._cond:
+            if source not in self.sources:
+                self.sources.append(source)
+            code = self.sources.index(source) + 1
+            missing = list(dict.fromkeys(k for k in keys if self._slot_of[k] < 0))
+            victims = self._victims(len(missing), np.zeros(0, np.int64), prefetch=True) if missing else []
+            assert victims is not None
+            jobs = [(self._assign_locked(s, k, code), k) for k, s in zip(missing, victims, strict=False)]
+            self.stats.source(source).issued += len(jobs)
+        for slot, key in jobs:
+            self._pool.submit(1, functools.partial(self._load, slot, key, [self.stats]))
+        return len(jobs)
+
+    def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None:
+        with self._cond:
+            counts = self.stats.source(source)
+            counts.predicted, counts.correct, counts.routed = (
+                counts.predicted + predicted,
+                counts.correct + correct,
+                counts.routed + routed,
+            )
+
+    def _new_generation(self, phase: str) -> None:
+        """A pass begins (first MoE layer): a new token generation; at a prefill -> decode switch, warm the pool."""
+        local = self._local
+        with self._cond:
+            self._now_gen += 1
+        boundary = getattr(local, "last_phase", None) == "prefill" and phase == "decode"
+        local.last_phase = phase
+        if boundary:
+            self.warm_start(getattr(local, "prefill_keys", None))
+            local.prefill_keys = None
+        elif phase == "prefill":
+            local.prefill_keys = getattr(local, "prefill_keys", None) or {}
+
+    def warm_start(self, prefill_counts: dict[Key, int] | None = None) -> int:
+        """SPEC 2.7: before decode token 1, refill the pool with the plan's warm list, else the most-routed
+        experts of the prefill just finished (up to half the slots)."""
+        if self.plan is not None and self.plan.warm:
+            keys = [self._index[la] * self.n_experts + e for la, e in self.plan.warm if la in self._index]
+        elif prefill_counts:
+            keys = sorted(prefill_counts, key=lambda k: -prefill_counts[k])
+        else:
+            return 0
+        return self.prefetch_keys(keys[: self.n_slots // 2], "warm")
+
+    def apply(self, plan: Plan) -> None:
+        """Obey a published plan from now on: pins (bias credit or hard), pin tiers, default tier, warm list."""
+        for tier in {plan.default_tier, *(t for _, _, t in plan.pins if t is not None)}:
+            if tier >= len(TIER_NAMES):
+                raise StoreError(f"plan asks for precision tier {tier}; this store has {len(TIER_NAMES)} tiers")
+            self.storage.tier_source(tier)
+        with self._cond:
+            self._credit_of[:], self._hard_of[:] = 0, False
+            self._tier_of[:] = plan.default_tier
+            n_hard = 0
+            for layer, expert, pin_tier in plan.pins:
+                if layer not in self._index or expert >= self.n_experts:
+                    continue
+                key = self._index[layer] * self.n_experts + expert
+                if self.config.policy != "planner":
+                    pass
+                elif plan.pin_mode == "hard" and n_hard < self.n_slots // 2:
+                    self._hard_of[key], n_hard = True, n_hard + 1
+                else:
+                    self._credit_of[key] = 2 * plan.window_k
+                self._tier_of[key] = plan.default_tier if pin_tier is None else pin_tier
+            held = self._slot_key >= 0
+            self._credit[held] = self._credit_of[self._slot_key[held]]
+            self._hard[held] = self._hard_of[self._slot_key[held]]
+            self.plan = plan
+        if plan.warm:
+            self.warm_start()
+
+    # ---- phases, per-request statistics, lifetime ----------------------------------------------------------------
+
+    def _targets(self) -> list[PagerStats]:
+        request = getattr(self._local, "request", None)
+        return [self.stats] if request is None else [self.stats, request]
+
+    @contextmanager
+    def track(self) -> Iterator[PagerStats]:
+        """Count this thread's accesses and reads into a fresh `PagerStats` too (one request's statistics)."""
+        request = PagerStats()
+        self._local.request = request
+        try:
+            yield request
+        finally:
+            self._local.request = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label this thread's passes (else: one row is "decode", more is "prefill")."""
+        self._local.phase = name
+        try:
+            yield
+        finally:
+            self._local.phase = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._n_assigned * self.slot_bytes
+
+    def check_invariants(self) -> None:
+        """Slot table and expert table agree; nothing over budget (tests call this)."""
+        with self._cond:
+            held = np.flatnonzero(self._slot_key >= 0)
+            assert (self._slot_of[self._slot_key[held]] == held).all()
+            assert int((self._slot_of >= 0).sum()) == len(held) == self._n_assigned
+            assert self.high_water_bytes <= self.config.budget_bytes
+
+    def close(self) -> None:
+        self._pool.close()
+        self.storage.close()
+
+
+def store_factory(
+    expert_memory: str | None, host_memory: str | None = None, policy: str = "planner", default_tier: str = "native"
+) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertStore]:
+    """The provider factory `moelane run --expert-memory X` passes to `moelane.load`. X: bytes (`2GiB`) or a share of
+    all expert bytes in the compute dtype (`25%`); None means 100%. Host memory shares refer to the stored bytes."""
+    try:
+        pool = parse_memory(expert_memory or "100%")
+        host = parse_memory(host_memory or "0")
+        tier = parse_tier(default_tier)
+        StoreConfig(budget_bytes=1, policy=policy, default_tier=tier)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+
+    def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertStore:
+        n_experts = sum(len(hs) for hs in handles.values())
+        hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
+        total = n_experts * 3 * hidden * width * dtype.itemsize
+        stored = sum(h.nbytes for hs in handles.values() for h in hs)
+        config = StoreConfig(max(pool.resolve(total), 1), host.resolve(stored), policy, tier)
+        return ExpertStore(handles, dtype, config)
+
+    return build
+
+
+def format_stats(store: ExpertStore) -> str:
+    """The text `moelane run --stats` prints."""
+    c = store.config
+    head = (
+        f"expert store: {store.n_slots} slots x {format_bytes(store.slot_bytes)} = "
+        f"{format_bytes(store.n_slots * store.slot_bytes)} of {format_bytes(store.total_bytes)} "
+        f"({store.n_slots * store.slot_bytes / store.total_bytes:.0%}), policy {c.policy}, "
+        f"default tier {TIER_NAMES[c.default_tier]}, host cache {format_bytes(store.storage.host.nbytes)} "
+        f"of {format_bytes(c.host_bytes)}, resident high water {format_bytes(store.high_water_bytes)}"
+    )
+    with store._cond:
+        return "\n".join(format_counts(store.stats, head))

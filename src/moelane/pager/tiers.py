@@ -1,0 +1,133 @@
+"""Precision tiers: each expert can be stored and streamed at tier 0 (the checkpoint's own dtype), int8 or int4.
+
+Quantisation is symmetric and group-wise along each weight row (the input dimension), one float16 scale per group:
+int8 uses groups of 64 and codes in [-127, 127]; int4 groups of 32 and codes in [-7, 7], two codes per byte (low
+nibble first), stored offset by 8. A row whose length is not a multiple of the group is zero-padded for the scales.
+Quantisation happens once per expert (see `storage.TierFile`); the resident pool always holds the compute dtype, so
+an expert is dequantised when it is admitted. What a lower tier saves is therefore storage, host RAM and bytes read
+per miss -- never pool bytes -- and it costs the rounding error measured as held-out perplexity (docs/pager.md).
+
+An expert's stored form at tier > 0 is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H, I]); its size is
+fixed by the shapes, so a cache file holds experts at fixed offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIER_NAMES = ("native", "int8", "int4")
+TIER_ALIASES = {"0": 0, "native": 0, "tier0": 0, "1": 1, "int8": 1, "2": 2, "int4": 2}
+
+
+def parse_tier(text: str | int) -> int:
+    """'native' / 'int8' / 'int4' (or 0 / 1 / 2) -> tier index."""
+    key = str(text).strip().lower()
+    if key not in TIER_ALIASES:
+        raise ValueError(f"unknown precision tier {text!r}; use one of {', '.join(TIER_NAMES)}")
+    return TIER_ALIASES[key]
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """Codes per weight and group size of one quantised tier."""
+
+    bits: int
+    group: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group < 2 or self.group % 2:
+            raise ValueError(f"group must be an even number >= 2, got {self.group}")
+
+    @property
+    def qmax(self) -> int:
+        return 127 if self.bits == 8 else 7
+
+    def n_groups(self, cols: int) -> int:
+        return -(-cols // self.group)
+
+    def code_bytes(self, rows: int, cols: int) -> int:
+        padded = self.n_groups(cols) * self.group
+        return rows * padded * self.bits // 8
+
+    def scale_bytes(self, rows: int, cols: int) -> int:
+        return rows * self.n_groups(cols) * 2
+
+
+FORMATS: dict[int, QuantFormat] = {1: QuantFormat(8, 64), 2: QuantFormat(4, 32)}
+
+
+def quantize(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, C] float -> (codes uint8 [R * padded * bits / 8], scales float16 [R, G])."""
+    rows, cols = w.shape
+    n_groups = fmt.n_groups(cols)
+    wf = torch.nn.functional.pad(w.float(), (0, n_groups * fmt.group - cols)).view(rows, n_groups, fmt.group)
+    amax = wf.abs().amax(dim=-1)
+    scales = (amax / fmt.qmax).clamp(max=65504.0).to(torch.float16)
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero groups (or underflow) code as 0
+    codes = torch.round(wf / scales.float()[..., None]).clamp(-fmt.qmax, fmt.qmax).to(torch.int16)
+    if fmt.bits == 8:
+        return codes.to(torch.int8).view(torch.uint8).reshape(-1), scales
+    nibbles = (codes + 8).to(torch.uint8).reshape(-1, 2)
+    return (nibbles[:, 0] | (nibbles[:, 1] << 4)).contiguous(), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, cols: int, fmt: QuantFormat) -> torch.Tensor:
+    """Inverse of `quantize`: -> float32 [R, cols]."""
+    rows, n_groups = scales.shape
+    if fmt.bits == 8:
+        values = codes.view(torch.int8).float()
+    else:
+        values = torch.stack([(codes & 0x0F), (codes >> 4)], dim=-1).reshape(-1).float() - 8.0
+    w = values.view(rows, n_groups, fmt.group) * scales.float()[..., None]
+    return w.reshape(rows, n_groups * fmt.group)[:, :cols]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCodec:
+    """Blob layout of one expert at a quantised tier. width I, hidden H (w13 [2I, H], w2 [H, I])."""
+
+    tier: int
+    width: int
+    hidden: int
+
+    def __post_init__(self) -> None:
+        if self.tier not in FORMATS:
+            raise ValueError(f"tier {self.tier} is not a quantised tier (1 = int8, 2 = int4)")
+        if self.width < 1 or self.hidden < 1:
+            raise ValueError(f"bad expert shape I={self.width} H={self.hidden}")
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return FORMATS[self.tier]
+
+    def _parts(self) -> list[int]:
+        (r13, c13), (r2, c2) = (2 * self.width, self.hidden), (self.hidden, self.width)
+        f = self.fmt
+        return [f.code_bytes(r13, c13), f.scale_bytes(r13, c13), f.code_bytes(r2, c2), f.scale_bytes(r2, c2)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._parts())
+
+    def encode(self, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """One expert's tier-0 weights -> its blob (uint8 [nbytes])."""
+        q13, s13 = quantize(w13, self.fmt)
+        q2, s2 = quantize(w2, self.fmt)
+        blob = torch.cat([q13, s13.view(torch.uint8).reshape(-1), q2, s2.view(torch.uint8).reshape(-1)])
+        assert blob.numel() == self.nbytes
+        return blob
+
+    def decode_into(self, blob: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
+        """Dequantise a blob into pool slot views w13_out [2I, H], w2_out [H, I] (any float dtype)."""
+        a, b, c, _ = self._parts()
+        q13, s13, q2, s2 = blob[:a], blob[a : a + b], blob[a + b : a + b + c], blob[a + b + c :]
+        f = self.fmt
+        n13, n2 = f.n_groups(self.hidden), f.n_groups(self.width)
+        s13h = s13.view(torch.float16).view(2 * self.width, n13)
+        s2h = s2.view(torch.float16).view(self.hidden, n2)
+        w13_out.copy_(dequantize(q13, s13h, self.hidden, f))
+        w2_out.copy_(dequantize(q2, s2h, self.width, f))
