@@ -27,6 +27,9 @@ from moelane.pager.plan import Plan
 from moelane.pager.trace import IntArray, Segment, Trace, TraceHeader, token_flat_ids
 
 FloatArray = npt.NDArray[np.float64]
+DEFAULT_BANDWIDTH = 1.3e9
+DEFAULT_LATENCY = 1e-4
+DEFAULT_COMPUTE_FLOOR = 1.0 / 290.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +37,9 @@ class CostModel:
     """Storage and compute costs. Defaults: this machine's disk (ANCHORS: O_DIRECT sequential reads 1.1-1.6 GB/s),
     ~0.1 ms per positioned batch read, and a ~290 tok/s compiled decode floor for a small MoE (SPEC 1)."""
 
-    bandwidth: float = 1.3e9  # bytes / s
-    latency: float = 1e-4  # s per batched fetch (one step's misses)
-    compute_floor: float = 1.0 / 290.0  # s per token with every expert resident
+    bandwidth: float = DEFAULT_BANDWIDTH  # bytes / s
+    latency: float = DEFAULT_LATENCY  # s per batched fetch (one step's misses)
+    compute_floor: float = DEFAULT_COMPUTE_FLOOR  # s per token with every expert resident
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0 or self.compute_floor < 0:
@@ -179,15 +182,19 @@ class Simulator:
         m = self.resident.size
         return np.asarray((self.last[ids] + self.bias[ids]) * m + self.ids_desc[ids], np.int64)
 
-    def _victims(self, over: int, protect: IntArray) -> IntArray:
+    def _victims(self, over: int, protect: IntArray) -> IntArray | None:
+        """Residents to evict (policy order) to free `over` units, never one in `protect`; None if impossible."""
         mask = self.resident & ~self.hard
         mask[protect] = False
         cand = np.flatnonzero(mask)
         units = self.units[cand]
-        if units.sum() < over:
-            raise MoelaneError(
-                f"pool of {self.capacity} {self.unit} too small: a step needs more than fits beside its pins"
-            )
+        if units.sum() < over:  # hard pins yield only when the step cannot fit otherwise
+            mask = self.resident.copy()
+            mask[protect] = False
+            cand = np.flatnonzero(mask)
+            units = self.units[cand]
+            if units.sum() < over:
+                return None
         uniform = units.size == 0 or bool((units == units[0]).all())
         if self.policy.lru_keyed:
             keys = self.lru_key(cand)
@@ -207,6 +214,10 @@ class Simulator:
         need = self.tier_units[self.load_tier[miss]]
         over = self.used + int(need.sum()) - self.capacity
         victims = self._victims(over, protect) if over > 0 else np.zeros(0, np.int64)
+        if victims is None:
+            raise MoelaneError(
+                f"pool of {self.capacity} {self.unit} too small: a step needs more than fits beside its pins"
+            )
         self._evict(victims)
         self.resident[miss] = True
         self.units[miss] = need
@@ -244,7 +255,10 @@ class Simulator:
             need = int(self.tier_units[self.load_tier[miss]].sum())
             over = self.used + need - self.capacity
             if over > 0:
-                victims = self._victims(over, ids)
+                found = self._victims(over, ids)
+                if found is None:
+                    return None
+                victims = found
                 top = int(self.lru_key(victims).max())
                 hit_keys = self.lru_key(ids[hit])
                 fresh_floor = self.step * self.resident.size

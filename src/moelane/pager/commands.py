@@ -1,0 +1,202 @@
+"""The `trace` subcommand: `moelane trace record | analyze | replay | synth`.
+
+`add_parser(subparsers)` registers it (cli.py calls it); every handler takes the parsed args and returns an exit
+code; bad input raises `MoelaneError`. `moelane run --trace FILE` uses `recorder.open_recorder(path, lm)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from moelane.errors import InputError, MoelaneError
+from moelane.pager.analyze import analyze
+from moelane.pager.policies import make_policy
+from moelane.pager.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
+from moelane.pager.sweep import default_capacities, sweep
+from moelane.pager.trace import Trace, read_trace
+
+log = logging.getLogger(__name__)
+SWEEP_POLICIES = ("lru", "lfu", "recent-k", "belady", "ema:0.85", "bandit", "planner", "planner:hard", "planner:nowarm")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("trace", help="record, analyse and replay routing traces")
+    sub = p.add_subparsers(dest="trace_command", required=True)
+
+    rec = sub.add_parser("record", help="record routing traces of prompts run through a model")
+    rec.add_argument("--prompts", required=True, help='JSONL, one request a line: {"prompt": ..., "max_tokens": N}')
+    rec.add_argument("--out", required=True)
+    rec.add_argument("--model", default=None, help="model folder (default: the shipped default model)")
+    rec.add_argument("--max-tokens", type=int, default=64)
+    rec.add_argument("--prefill-chunk", type=int, default=64)
+    rec.set_defaults(func=cmd_record)
+
+    an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles")
+    an.add_argument("file")
+    an.add_argument("--json", action="store_true")
+    an.add_argument("--plot", metavar="OUT.png")
+    an.set_defaults(func=cmd_analyze)
+
+    rp = sub.add_parser("replay", help="replay residency policies over a trace")
+    rp.add_argument("file")
+    rp.add_argument(
+        "--policy", action="append", help="lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:hard][:nowarm]"
+    )
+    size = rp.add_mutually_exclusive_group()
+    size.add_argument("--slots", type=int)
+    size.add_argument("--budget", type=int, metavar="BYTES")
+    size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
+    rp.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
+    rp.add_argument("--json", action="store_true")
+    rp.add_argument("--plot", metavar="OUT.png")
+    rp.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="storage bytes/s")
+    rp.add_argument("--latency", type=float, default=DEFAULT_LATENCY, help="seconds per batched fetch")
+    rp.add_argument("--compute-floor", type=float, default=DEFAULT_COMPUTE_FLOOR, help="seconds per token")
+    rp.set_defaults(func=cmd_replay)
+
+    sy = sub.add_parser("synth", help="write a synthetic trace")
+    sy.add_argument("--out", required=True)
+    for name, default in (("layers", 8), ("experts", 32), ("top-k", 4), ("requests", 4), ("prefill", 256),
+                          ("chunk", 64), ("decode", 128), ("shift-every", 0), ("seed", 0)):  # fmt: skip
+        sy.add_argument(f"--{name}", type=int, default=default)
+    sy.add_argument("--skew", type=float, default=1.0)
+    sy.add_argument("--locality", type=float, default=2.0)
+    sy.set_defaults(func=cmd_synth)
+
+
+def _load(path: str) -> Trace:
+    if not Path(path).is_file():
+        raise InputError(f"no such trace file: {path}")
+    return read_trace(path)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    import moelane
+    from moelane.model.sampling import SamplingParams
+    from moelane.pager.recorder import open_recorder
+
+    requests = _read_prompts(args.prompts)
+    lm = moelane.load(args.model)
+    with open_recorder(args.out, lm, model=args.model or "default") as recorder:
+        for i, req in enumerate(requests):
+            recorder.stream = i
+            ids = lm.tokenizer.encode(req["prompt"])
+            n = int(req.get("max_tokens", args.max_tokens))
+            chunk = int(req.get("prefill_chunk", args.prefill_chunk))
+            sum(1 for _ in lm.generate_ids(ids, n, SamplingParams(), prefill_chunk=chunk, stop_ids=frozenset()))
+    log.info("recorded %d segments of %d requests to %s", recorder.n_segments, len(requests), args.out)
+    return 0
+
+
+def _read_prompts(path: str) -> list[dict[str, Any]]:
+    try:
+        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        requests = [json.loads(line) for line in lines]
+    except (OSError, json.JSONDecodeError) as e:
+        raise InputError(f"cannot read prompts from {path}: {e}") from None
+    if not requests or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in requests):
+        raise InputError(f'{path}: every line must be a JSON object with a "prompt" string')
+    return requests
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    report = analyze(_load(args.file))
+    if args.plot:
+        from moelane.pager.plots import plot_analysis
+
+        plot_analysis(report, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    sys.stdout.write(format_analysis(report))
+    return 0
+
+
+def format_analysis(report: dict[str, Any]) -> str:
+    o = report["overall"]
+    lines = [
+        f"{o['n_requests']} requests, {o['n_decode_tokens']} decode tokens",
+        f"{'set':<16}{'coverage':>10}{'size':>10}",
+    ]
+    for name, v in o["coverage"].items():
+        lines.append(f"{name:<16}{v['coverage']:>10.1%}{v['size']:>10.1f}")
+    p = o["predictors"]
+    lines.append(
+        f"co-occurrence predictor: repeat recall {p['repeat_recall']:.1%}, delta recall {p['delta_recall']:.1%}, "
+        f"schedulable coverage {p['schedulable_coverage']:.1%}"
+    )
+    for r in report["requests"]:
+        c = r["coverage"]
+        lines.append(
+            f"stream {r['stream']}: {r['n_prefill_tokens']} prefill / {r['n_decode_tokens']} decode tokens; union "
+            f"{c['prefill_union']['coverage']:.1%}, tail {c['prefill_tail']['coverage']:.1%}, recency "
+            f"{c['decode_recency']['coverage']:.1%}, last1 {c['last_1']['coverage']:.1%}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
+    if args.slots is not None:
+        return args.slots, "slots"
+    if args.budget is not None:
+        return args.budget, "bytes"
+    if args.fraction is not None:
+        return max(1, round(args.fraction * trace.header.n_total)), "slots"
+    raise InputError("give a pool size: --slots N, --budget BYTES or --fraction F (or --sweep)")
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    trace = _load(args.file)
+    try:
+        cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if args.sweep:
+        rows = sweep(trace, list(args.policy or SWEEP_POLICIES), default_capacities(trace), cost)
+    else:
+        capacity, unit = _capacity(args, trace)
+        rows = [replay(trace, make_policy(p), capacity, unit, cost).to_dict() for p in args.policy or ["planner"]]
+    if args.plot:
+        from moelane.pager.plots import plot_sweep
+
+        plot_sweep(rows, args.plot)
+    if args.json:
+        for row in rows:
+            sys.stdout.write(json.dumps(row) + "\n")
+        return 0
+    sys.stdout.write(format_rows(rows))
+    return 0
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    head = f"{'policy':<16}{'pool':>8}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}{'stall ms':>10}{'tok/s':>8}"
+    out = [head]
+    for r in rows:
+        n = max(1, r["decode"]["n_tokens"])
+        out.append(
+            f"{r['policy']:<16}{r['capacity']:>8}{r['decode_hit_rate']:>10.1%}{r['prefill']['hit_rate']:>10.1%}"
+            f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}{r['tok_s_aggregate']:>8.1f}"
+        )
+    return "\n".join(out) + "\n"
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from moelane.pager.synth import SynthConfig, synth_trace
+    from moelane.pager.trace import write_trace
+
+    try:
+        cfg = SynthConfig(
+            n_layers=args.layers, n_experts=args.experts, top_k=args.top_k, n_requests=args.requests,
+            prefill_tokens=args.prefill, prefill_chunk=args.chunk, decode_tokens=args.decode, skew=args.skew,
+            locality=args.locality, shift_every=args.shift_every, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as e:
+        raise MoelaneError(str(e)) from None
+    write_trace(args.out, synth_trace(cfg))
+    return 0
