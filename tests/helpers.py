@@ -70,4 +70,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         COMMON, intermediate_size=72, moe_intermediate_size=16, shared_expert_intermediate_size=36, num_experts=9,
         num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        COMMON, intermediate_size=40, num_local_experts=7, num_experts_per_tok=3, eos_token_id=None)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        COMMON, intermediate_size=24, num_experts=11, num_experts_per_tok=3, norm_topk_prob=False,
+        eos_token_id=None, pad_token_id=None)),
 }  # fmt: skip

@@ -25,6 +25,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3_moe-sparse_step", "qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)),
     ("qwen2_moe", "qwen2_moe", {}),
     ("qwen2_moe-norm-sparse_step", "qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=2)),
+    ("mixtral", "mixtral", {}),
+    ("mixtral-window", "mixtral", dict(sliding_window=20)),
+    ("olmoe", "olmoe", {}),
+    ("olmoe-norm-clip-bias", "olmoe", dict(norm_topk_prob=True, clip_qkv=0.3, attention_bias=True)),
 ]
 
 
@@ -82,11 +86,9 @@ def greedy(lm: Any, prompt: list[int]) -> list[int]:
 
 
 def greedy_ref(ref: Any, prompt: list[int]) -> list[int]:
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=False, max_new_tokens=N_GREEDY, eos_token_id=None, pad_token_id=0)
+    ref.generation_config.eos_token_id = None  # a generation_config argument alone still stops at the saved EOS
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), generation_config=config)
+        out = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=N_GREEDY, pad_token_id=0)
     ids: list[int] = out[0, len(prompt) :].tolist()
     assert len(ids) == N_GREEDY
     return ids
