@@ -1,0 +1,136 @@
+"""Drafters: the 3-gram longest match (against brute force), copy silence, the shared bounded recall store, the draft
+model's proposals (against its own greedy decode), and the guard's hold on drafting inside the engine."""
+
+from __future__ import annotations
+
+import random
+
+from moelane.lanes import Engine, EngineConfig, FakeClock, RecallStore
+from moelane.lanes.depth import Acceptance
+from moelane.lanes.drafters import SILENT_ROUNDS, CopyDrafter, ModelDrafter
+from moelane.lanes.fake import FakeTarget, linear_price
+from moelane.lanes.lane import Lane
+from moelane.lanes.ngram import NgramIndex, longest_match
+from moelane.lanes.stream import Stream
+from moelane.model.sampling import SamplingParams
+from tests.lanes.reference import solo_decode
+
+
+def lane_of(tokens: list[int], n_prompt: int | None = None, max_tokens: int = 64, stream_id: int = 0) -> Lane:
+    n_prompt = len(tokens) if n_prompt is None else n_prompt
+    stream = Stream(stream_id, tokens[:n_prompt], max_tokens)
+    lane = Lane(stream, SamplingParams(), frozenset(), None, Acceptance(8), list(tokens), n_prompt)
+    lane.n_fed = len(tokens) - 1
+    return lane
+
+
+def brute_match(seq: list[int], max_match: int) -> int:
+    """Length of the longest backward match of seq's tail ending before the tail (>= 3 tokens), else 0."""
+    best = 0
+    for end in range(3, len(seq)):
+        k = 0
+        while k < max_match and k < end and seq[end - 1 - k] == seq[-1 - k]:
+            k += 1
+        if k >= 3:
+            best = max(best, k)
+    return best
+
+
+def test_longest_match_equals_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(3, 60))]
+        index = NgramIndex()
+        index.extend(seq[: len(seq) // 2])
+        index.extend(seq)  # incremental
+        found = longest_match(index, seq, seq, 64, exclude_end=len(seq))
+        assert (found[1] if found else 0) == brute_match(seq, 64)
+        if found:
+            end, k = found
+            assert seq[end - k : end] == seq[-k:]
+
+
+def test_copy_proposes_what_followed_and_falls_silent_after_misses() -> None:
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    lane = lane_of([*text, 20, *text[:6]])
+    drafter = CopyDrafter(min_match=6)
+    assert drafter.propose([lane], [3]) == [[7, 8, 9]]
+    assert drafter.propose([lane_of([*text, 20, *text[:5]])], [3]) == [[]]  # 5 < min_match: nothing
+    for _ in range(4):
+        drafter.feedback(lane, 3, 0)
+    assert [drafter.propose([lane], [3]) for _ in range(SILENT_ROUNDS)] == [[[]]] * SILENT_ROUNDS
+    assert drafter.propose([lane], [3]) == [[7, 8, 9]]
+
+
+def test_recall_store_is_bounded_and_shared_across_engines() -> None:
+    store = RecallStore(max_tokens=100)
+    for i in range(10):
+        store.add([i] * 30)
+    assert store.n_tokens <= 100
+    assert store.match([9, 9, 9, 9], 64) is not None and store.match([0, 0, 0], 64) is None  # the oldest went first
+
+    store = RecallStore()
+    target = FakeTarget(64, window=3)  # replies that do not repeat within themselves: only recall can draft them
+    prompt = [5, 9, 2, 7, 7, 1, 3]
+    rounds = []
+    for _ in range(2):
+        engine = Engine(target, EngineConfig(drafter="recall", timed=False), recall_store=store)
+        stream = engine.submit(prompt, max_tokens=60)
+        engine.run_until_idle()
+        assert stream.token_ids == solo_decode(target, prompt, 60, SamplingParams())
+        rounds.append(engine.stats().rounds)
+    assert rounds[1] < rounds[0] / 3
+
+
+def test_model_drafter_proposes_the_draft_models_greedy_continuation() -> None:
+    draft = FakeTarget(32, window=2, error_rate=0.3, seed=7)
+    drafter = ModelDrafter(draft, prefill_chunk=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    lane = lane_of(prompt, max_tokens=40)
+    assert drafter.propose([lane], [3]) == [[]]  # prefilling the draft cache, a chunk a round
+    assert drafter.propose([lane], [3]) == [[]]
+    for extra in ([], [7, 7], [11]):  # rejected drafts, then accepted ones: the draft cache rolls back
+        lane.tokens.extend(extra)
+        expected = solo_decode(draft, lane.tokens, 5, SamplingParams(), frozenset())
+        assert drafter.propose([lane], [5]) == [expected]
+    lane.tokens.extend(expected[:3])
+    assert drafter.propose([lane], [2]) == [solo_decode(draft, lane.tokens, 2, SamplingParams(), frozenset())]
+
+
+def make_guarded(clock: FakeClock) -> tuple[Engine, FakeTarget]:
+    target = FakeTarget(48, window=1, clock=clock, price=linear_price(0.01, 0.0001))
+    return Engine(target, EngineConfig(drafter="copy", guard=True), clock=clock), target
+
+
+def test_plain_rounds_propose_nothing() -> None:
+    engine, _ = make_guarded(FakeClock())
+    calls = []
+    propose = engine.drafter.propose  # type: ignore[union-attr]
+    engine.drafter.propose = lambda lanes, depths: calls.append(len(lanes)) or propose(lanes, depths)  # type: ignore[union-attr, method-assign]
+    engine.submit([1, 2, 3, 1, 2, 3, 1, 2, 3], max_tokens=200)
+    for _ in range(16):
+        engine.step()
+    assert calls == [1] and engine.stats().holds == 0  # 16 plain rounds, then drafting for the first drafted one
+    for _ in range(10):
+        engine.step()
+    assert len(calls) > 5 and engine.stats().holds > 0
+
+
+def test_a_stream_joining_a_plain_count_holds_no_first_drafts() -> None:
+    engine, target = make_guarded(FakeClock())
+    a = engine.submit([1, 2, 3, 1, 2, 3, 1, 2, 3], max_tokens=400)
+    for _ in range(30):
+        engine.step()
+    assert engine.guard is not None and engine.guard.modes() == {1: "drafted"}
+    b = engine.submit([4, 5, 6, 4, 5, 6], max_tokens=40)
+    holds = engine.stats().holds
+    while not b.token_ids:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    assert engine.guard.modes() == {1: "drafted", 2: "plain"}
+    assert engine.stats().holds == holds  # nobody drafted at 2 streams while the guard measures plain there
+    engine.run_until_idle()
+    assert b.token_ids == solo_decode(target, [4, 5, 6, 4, 5, 6], 40, SamplingParams())
+    assert a.token_ids == solo_decode(target, [1, 2, 3, 1, 2, 3, 1, 2, 3], 400, SamplingParams())
+    assert engine.stats().holds > holds

@@ -1,0 +1,175 @@
+"""The engine against the fake target (SPEC 3.8) with an injected clock: token identity with solo decode, continuous
+batching, chunked prefill, stop / length / cancel, the clock-free schedule of `timed=False`, threaded mode."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from moelane.errors import InputError
+from moelane.lanes import Engine, EngineConfig, FakeClock
+from moelane.lanes.fake import FakeTarget, linear_price
+from moelane.model.sampling import SamplingParams
+from tests.lanes.reference import prompts, solo_decode
+
+VOCAB = 48
+EOS = frozenset({0})
+MAX_TOKENS = 40
+
+
+def make(drafter: str = "none", clock: FakeClock | None = None, **config: object) -> tuple[Engine, FakeTarget]:
+    clock = clock or FakeClock()
+    target = FakeTarget(VOCAB, window=1, eos_ids=EOS, clock=clock, price=linear_price(0.010, 0.0005))
+    draft = FakeTarget(VOCAB, window=1, error_rate=0.2, clock=clock, price=linear_price(0.001, 0.0001))
+    return Engine(target, EngineConfig(drafter=drafter, **config), draft=draft, clock=clock), target  # type: ignore[arg-type]
+
+
+def params_of(i: int) -> SamplingParams:
+    return SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=20, seed=1000 + i)
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[tuple[list[int], SamplingParams, list[int]]]:
+    target = FakeTarget(VOCAB, window=1, eos_ids=EOS)
+    return [
+        (p, params_of(i), solo_decode(target, p, MAX_TOKENS, params_of(i))) for i, p in enumerate(prompts(24, VOCAB))
+    ]
+
+
+def submit_all(engine: Engine, cases: list[tuple[list[int], SamplingParams, list[int]]]) -> list:
+    return [
+        engine.submit(p, max_tokens=MAX_TOKENS, temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed)
+        for p, sp, _ in cases
+    ]
+
+
+@pytest.mark.parametrize("n_streams", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("drafter", ["none", "copy", "recall", "model"])
+@pytest.mark.parametrize("guard", [False, True])
+def test_replies_equal_solo_decode(cases, n_streams: int, drafter: str, guard: bool) -> None:
+    engine, _ = make(drafter, guard=guard, max_streams=n_streams, prefill_chunk=8)
+    streams = submit_all(engine, cases)
+    engine.run_until_idle()
+    for stream, (_, _, expected) in zip(streams, cases, strict=True):
+        assert stream.token_ids == expected
+        assert stream.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
+    if drafter != "none" and not guard:
+        assert engine.stats().holds > 0 and engine.stats().accepted > 0
+
+
+def test_drafting_saves_rounds(cases) -> None:
+    rounds = {}
+    for drafter in ("none", "copy", "model"):
+        engine, _ = make(drafter, guard=False, max_streams=1)
+        submit_all(engine, cases[:6])
+        engine.run_until_idle()
+        rounds[drafter] = engine.stats().rounds
+    assert rounds["copy"] < rounds["none"] and rounds["model"] < rounds["none"]
+
+
+def test_untimed_schedule_ignores_the_clock(cases) -> None:
+    """timed=False: the same streams on a fast (0.5 ms) and a slow (400 ms) clock give equal holds and replies."""
+    results = []
+    for seconds in (0.0005, 0.4):
+        clock = FakeClock()
+        target = FakeTarget(VOCAB, window=1, eos_ids=EOS, clock=clock, price=lambda n, s, t=seconds: t)
+        draft = FakeTarget(VOCAB, window=1, error_rate=0.2, clock=clock, price=lambda n, s, t=seconds: t / 3)
+        for drafter, d in (("copy", None), ("model", draft)):
+            engine = Engine(target, EngineConfig(drafter=drafter, timed=False, guard=True, max_streams=4), draft=d,
+                            clock=clock)  # fmt: skip
+            streams = submit_all(engine, cases)
+            engine.run_until_idle()
+            stats = engine.stats()
+            results.append((drafter, stats.rounds, stats.holds, stats.accepted, [s.token_ids for s in streams]))
+            assert stats.guard_modes == {} and stats.holds > 0
+    assert results[:2] == results[2:]
+
+
+def test_streams_join_and_leave_between_rounds(cases) -> None:
+    engine, target = make("copy", max_streams=4, prefill_chunk=4)
+    first = [engine.submit(p, max_tokens=MAX_TOKENS) for p, _, _ in cases[:2]]
+    for _ in range(5):
+        engine.step()
+    assert engine.n_active == 2 and all(0 < len(s.token_ids) < MAX_TOKENS for s in first)
+    late = [engine.submit(p, max_tokens=MAX_TOKENS) for p, _, _ in cases[2:10:2]]
+    assert engine.n_waiting == 4
+    engine.step()
+    assert engine.n_active == 4 and engine.n_waiting == 2  # two admitted up to max_streams, two wait
+    engine.run_until_idle()
+    greedy = [c for c in cases[:2]] + [cases[i] for i in range(2, 10, 2)]
+    for stream, (p, _, _) in zip(first + late, greedy, strict=True):
+        assert stream.token_ids == solo_decode(target, p, MAX_TOKENS, SamplingParams())
+    assert engine.n_active == 0 and engine.n_waiting == 0
+
+
+def test_chunked_prefill_shares_a_round_with_decoding() -> None:
+    engine, target = make("none", max_streams=2, prefill_chunk=4)
+    seen = []
+    forward = target.forward
+    target.forward = lambda rows: seen.append([len(r.token_ids) for r in rows]) or forward(rows)  # type: ignore[method-assign]
+    a = engine.submit([1, 2, 3], max_tokens=20)
+    engine.step()
+    b = engine.submit(list(range(1, 15)), max_tokens=5)
+    engine.run_until_idle()
+    assert [1, 4] in seen  # a decodes while b feeds a chunk of 4 of its 14 prompt tokens
+    assert max(max(s) for s in seen) <= 4
+    assert b.token_ids == solo_decode(target, list(range(1, 15)), 5, SamplingParams())
+    assert a.token_ids == solo_decode(target, [1, 2, 3], 20, SamplingParams())
+
+
+def test_least_recently_served_first_under_a_row_limit() -> None:
+    engine, _ = make("none", max_streams=4, max_rows=4, prefill_chunk=4)
+    streams = [engine.submit([i + 1] * 9, max_tokens=8) for i in range(4)]
+    engine.run_until_idle()
+    assert all(len(s.token_ids) == 8 or s.finish_reason == "stop" for s in streams)
+
+
+def test_stop_tokens_cancel_and_errors() -> None:
+    engine, target = make("copy")
+    reference = solo_decode(target, [3, 4, 5], 30, SamplingParams())
+    stop = reference[5]
+    s_stop = engine.submit([3, 4, 5], max_tokens=30, stop_token_ids=[stop])
+    s_cancel = engine.submit([3, 4, 5], max_tokens=30)
+    engine.step()
+    s_cancel.cancel()
+    engine.run_until_idle()
+    assert s_stop.token_ids == reference[: reference.index(stop)] and s_stop.finish_reason == "stop"
+    assert s_cancel.finish_reason == "cancelled" and s_cancel.token_ids == reference[: len(s_cancel.token_ids)]
+    with pytest.raises(InputError):
+        engine.submit([], max_tokens=3)
+    with pytest.raises(InputError):
+        engine.submit([VOCAB], max_tokens=3)
+    with pytest.raises(InputError):
+        engine.submit([1], temperature=-1.0)
+
+
+def test_threaded_mode_streams_tokens_as_they_commit(cases) -> None:
+    engine = Engine(FakeTarget(VOCAB, window=1, eos_ids=EOS), EngineConfig(drafter="copy"))
+    engine.start()
+    try:
+        streams = submit_all(engine, cases[:8])
+        got: list[list[int]] = [[] for _ in streams]
+
+        def read(i: int) -> None:
+            got[i].extend(streams[i])
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(timeout=60)
+    finally:
+        engine.stop()
+    for g, s, (_, _, expected) in zip(got, streams, cases[:8], strict=True):
+        assert g == s.token_ids == expected
+
+
+def test_stop_cancels_running_streams() -> None:
+    engine = Engine(FakeTarget(VOCAB, window=1), EngineConfig())
+    stream = engine.submit([1, 2], max_tokens=100_000)
+    engine.start()
+    while len(stream.token_ids) < 3:
+        stream.wait(0.01)
+    engine.stop()
+    assert stream.finish_reason == "cancelled" and engine.n_active == 0
