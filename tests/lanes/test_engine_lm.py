@@ -1,0 +1,102 @@
+"""Token identity on a real model: every lanes reply equals `LM.generate_ids` of that prompt alone (greedy and seeded
+sampling), whatever the drafter, the guard and the stream count. Default run: tiny random qwen3_moe models; the full
+acceptance matrix (24 prompts, 1-16 streams, every drafter, guard on and off, the shipped model) is marked slow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import moelane
+from moelane.lanes import Engine, EngineConfig
+from moelane.model.sampling import SamplingParams
+from tests.helpers import random_model
+from tests.lanes.reference import prompts
+
+
+def params_of(i: int) -> SamplingParams:
+    return SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=31 + i)
+
+
+def check_identity(lm: Any, draft: Any, cases: list[tuple[list[int], list[int]]], max_tokens: int, **config: Any):
+    engine = Engine(lm, EngineConfig(**config), draft=draft)
+    streams = []
+    for i, (prompt, _) in enumerate(cases):
+        sp = params_of(i)
+        streams.append(engine.submit(prompt, max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed))
+    engine.run_until_idle()
+    for i, (stream, (prompt, expected)) in enumerate(zip(streams, cases, strict=True)):
+        assert stream.token_ids == expected, f"prompt {i} ({prompt}) with {config}"
+    return engine.stats()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    root: Path = tmp_path_factory.mktemp("lanes_lm")
+    lm = moelane.load(random_model("qwen3_moe", root / "target"))
+    draft = moelane.load(random_model("qwen3_moe", root / "draft", seed=1))
+    return lm, draft
+
+
+@pytest.fixture(scope="module")
+def tiny_cases(tiny: tuple[Any, Any]) -> list[tuple[list[int], list[int]]]:
+    lm, _ = tiny
+    return [(p, list(lm.generate_ids(p, 16, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(drafter="none", max_streams=4),
+        dict(drafter="copy", max_streams=1),
+        dict(drafter="copy", max_streams=4, prefill_chunk=5),
+        dict(drafter="recall", max_streams=6),
+        dict(drafter="model", max_streams=3, guard=False),
+        dict(drafter="model", max_streams=6, guard=True),
+    ],
+)
+def test_tiny_model_replies_equal_solo_decode(tiny, tiny_cases, config: dict[str, Any]) -> None:
+    lm, draft = tiny
+    stats = check_identity(lm, draft, tiny_cases, 16, **config)
+    if config["drafter"] == "model" and not config.get("guard"):
+        assert stats.holds > 0
+
+
+@pytest.fixture(scope="module")
+def shipped() -> tuple[Any, Any]:
+    try:
+        lm = moelane.load()
+    except Exception as e:  # the shipped model is not in this checkout yet
+        pytest.skip(f"no shipped model: {e}")
+    try:
+        from moelane.lanes.engine import load_draft_model
+
+        draft = load_draft_model()
+    except Exception:
+        draft = None
+    return lm, draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guard", [False, True])
+@pytest.mark.parametrize("drafter", ["none", "copy", "recall", "model"])
+def test_shipped_model_replies_equal_solo_decode(shipped, drafter: str, guard: bool) -> None:
+    lm, draft = shipped
+    if drafter == "model" and draft is None:
+        pytest.skip("no shipped draft model")
+    texts = [
+        "Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3, 4, 5,",
+        "Repeat after me: the cat sat on the mat. The cat sat", "In the beginning", "import numpy as np\n",
+        "Q: What is two plus two?\nA:", "The quick brown fox", "Dear Sir or Madam,", "for i in range(10):",
+        "It was the best of times, it was the worst of times, it was", "Rain", "Alice said to Bob", "Monday, Tuesday,",
+        "The following is a list of", "Hello! How are", "To be or not to be,", "<html><body>", "Chapter 1\n\n",
+        "SELECT * FROM", "One fish, two fish,", "The weather today", "Edit this sentence: teh cat is hapy. Fixed:",
+    ]  # fmt: skip
+    cases = []
+    for i, text in enumerate(texts):
+        p = lm.tokenizer.encode(text)
+        cases.append((p, list(lm.generate_ids(p, 48, params_of(i)))))
+    for n_streams in (1, 2, 4, 8, 16):
+        check_identity(lm, draft, cases, 48, drafter=drafter, guard=guard, max_streams=n_streams)
