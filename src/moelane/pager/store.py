@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
 from moelane.pager.memory import format_bytes, parse_memory
 from moelane.pager.plan import Plan
-from moelane.pager.prefetch import FetchPool, RoutingListener
+from moelane.pager.prefetch import Attachment, FetchPool, RoutingListener, attach
 from moelane.pager.stats import PagerStats, format_counts
 from moelane.pager.storage import Storage
 from moelane.pager.tiers import TIER_NAMES, parse_tier
@@ -417,6 +418,20 @@ class ExpertStore:
             assert int((self._slot_of >= 0).sum()) == len(held) == self._n_assigned
             assert self.high_water_bytes <= self.config.budget_bytes
 
+    def wait_loads(self) -> None:
+        """Wait until no load (demand or prefetch) is in flight."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._futures, timeout=60)
+
+    def max_rows(self, top_k: int) -> int:
+        """Most rows one pass may route through a MoE layer so that its experts surely fit the pool (a prefill
+        chunk limit for small budgets; unlimited when one layer's experts all fit)."""
+        return 1 << 30 if self.n_slots >= self.n_experts else max(1, self.n_slots // max(1, top_k))
+
+    def attach(self, lm: Any, lookahead: bool = True, cooc: bool = True) -> Attachment:
+        """Hook a loaded LM's MoE blocks: release leases right after each block, and run the predictors."""
+        return attach(lm, self, lookahead, cooc)
+
     def close(self) -> None:
         self._pool.close()
         self.storage.close()
@@ -446,8 +461,10 @@ def store_factory(
     return build
 
 
-def format_stats(store: ExpertStore) -> str:
-    """The text `moelane run --stats` prints."""
+def format_stats(store: object) -> str:
+    """The text `moelane run --stats` prints (any provider; only a store has statistics)."""
+    if not isinstance(store, ExpertStore):
+        return "expert store: not in use (all experts resident)"
     c = store.config
     head = (
         f"expert store: {store.n_slots} slots x {format_bytes(store.slot_bytes)} = "

@@ -1,0 +1,276 @@
+"""The live expert store: tier-0 identity with the all-resident run at any budget, eviction order, pins, plans and
+tiers, statistics, and clear errors for budgets that cannot work and for shards that go bad mid-run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelane
+from moelane.model.provider import ResidentProvider
+from moelane.pager.memory import MemorySpec, parse_memory
+from moelane.pager.plan import Plan
+from moelane.pager.storage import ExpertReadError
+from moelane.pager.store import ExpertStore, StoreConfig, StoreError, format_stats, store_factory
+from moelane.pager.tiers import ExpertCodec
+from tests.helpers import random_model
+
+PROMPT = list(range(3, 40))
+Reference = tuple[moelane.LM, list[int]]  # the all-resident LM and its greedy reply to PROMPT
+WIDE = dict(num_hidden_layers=6, num_experts=16, num_experts_per_tok=2, mlp_only_layers=[])
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 MoE layers x 16 experts, top-2: 20% of expert bytes still holds one layer's experts."""
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("wide"), seed=1, **WIDE)
+
+
+@pytest.fixture(scope="module")
+def reference(wide: Path) -> Reference:
+    lm = moelane.load(wide)
+    return lm, list(lm.generate_ids(PROMPT, 24))
+
+
+def store_of(lm: moelane.LM, n_slots: int, **kw: object) -> ExpertStore:
+    """A store of exactly `n_slots` slots over `lm`'s experts."""
+    hidden, width = lm.expert_handles[lm.moe_layers[0]][0].tensors["down"].shape
+    budget = n_slots * 3 * hidden * width * lm.dtype.itemsize
+    return ExpertStore(lm.expert_handles, lm.dtype, StoreConfig(budget_bytes=budget, **kw))  # type: ignore[arg-type]
+
+
+# ---- identity with the all-resident run ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", ["100%", "50%", "20%"])
+def test_greedy_tokens_identical_at_every_budget(wide: Path, reference: Reference, share: str) -> None:
+    lm = moelane.load(wide, provider=store_factory(share, None, "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    attached = store.attach(lm)
+    try:
+        assert list(lm.generate_ids(PROMPT, 24)) == reference[1]
+        assert list(lm.generate_ids(PROMPT[5:], 12, prefill_chunk=3)) == list(reference[0].generate_ids(PROMPT[5:], 12))
+        store.check_invariants()
+        totals = store.stats.totals()
+        assert totals.misses > 0 and (share == "100%") == (store.stats.evictions == 0)
+        # every resident slot holds exactly what the resident provider holds
+        resident = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
+        for slot, key in enumerate(store._slot_key.tolist()):
+            if key >= 0:
+                layer, expert = store.layers[key // store.n_experts], key % store.n_experts
+                assert torch.equal(store.w13[slot], resident.weights(layer)[0][expert])
+                assert torch.equal(store.w2[slot], resident.weights(layer)[1][expert])
+    finally:
+        attached.detach()
+        store.close()
+
+
+def test_lru_and_lfu_are_identical_too(wide: Path, reference: Reference) -> None:
+    for policy in ("lru", "lfu"):
+        lm = moelane.load(wide, provider=store_factory("30%", "10%", policy, "0"))
+        assert list(lm.generate_ids(PROMPT, 24)) == reference[1]
+        lm.provider.close()  # type: ignore[attr-defined]
+
+
+# ---- eviction order ------------------------------------------------------------------------------------------------
+
+
+def call(store: ExpertStore, layer: int, experts: list[int]) -> None:
+    store.slots(layer, torch.tensor([experts]))
+
+
+def resident(store: ExpertStore, layer: int) -> set[int]:
+    li = store.layers.index(layer)
+    return {k % store.n_experts for k in store._slot_key.tolist() if k >= 0 and k // store.n_experts == li}
+
+
+def test_oldest_generation_evicted_first_and_a_layer_batch_keeps_its_hits(reference: Reference) -> None:
+    lm = reference[0]
+    store = store_of(lm, 6, io_threads=0)
+    first, second = store.layers[0], store.layers[1]
+    call(store, first, [0, 1, 2])  # generation 1
+    call(store, second, [0, 1, 2])
+    call(store, first, [0, 3])  # generation 2: 3 misses, the pool is full
+    # victim: generation 1, least recently accessed -> layer `first` experts 1 or 2 (expert 0 was just used)
+    assert resident(store, first) >= {0, 3} and len(resident(store, first) & {1, 2}) == 1
+    assert resident(store, second) == {0, 1, 2}
+    call(store, second, [0, 4, 5])  # two misses as one batch; its hit (0) survives, gen-2 layer-`first` stays
+    assert 0 in resident(store, second) and {4, 5} <= resident(store, second)
+    assert {0, 3} <= resident(store, first)
+    store.check_invariants()
+    store.close()
+
+
+def test_pins_bias_and_hard(reference: Reference) -> None:
+    lm = reference[0]
+    first, second = lm.moe_layers[0], lm.moe_layers[1]
+    for mode in ("bias", "hard"):
+        store = store_of(lm, 4, io_threads=0)
+        store.apply(Plan(budget_bytes=4 * store.slot_bytes, window_k=2, pins=((first, 7, None),), pin_mode=mode))
+        call(store, first, [7, 1])
+        for expert in range(2, 8):  # many later generations churn the pool
+            call(store, first, [0, expert % 7])
+            call(store, second, [expert])
+        if mode == "hard":
+            assert 7 in resident(store, first)
+        store.check_invariants()
+        store.close()
+    # bias: a pinned expert outlives unpinned ones of up to 2 * window_k newer generations
+    store = store_of(lm, 3, io_threads=0)
+    store.apply(Plan(budget_bytes=3 * store.slot_bytes, window_k=2, pins=((first, 7, None),)))
+    call(store, first, [7])
+    call(store, first, [1])
+    call(store, first, [2])
+    call(store, first, [3])
+    assert 7 in resident(store, first) and 1 not in resident(store, first)
+    store.close()
+
+
+def test_lfu_evicts_the_least_used(reference: Reference) -> None:
+    store = store_of(reference[0], 2, io_threads=0, policy="lfu")
+    first = store.layers[0]
+    for _ in range(3):
+        call(store, first, [5])
+    call(store, first, [6])
+    call(store, first, [7])  # evicts 6 (used once), keeps 5 (used thrice) although 5 is older
+    assert resident(store, first) == {5, 7}
+    store.close()
+
+
+# ---- budgets, plans, tiers, statistics -----------------------------------------------------------------------------
+
+
+def test_a_layer_call_larger_than_the_pool_is_a_clear_error(reference: Reference) -> None:
+    store = store_of(reference[0], 2, io_threads=0)
+    with pytest.raises(StoreError, match="needs 3 experts at once but the expert memory holds 2"):
+        call(store, store.layers[0], [0, 1, 2])
+    assert store.max_rows(top_k=2) == 1
+    store.close()
+
+
+def test_memory_specs_and_factory_errors() -> None:
+    assert parse_memory("512MiB").resolve(0) == 512 * 2**20
+    assert parse_memory("2GiB").resolve(0) == 2 * 2**30
+    assert parse_memory("1.5GB").resolve(0) == 1_500_000_000
+    assert parse_memory("25%").resolve(1000) == 250
+    assert parse_memory("300000").resolve(7) == 300000
+    assert str(MemorySpec(fraction=0.25)) == "25%"
+    for bad in ("", "12XB", "-5MiB", "150%", "MiB"):
+        with pytest.raises(ValueError):
+            parse_memory(bad)
+    with pytest.raises(StoreError, match="not a memory size"):
+        store_factory("lots", None, "planner", "0")
+    with pytest.raises(StoreError, match="precision tier"):
+        store_factory("50%", None, "planner", "int3")
+    with pytest.raises(StoreError, match="policy"):
+        store_factory("50%", None, "fifo", "0")
+    assert "not in use" in format_stats(object())
+
+
+def test_statistics_count_every_access_and_byte(wide: Path) -> None:
+    lm = moelane.load(wide, provider=store_factory("40%", "100%", "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    expert_bytes = lm.expert_handles[lm.moe_layers[0]][0].nbytes
+    with store.track() as request:
+        list(lm.generate_ids(PROMPT, 8))
+    total = store.stats.totals()
+    assert request.totals().misses == total.misses > 0
+    assert set(store.stats.by_phase) == {"prefill", "decode"}
+    store.wait_loads()
+    n_read = sum(store.stats.reads.values())
+    assert n_read == total.misses + store.stats.source("warm").issued  # no predictors attached: warm start only
+    assert sum(store.stats.bytes_read.values()) == n_read * expert_bytes
+    disk_before = store.stats.bytes_read[("disk", "native")]
+    list(lm.generate_ids(PROMPT, 8))  # the host cache holds every expert now
+    assert store.stats.bytes_read[("disk", "native")] == disk_before
+    assert store.stats.bytes_read[("host", "native")] > 0
+    text = format_stats(store)
+    assert "decode" in text and "read disk native" in text and "read host native" in text
+    assert store.stats.to_dict()["total"]["misses"] == store.stats.totals().misses
+    store.close()
+
+
+def test_plan_tiers_decide_the_precision_of_each_fetch(wide: Path, reference: Reference) -> None:
+    lm = moelane.load(wide, provider=store_factory("100%", None, "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    first = lm.moe_layers[0]
+    pins = tuple((first, e, 0) for e in range(store.n_experts))  # layer `first` stays exact, the rest int8
+    store.apply(Plan(budget_bytes=store.config.budget_bytes, window_k=4, pins=pins, default_tier=1))
+    list(lm.generate_ids(PROMPT, 4))
+    reads = store.stats.reads
+    assert reads[("disk", "int8")] > 0 and reads[("disk", "native")] > 0
+    resident_pool = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
+    for slot, key in enumerate(store._slot_key.tolist()):
+        if key < 0:
+            continue
+        layer, expert = store.layers[key // store.n_experts], key % store.n_experts
+        exact = torch.equal(store.w13[slot], resident_pool.weights(layer)[0][expert])
+        assert exact == (layer == first)
+    hidden, width = lm.expert_handles[first][0].tensors["down"].shape
+    stored = store.stats.bytes_read[("disk", "int8")] / reads[("disk", "int8")]
+    assert stored == ExpertCodec(1, width, hidden).nbytes
+    store.close()
+
+
+def test_warm_start_at_the_prefill_decode_boundary(wide: Path) -> None:
+    lm = moelane.load(wide, provider=store_factory("30%", None, "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    list(lm.generate_ids(PROMPT, 6, prefill_chunk=8))
+    assert store.stats.source("warm").issued > 0
+    store.close()
+
+
+# ---- storage going bad mid-run -------------------------------------------------------------------------------------
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def shard_of(folder: Path) -> Path:
+    return next(folder.glob("*.safetensors"))
+
+
+def test_truncated_shard_mid_run_names_file_and_expert(wide: Path, tmp_path: Path) -> None:
+    folder = copy_model(wide, tmp_path / "m")
+    lm = moelane.load(folder, provider=store_factory("20%", None, "planner", "0"))
+    list(lm.generate_ids(PROMPT, 2))
+    os.truncate(shard_of(folder), shard_of(folder).stat().st_size // 2)
+    with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*model\.safetensors"):
+        list(lm.generate_ids(PROMPT[::-1], 8))
+    lm.provider.close()  # type: ignore[attr-defined]
+
+
+def test_rewritten_shard_mid_run_is_detected(wide: Path, tmp_path: Path) -> None:
+    folder = copy_model(wide, tmp_path / "m")
+    lm = moelane.load(folder, provider=store_factory("20%", None, "planner", "0"))
+    list(lm.generate_ids(PROMPT, 2))
+    shard = shard_of(folder)
+    data = bytearray(shard.read_bytes())
+    data[-4096:] = bytes(4096)  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ExpertReadError, match="changed on disk"):
+        list(lm.generate_ids(PROMPT[::-1], 8))
+    lm.provider.close()  # type: ignore[attr-defined]
+
+
+def test_non_finite_expert_weights_are_rejected(wide: Path, tmp_path: Path) -> None:
+    folder = copy_model(wide, tmp_path / "m")
+    lm = moelane.load(folder)
+    ref = lm.expert_handles[lm.moe_layers[2]][5].tensors["down"]
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset)
+        f.write(torch.full((4,), float("nan")).numpy().tobytes())
+    lm = moelane.load(folder, provider=store_factory("100%", None, "planner", "0"))
+    with pytest.raises(ExpertReadError, match=f"expert 5 of layer {lm.moe_layers[2]}: non-finite"):
+        list(lm.generate_ids(list(range(3, 200)), 4))
+    lm.provider.close()  # type: ignore[attr-defined]
