@@ -75,4 +75,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         COMMON, intermediate_size=24, num_experts=11, num_experts_per_tok=3, norm_topk_prob=False,
         eos_token_id=None, pad_token_id=None)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        COMMON, num_key_value_heads=6, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=20, q_lora_rank=None,
+        qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, routed_scaling_factor=1.5, topk_method="greedy",
+        norm_topk_prob=False, eos_token_id=None, bos_token_id=None)),
 }  # fmt: skip

@@ -7,6 +7,8 @@ identical to transformers' bf16 run).
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,12 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("mixtral-window", "mixtral", dict(sliding_window=20)),
     ("olmoe", "olmoe", {}),
     ("olmoe-norm-clip-bias", "olmoe", dict(norm_topk_prob=True, clip_qkv=0.3, attention_bias=True)),
-]
+    ("deepseek_v2", "deepseek_v2", {}),
+    ("deepseek_v2-group-qlora-yarn", "deepseek_v2", dict(
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=24, first_k_dense_replace=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+]  # fmt: skip
 
 
 def token_ids(n: int, vocab: int, seed: int) -> list[int]:
@@ -102,3 +109,44 @@ def test_bf16_greedy_matches_transformers(
     ref, lm = reference(folder, torch.bfloat16), moelane.load(folder, dtype=torch.bfloat16)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     assert greedy(lm, prompt) == greedy_ref(ref, prompt)
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def observe(self, record: Any) -> None:
+        self.records.append(record)
+
+
+def test_deepseek_norm_topk_prob_renormalises_instead_of_scaling(tmp_path: Path) -> None:
+    """transformers ignores `norm_topk_prob` for deepseek_v2; DeepSeek's own code renormalises (and skips
+    `routed_scaling_factor`) when it is set. Same experts either way; weights sum to 1 with it, and are 1.5x the
+    top-k softmax scores without."""
+    folder = random_model("deepseek_v2", tmp_path / "plain")
+    normed = tmp_path / "normed"
+    shutil.copytree(folder, normed)
+    config = json.loads((normed / "config.json").read_text())
+    (normed / "config.json").write_text(json.dumps({**config, "norm_topk_prob": True}))
+    prompt = token_ids(N_PROMPT, 300, 1)
+    routes = []
+    for path in (folder, normed):
+        lm, seen = moelane.load(path), Collect()
+        lm.observers.append(seen)
+        lm.logits(prompt)
+        routes.append(seen.records[0])
+    plain, norm = routes
+    sums = norm.weights.sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    # The first MoE layer sees the same input in both runs (later ones see the first one's different output).
+    assert torch.equal(plain.expert_ids[0], norm.expert_ids[0])
+    torch.testing.assert_close(norm.weights[0] * plain.weights[0].sum(-1, keepdim=True), plain.weights[0])
+    assert not torch.allclose(plain.weights[0].sum(-1), torch.ones_like(sums[0]))
+
+
+def test_deepseek_moe_layer_placement() -> None:
+    from moelane.model.deepseek_v2 import is_moe_layer
+
+    config = {"n_routed_experts": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}
+    assert [i for i in range(6) if is_moe_layer(config, i)] == [2, 4]
+    assert not any(is_moe_layer({**config, "n_routed_experts": 0}, i) for i in range(6))
