@@ -1,0 +1,323 @@
+"""`create_app(engine, lm, ...)`: the OpenAI-compatible FastAPI app over a lanes engine.
+
+The engine runs rounds on its own thread (the app's lifespan starts and stops it unless told not to); handlers run
+on the event loop and talk to it only through `Generation` (submit, token bridge, cancel). Admission is bounded:
+at most `max_streams + max_queue` generation requests are in flight, the rest get 429 with `Retry-After`.
+
+Invariants: every admitted request releases its admission slot and cancels its engine stream when it ends, however
+it ends (done, stop string, client gone, timeout, error, shutdown); a failure inside one request answers that request
+with an error body and leaves the server and the other requests running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moelane.errors import InputError
+from moelane.server import errors
+from moelane.server.errors import ModelNotFound, Overloaded, ServerStopping, sse_error
+from moelane.server.generation import Generation, GenerationParams, Limits
+from moelane.server.metrics import PagerStats, ServerMetrics
+from moelane.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    PagerCost,
+    SamplingFields,
+)
+from moelane.server.responses import DONE, Header
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
+DISCONNECT_POLL_S = 0.05
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503, 504)
+}
+
+
+def bad_request(message: str, param: str | None = None) -> InputError:
+    e = InputError(message)
+    e.param = param  # type: ignore[attr-defined]
+    return e
+
+
+class ServerState:
+    """What the handlers of one app share."""
+
+    def __init__(
+        self,
+        engine: Any,
+        lm: Any,
+        model_name: str,
+        max_streams: int,
+        max_queue: int,
+        limits: Limits,
+        cost_of: Callable[[Any], PagerCost] | None,
+        pager_stats: PagerStats | None,
+    ) -> None:
+        self.engine, self.lm, self.model_name, self.limits, self.cost_of = engine, lm, model_name, limits, cost_of
+        self.capacity = max_streams + max_queue
+        self.max_streams = max_streams
+        self.metrics = ServerMetrics(engine, pager_stats)
+        self.executor = ThreadPoolExecutor(self.capacity, thread_name_prefix="moelane-bridge")
+        self.in_flight = 0
+        self.stopping = False
+        self.live: set[Generation] = set()
+        self.created = int(time.time())
+
+    # ---- admission ----------------------------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        if self.stopping:
+            raise ServerStopping("the server is shutting down")
+        if self.in_flight >= self.capacity:
+            self.metrics.rejected.inc()
+            waiting = max(1, self.in_flight - self.max_streams)
+            raise Overloaded(f"the server is at capacity ({self.capacity} requests in flight); retry later",
+                             retry_after_s=min(60, waiting))  # fmt: skip
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def release(self, gen: Generation | None) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if gen is not None:
+            self.live.discard(gen)
+            if gen.stream is not None:
+                gen.stream.cancel()
+
+    # ---- prompts ------------------------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            e = ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+            e.param = "model"  # type: ignore[attr-defined]
+            raise e
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return self.lm.tokenizer.encode(body.prompt)  # type: ignore[no-any-return]
+        ids = cast(list[int], body.prompt)  # the validator left one prompt: text or a list of ids
+        vocab = int(self.lm.vocab_size)
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return self.lm.tokenizer.encode(self.lm.tokenizer.apply_chat_template(messages))  # type: ignore[no-any-return]
+
+    def budget(self, n_prompt: int, requested: int | None, default: int | None) -> int:
+        """max_tokens for the engine: the request's, checked against the context, or the endpoint's default."""
+        context = int(self.lm.max_context)
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        if n_prompt >= context:
+            raise bad_request(f"the prompt has {n_prompt} tokens; this model's context length is {context} tokens "
+                              "(prompt and completion together)", "prompt")  # fmt: skip
+        room = context - n_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            message = (f"max_tokens is too large: the prompt has {n_prompt} tokens and this model's context length "
+                       f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
+            raise bad_request(message, "max_tokens")
+        return requested
+
+    # ---- serving ------------------------------------------------------------------------------------------------
+
+    async def serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], limit: int | None,
+                    default: int | None, chat: bool, echo: str = "") -> Response:  # fmt: skip
+        endpoint = "chat" if chat else "completions"
+        params = GenerationParams(tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), body.temperature,
+                                  body.top_p, body.top_k, body.seed, tuple(body.stop_list()))  # fmt: skip
+        self.admit()
+        gen: Generation | None = None
+        try:
+            gen = Generation(self.engine, self.lm.tokenizer, params, self.executor, self.limits, self.cost_of)
+            gen.submit()
+            self.live.add(gen)
+        except BaseException:
+            self.release(gen)
+            raise
+        prefix = "chatcmpl" if chat else "cmpl"
+        header = Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
+        started = time.monotonic()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(gen, header, echo, include_usage, started)
+            return EventStream(events, on_close=lambda: self._close(gen, endpoint, "200"))
+        try:
+            text = echo + await self._collect(request, gen)
+        except BaseException as e:
+            self._close_sync(gen, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
+            raise
+        self._account(gen, started)
+        self._close_sync(gen, endpoint, "200")
+        assert gen.finish_reason is not None
+        usage = header.usage(len(prompt_ids), gen.n_tokens)
+        return JSONResponse(header.whole(text, gen.finish_reason, usage, gen.cost).model_dump(mode="json"))
+
+    async def _collect(self, request: Request, gen: Generation) -> str:
+        """The whole reply; cancels the generation if the client goes away while waiting."""
+
+        async def join() -> str:
+            return "".join([piece async for piece in gen.run()])
+
+        task = asyncio.ensure_future(join())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    self.metrics.cancelled.inc()
+                    raise asyncio.CancelledError("client disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def _events(self, gen: Generation, header: Header, echo: str, include_usage: bool,
+                      started: float) -> AsyncIterator[str]:  # fmt: skip
+        try:
+            if first := header.first():
+                yield first
+            if echo:
+                yield header.piece(echo)
+            sent = 0
+            async for piece in gen.run():
+                self.metrics.rate.add(gen.n_tokens - sent)
+                sent = gen.n_tokens
+                yield header.piece(piece)
+            assert gen.finish_reason is not None
+            yield header.last(gen.finish_reason, gen.cost)
+            if include_usage:
+                yield header.usage_chunk(header.usage(len(gen.params.prompt_ids), gen.n_tokens))
+            self._account(gen, started, count_rate=False)
+        except asyncio.CancelledError:
+            self.metrics.cancelled.inc()
+            raise
+        except Exception as e:
+            yield sse_error(e)
+        yield DONE
+
+    def _account(self, gen: Generation, started: float, count_rate: bool = True) -> None:
+        if count_rate:
+            self.metrics.rate.add(gen.n_tokens)
+        self.metrics.observe_request(len(gen.params.prompt_ids), gen.n_tokens, started, gen.first_token_at, gen.cost)
+
+    async def _close(self, gen: Generation, endpoint: str, status: str) -> None:
+        self._close_sync(gen, endpoint, status)
+
+    def _close_sync(self, gen: Generation, endpoint: str, status: str) -> None:
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.release(gen)
+
+    def shutdown(self) -> None:
+        """Refuse new requests and cancel the running ones (their handlers then end cleanly)."""
+        self.stopping = True
+        for gen in list(self.live):
+            if gen.stream is not None:
+                gen.stream.cancel()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends (even if its body never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
+
+
+def create_app(
+    engine: Any,
+    lm: Any,
+    *,
+    model_name: str = "moelane",
+    max_queue: int = 64,
+    max_streams: int | None = None,
+    limits: Limits | None = None,
+    cost_of: Callable[[Any], PagerCost] | None = None,
+    pager_stats: PagerStats | None = None,
+    manage_engine: bool = True,
+) -> FastAPI:
+    """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
+    `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `cost_of(stream)` gives one request's
+    pager cost (default zeros); `pager_stats()` the store's counters per level. `manage_engine`: the app's lifespan
+    starts and stops the engine thread."""
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    streams = max_streams if max_streams is not None else engine.config.max_streams
+    state = ServerState(engine, lm, model_name, streams, max_queue, limits or Limits(), cost_of, pager_stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            state.shutdown()
+            if manage_engine:
+                await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
+    app.state.moelane = state
+    errors.install(app)
+    add_routes(app, state)
+    return app
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        body = Health(status="stopping" if state.stopping else "ok", active_streams=state.engine.n_active,
+                      waiting_streams=state.engine.n_waiting)  # fmt: skip
+        return JSONResponse(body.model_dump(), status_code=503 if state.stopping else 200)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.lm.max_context)
+        return ModelList(data=[card])
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        state.check_model(body.model)
+        prompt_ids = state.completion_prompt(body)
+        echo = state.lm.tokenizer.decode(prompt_ids) if body.echo else ""
+        return await state.serve(request, body, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False, echo)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        state.check_model(body.model)
+        prompt_ids = state.chat_prompt(body)
+        return await state.serve(request, body, prompt_ids, body.token_limit(), None, True)

@@ -1,0 +1,107 @@
+"""The one place where failures become OpenAI-style error bodies `{"error": {message, type, param, code}}` with
+their HTTP status: moelane's own errors, FastAPI's validation errors (400, not 422), unknown routes, and anything
+unexpected (500, logged, without internals in the body).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from moelane.errors import InputError, MoelaneError
+from moelane.server.generation import EngineError, RequestTimeout
+from moelane.server.protocol import ErrorDetail, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(MoelaneError):
+    """The request names a model this server does not serve."""
+
+
+class Overloaded(MoelaneError):
+    """The admission queue is full."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServerStopping(MoelaneError):
+    """The server is shutting down and takes no new requests."""
+
+
+# (status, type, code) per error class; the first match in this order wins.
+ERROR_KINDS: tuple[tuple[type[Exception], int, str, str | None], ...] = (
+    (ModelNotFound, 404, "invalid_request_error", "model_not_found"),
+    (Overloaded, 429, "rate_limit_error", "queue_full"),
+    (ServerStopping, 503, "server_error", "server_stopping"),
+    (RequestTimeout, 504, "timeout_error", "timeout"),
+    (EngineError, 500, "server_error", "engine_error"),
+    (InputError, 400, "invalid_request_error", None),
+    (MoelaneError, 400, "invalid_request_error", None),
+)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+def describe(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error body) for any exception."""
+    for cls, status, type_, code in ERROR_KINDS:
+        if isinstance(exc, cls):
+            return status, error_body(str(exc), type_, getattr(exc, "param", None), code)
+    log.error("unexpected error while serving a request", exc_info=exc)
+    return 500, error_body("internal server error", "server_error", None, "internal_error")
+
+
+def sse_error(exc: Exception) -> str:
+    """The error as one server-sent event, for failures after a stream has started."""
+    return f"data: {json.dumps(describe(exc)[1])}\n\n"
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on `app`."""
+
+    @app.exception_handler(MoelaneError)
+    async def _moelane(request: Request, exc: MoelaneError) -> JSONResponse:
+        status, body = describe(exc)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        status, body = describe(exc)
+        return JSONResponse(body, status_code=status)

@@ -1,0 +1,214 @@
+"""One request's run on the lanes engine, seen from the event loop: submit, bridge committed tokens from the engine
+thread into asyncio, turn them into text cut at stop strings, and cancel the engine stream when the request ends
+early (stop string, client gone, timeout, server stopping).
+
+Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
+cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
+never touches asyncio objects except through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from moelane.errors import MoelaneError
+from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
+from moelane.server.protocol import PagerCost
+
+END = None  # queue sentinel: the engine stream has finished
+
+
+class EngineError(MoelaneError):
+    """The engine failed this request (the server and other requests go on)."""
+
+
+class RequestTimeout(MoelaneError):
+    """The request ran past its time limit or produced nothing for too long."""
+
+
+class StreamLike(Protocol):
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    def cancel(self) -> None: ...
+
+    def __iter__(self) -> Any: ...
+
+
+class EngineLike(Protocol):
+    def submit(
+        self,
+        token_ids: list[int],
+        max_tokens: int = ...,
+        temperature: float = ...,
+        top_p: float = ...,
+        top_k: int = ...,
+        seed: int | None = ...,
+        stop_token_ids: list[int] | None = ...,
+    ) -> Any: ...
+
+    @property
+    def n_active(self) -> int: ...
+
+    @property
+    def n_waiting(self) -> int: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """request_s: wall time a request may take in all; idle_s: longest wait for the next token (queueing included)."""
+
+    request_s: float = 600.0
+    idle_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not (self.request_s > 0 and self.idle_s > 0):
+            raise ValueError(f"timeouts must be > 0, got request_s={self.request_s}, idle_s={self.idle_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+class Generation:
+    """Use: `async for piece in gen.run(): ...`, then read `finish_reason`, `n_tokens`, `cost`."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        tokenizer: Tokenizer,
+        params: GenerationParams,
+        executor: Executor,
+        limits: Limits,
+        cost_of: Callable[[Any], PagerCost] | None = None,
+    ) -> None:
+        self.engine, self.params, self.executor, self.limits = engine, params, executor, limits
+        self._tokenizer = tokenizer
+        self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
+        self._ids: list[int] = []
+        self._n_chars = 0  # characters the detokenizer has let out
+        self._cost_of = cost_of
+        self.stream: Any = None
+        self.finish_reason: str | None = None
+        self.n_tokens = 0  # completion tokens that produced the text sent (up to and including a stop string)
+        self.first_token_at: float | None = None
+
+    @property
+    def cost(self) -> PagerCost:
+        if self._cost_of is None or self.stream is None:
+            return PagerCost()
+        return self._cost_of(self.stream)
+
+    def submit(self) -> None:
+        """Hand the request to the engine (raises `InputError` for a request the engine refuses)."""
+        p = self.params
+        self.stream = self.engine.submit(
+            list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed
+        )
+
+    async def run(self) -> AsyncIterator[str]:
+        """Text pieces as the engine commits tokens; ends with `finish_reason` set to "stop" or "length"."""
+        if self.stream is None:
+            self.submit()
+        stream = self.stream
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        pump = loop.run_in_executor(self.executor, _pump, stream, loop, queue)
+        deadline = time.monotonic() + self.limits.request_s
+        try:
+            while True:
+                batch = await self._next(queue, deadline)
+                if batch is END:
+                    break
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                if piece := self._text(batch):
+                    yield piece
+                if self._stops.stopped:
+                    self.finish_reason = "stop"
+                    return
+            if tail := self._tail():
+                yield tail
+            self.finish_reason = _finish(stream.finish_reason)
+        finally:
+            stream.cancel()  # no-op once finished; frees the slot at the next round otherwise
+            with contextlib.suppress(Exception):
+                await asyncio.shield(pump)
+
+    async def _next(self, queue: asyncio.Queue[list[int] | None], deadline: float) -> list[int] | None:
+        """The committed tokens waiting in the queue (all of them, so one round's tokens travel together)."""
+        wait = min(self.limits.idle_s, deadline - time.monotonic())
+        try:
+            first = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
+        except TimeoutError:
+            which = "request time limit" if time.monotonic() >= deadline else "idle time limit"
+            raise RequestTimeout(f"the request ran past its {which}") from None
+        if first is END:
+            return END
+        batch = list(first)
+        while not queue.empty():
+            more = queue.get_nowait()
+            if more is END:
+                queue.put_nowait(END)
+                break
+            batch.extend(more)
+        return batch
+
+    def _text(self, token_ids: list[int]) -> str:
+        """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string."""
+        out = []
+        for token in token_ids:
+            self.n_tokens += 1
+            self._ids.append(token)
+            piece = self._detok.push([token])
+            self._n_chars += len(piece)
+            out.append(self._stops.push(piece))
+            if self._stops.stopped:
+                break
+        return "".join(out)
+
+    def _tail(self) -> str:
+        """At the end: what the detokenizer held back (an unfinished character, shown as U+FFFD like a whole
+        decode would) and what the stop filter held back, still cut at a stop string."""
+        rest = self._tokenizer.decode(self._ids)[self._n_chars :]
+        text = self._stops.push(rest) if rest else ""
+        return text + self._stops.flush()
+
+
+def _pump(stream: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[list[int] | None]) -> None:
+    """Engine side -> event loop, on an executor thread: each committed token as it commits, then END."""
+    try:
+        for token in stream:
+            loop.call_soon_threadsafe(queue.put_nowait, [token])
+    finally:
+        with contextlib.suppress(RuntimeError):  # the loop is closed when the server shut down first
+            loop.call_soon_threadsafe(queue.put_nowait, END)
+
+
+def _finish(engine_reason: str | None) -> str:
+    if engine_reason in ("stop", "length"):
+        return engine_reason
+    if engine_reason == "error":
+        raise EngineError("the engine failed while generating this request")
+    raise EngineError(f"the request was ended by the engine ({engine_reason})")

@@ -1,0 +1,151 @@
+"""Prometheus metrics of one server: a registry per app (never the global default one), request-side counters the
+handlers update, and a collector that reads the engine's and the pager's own counters at scrape time.
+
+Invariants: nothing here is module state; two apps in one process have separate registries; scraping never blocks
+the engine (it reads counters, it does not wait for a round).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from moelane.server.protocol import PagerCost
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class PagerLevelStats:
+    """One storage level at one precision, as the expert store counts it (cumulative)."""
+
+    level: str  # "gpu", "host", "disk", "resident", ...
+    precision: str  # "bf16", "int8", ...
+    hits: int
+    misses: int
+    bytes: int
+    stall_seconds: float
+
+    def __post_init__(self) -> None:
+        if min(self.hits, self.misses, self.bytes) < 0 or self.stall_seconds < 0:
+            raise ValueError(f"pager counters must be >= 0: {self}")
+
+
+PagerStats = Callable[[], Iterable[PagerLevelStats]]
+
+
+class TokenRate:
+    """Completion tokens per second over the last `window` seconds."""
+
+    def __init__(self, window: float = RATE_WINDOW_S) -> None:
+        self.window = window
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, n: int, now: float | None = None) -> None:
+        self._events.append((time.monotonic() if now is None else now, n))
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._events and self._events[0][0] < now - self.window:
+            self._events.popleft()
+        return sum(n for _, n in self._events) / self.window
+
+
+class EngineCollector(Collector):
+    """Engine and pager counters, read at scrape time."""
+
+    def __init__(self, engine: Any, rate: TokenRate, pager_stats: PagerStats | None) -> None:
+        self.engine, self.rate, self.pager_stats = engine, rate, pager_stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self.engine.stats()
+        for name, doc in (
+            ("rounds", "engine rounds (batched forward passes)"),
+            ("holds", "draft rows placed for verification"),
+            ("accepted", "draft rows that became committed tokens"),
+            ("committed", "tokens committed to replies"),
+            ("prefill_tokens", "prompt tokens fed"),
+            ("finished", "streams finished"),
+        ):
+            yield CounterMetricFamily(f"moelane_engine_{name}", doc, value=float(getattr(s, name, 0)))
+        holds = getattr(s, "holds", 0)
+        acceptance = s.accepted / holds if holds else 0.0
+        yield GaugeMetricFamily("moelane_engine_acceptance", "accepted / held draft rows since start", value=acceptance)
+        yield GaugeMetricFamily("moelane_engine_active_streams", "streams in rounds", value=float(s.n_active))
+        yield GaugeMetricFamily("moelane_queue_depth", "streams waiting for a slot", value=float(s.n_waiting))
+        yield GaugeMetricFamily("moelane_tokens_per_second", f"completion tokens/s over {RATE_WINDOW_S:g}s",
+                                value=self.rate.rate())  # fmt: skip
+        guard = GaugeMetricFamily(
+            "moelane_guard_drafted", "1 if the guard drafts at this stream count, 0 if plain", labels=["streams"]
+        )
+        for n_streams, mode in sorted(getattr(s, "guard_modes", {}).items()):
+            guard.add_metric([str(n_streams)], 1.0 if mode == "drafted" else 0.0)
+        yield guard
+        yield from self._pager()
+
+    def _pager(self) -> Iterator[Any]:
+        labels = ["level", "precision"]
+        families = {
+            "hits": CounterMetricFamily("moelane_pager_hits", "expert lookups served at this level", labels=labels),
+            "misses": CounterMetricFamily("moelane_pager_misses", "expert lookups missed at this level", labels=labels),
+            "bytes": CounterMetricFamily("moelane_pager_bytes", "bytes fetched into this level", labels=labels),
+            "stall_seconds": CounterMetricFamily(
+                "moelane_pager_stall_seconds", "time rounds waited on this level", labels=labels
+            ),
+        }
+        for row in self.pager_stats() if self.pager_stats else ():
+            for key, family in families.items():
+                family.add_metric([row.level, row.precision], float(getattr(row, key)))
+        yield from families.values()
+
+
+class ServerMetrics:
+    """The app's registry and the request-side metrics its handlers update."""
+
+    def __init__(self, engine: Any, pager_stats: PagerStats | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rate = TokenRate()
+        self.requests = Counter("moelane_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("moelane_prompt_tokens", "prompt tokens of served requests", registry=r)
+        self.completion_tokens = Counter("moelane_completion_tokens", "completion tokens sent", registry=r)
+        self.rejected = Counter("moelane_rejected", "requests refused with 429 (queue full)", registry=r)
+        self.cancelled = Counter("moelane_cancelled", "streams cancelled by a client disconnect", registry=r)
+        self.in_flight = Gauge("moelane_requests_in_flight", "admitted generation requests", registry=r)
+        self.ttft = Histogram("moelane_time_to_first_token_seconds", "submit to first committed token",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("moelane_inter_token_latency_seconds", "mean gap between tokens, per request",
+                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.latency = Histogram("moelane_request_seconds", "generation request wall time",
+                                 buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.req_experts = Counter("moelane_request_pager_experts_fetched", "experts fetched for requests", registry=r)
+        self.req_bytes = Counter("moelane_request_pager_bytes", "bytes fetched for requests", registry=r)
+        self.req_stall = Counter("moelane_request_pager_stall_seconds", "stall charged to requests", registry=r)
+        r.register(EngineCollector(engine, self.rate, pager_stats))
+
+    def observe_request(
+        self, n_prompt: int, n_tokens: int, started: float, first: float | None, cost: PagerCost
+    ) -> None:
+        now = time.monotonic()
+        self.prompt_tokens.inc(n_prompt)
+        self.completion_tokens.inc(n_tokens)
+        self.latency.observe(now - started)
+        if first is not None:
+            self.ttft.observe(first - started)
+            if n_tokens > 1:
+                self.itl.observe((now - first) / (n_tokens - 1))
+        self.req_experts.inc(cost.experts_fetched)
+        self.req_bytes.inc(cost.bytes_fetched)
+        self.req_stall.inc(cost.stall_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,104 @@
+"""The server driven by the official `openai` client: both endpoints, streamed and not, stop strings, seeds,
+usage, and the `moelane` extension field; replies checked against the model run directly (`lm.generate_ids`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from moelane.model.sampling import SamplingParams
+from tests.server.conftest import MODEL
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture
+def client(serve: Any) -> openai.OpenAI:
+    url, _ = serve()
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def reference(lm: Any, prompt_ids: list[int], n: int, **sampling: Any) -> str:
+    ids = list(lm.generate_ids(prompt_ids, n, SamplingParams(**sampling)))
+    return str(lm.tokenizer.decode(ids))
+
+
+def test_models_health_metrics(client: openai.OpenAI, serve: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    url = str(client.base_url).removesuffix("/v1/")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("moelane_requests_total", "moelane_completion_tokens_total 4.0", "moelane_engine_rounds_total",
+                 "moelane_queue_depth", "moelane_tokens_per_second", "moelane_engine_acceptance",
+                 "moelane_time_to_first_token_seconds_bucket"):  # fmt: skip
+        assert name in text, name
+
+
+def test_completion_matches_model(client: openai.OpenAI, tiny_lm: Any) -> None:
+    want = reference(tiny_lm, tiny_lm.tokenizer.encode(PROMPT), 12)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(tiny_lm.tokenizer.encode(PROMPT))
+    extra = r.model_extra or {}
+    assert set(extra["moelane"]["pager"]) == {"experts_fetched", "bytes_fetched", "stall_ms"}
+
+
+def test_streamed_completion_equals_whole(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_streamed_and_not(client: openai.OpenAI, tiny_lm: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "To be, or not"}]
+    prompt = tiny_lm.tokenizer.encode(tiny_lm.tokenizer.apply_chat_template(messages))
+    want = reference(tiny_lm, prompt, 10)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,  # type: ignore[arg-type]
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == len(prompt) + 10
+
+
+def test_stop_string_never_leaks(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:8]  # a string the reply is known to contain
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage is not None and r.usage.completion_tokens < 24
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert "".join(pieces) == cut
+
+
+def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
+    def ask(seed: int) -> str:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9,
+                                      seed=seed)  # fmt: skip
+        return r.choices[0].text
+
+    a, b, c = ask(7), ask(7), ask(8)
+    assert a == b
+    assert a != c
+
+
+def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:
+    ids = tiny_lm.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0).choices[0].text
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert by_text.choices[0].text == tiny_lm.tokenizer.decode(ids) + by_ids
