@@ -181,7 +181,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         n = max(1, r["decode"]["n_tokens"])
         out.append(
             f"{r['policy']:<16}{r['capacity']:>8}{r['decode_hit_rate']:>10.1%}{r['prefill']['hit_rate']:>10.1%}"
-            f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}{r['tok_s_aggregate']:>8.1f}"
+            f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}"
+            f"{r['tok_s_aggregate']:>8.1f}"
         )
     return "\n".join(out) + "\n"
 

@@ -182,13 +182,15 @@ class Simulator:
         m = self.resident.size
         return np.asarray((self.last[ids] + self.bias[ids]) * m + self.ids_desc[ids], np.int64)
 
-    def _victims(self, over: int, protect: IntArray) -> IntArray | None:
+    def _victims(self, over: int, protect: IntArray, allow_hard: bool = True) -> IntArray | None:
         """Residents to evict (policy order) to free `over` units, never one in `protect`; None if impossible."""
         mask = self.resident & ~self.hard
         mask[protect] = False
         cand = np.flatnonzero(mask)
         units = self.units[cand]
         if units.sum() < over:  # hard pins yield only when the step cannot fit otherwise
+            if not allow_hard:
+                return None
             mask = self.resident.copy()
             mask[protect] = False
             cand = np.flatnonzero(mask)
@@ -255,7 +257,7 @@ class Simulator:
             need = int(self.tier_units[self.load_tier[miss]].sum())
             over = self.used + need - self.capacity
             if over > 0:
-                found = self._victims(over, ids)
+                found = self._victims(over, ids, allow_hard=False)
                 if found is None:
                     return None
                 victims = found
@@ -321,10 +323,10 @@ class Simulator:
 
     def warm_load(self, ids: IntArray) -> None:
         """Load `ids` (most wanted first) before the next decode token, as one batch; they become most recent."""
-        free = self.capacity - self.used
-        movable = int(self.units[self.resident & ~self.hard].sum())
-        budget_units = free + movable
-        want = ids[np.cumsum(self.tier_units[self.load_tier[ids]]) <= budget_units]
+        held = np.where(self.resident[ids], self.units[ids], self.tier_units[self.load_tier[ids]])
+        stuck = self.resident & self.hard
+        stuck[ids] = False
+        want = ids[np.cumsum(held) <= self.capacity - int(self.units[stuck].sum())]
         miss = want[~self.resident[want]]
         if miss.size:
             _, moved = self._admit(miss, want)

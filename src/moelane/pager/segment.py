@@ -29,7 +29,7 @@ class PrefillBoundaryDetector:
     def observe(self, size: int) -> bool:
         if size < 0:
             raise ValueError(f"segment size must be >= 0, got {size}")
-        fire = not self._fired and size < self.ratio * self._min_size
+        fire = not self._fired and self._min_size < math.inf and size < self.ratio * self._min_size
         self._min_size = min(self._min_size, size)
         if fire:
             self._fired = True

@@ -1,0 +1,84 @@
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moelane.errors import MoelaneError
+from moelane.model.provider import RoutingRecord
+from moelane.pager.commands import add_parser
+from moelane.pager.recorder import open_recorder
+from moelane.pager.trace import read_trace, write_trace
+
+from .helpers import small_trace
+
+
+def run(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers(dest="cmd"))
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_analyze_and_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.trc"
+    write_trace(path, small_trace(0))
+    assert run(["trace", "analyze", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["overall"]["n_decode_tokens"] == 40
+    assert (
+        run(["trace", "replay", str(path), "--fraction", "0.5", "--policy", "lru", "--policy", "belady", "--json"]) == 0
+    )
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["policy"] for r in rows] == ["lru", "belady"]
+    assert rows[1]["decode_hit_rate"] >= rows[0]["decode_hit_rate"]
+    assert run(["trace", "replay", str(path), "--sweep", "--policy", "lru", "--policy", "planner"]) == 0
+    assert "planner" in capsys.readouterr().out
+
+
+def test_bad_input_raises_moelane_error(tmp_path: Path) -> None:
+    with pytest.raises(MoelaneError):
+        run(["trace", "analyze", str(tmp_path / "missing.trc")])
+    path = tmp_path / "t.trc"
+    write_trace(path, small_trace(0))
+    with pytest.raises(MoelaneError):
+        run(["trace", "replay", str(path), "--slots", "12", "--policy", "nope"])
+    with pytest.raises(MoelaneError):
+        run(["trace", "replay", str(path)])
+
+
+class FakeRef:
+    def __init__(self, nbytes: int, shape: tuple[int, ...]) -> None:
+        self.nbytes, self.shape, self.dtype = nbytes, shape, "BF16"
+
+
+class FakeLM:
+    def __init__(self) -> None:
+        self.moe_layers = [1, 3]
+        self.args = argparse.Namespace(num_experts=6, num_experts_per_tok=2)
+        handle = argparse.Namespace(tensors={"w": FakeRef(64, (4, 8))})
+        self.expert_handles = {1: [handle] * 6, 3: [handle] * 6}
+        self.observers: list[Any] = []
+
+    def forward(self, ids: torch.Tensor, phase: str) -> None:  # ids [L, T, K]
+        for o in self.observers:
+            o.observe(RoutingRecord(ids, torch.rand(ids.shape), phase, ()))
+
+
+def test_recorder_writes_one_segment_per_pass(tmp_path: Path) -> None:
+    lm = FakeLM()
+    path = tmp_path / "r.trc"
+    passes = [torch.randint(0, 6, (2, 5, 2)), torch.randint(0, 6, (2, 1, 2))]
+    with open_recorder(path, lm) as rec:
+        rec.stream = 7
+        lm.forward(passes[0], "prefill")
+        lm.forward(passes[1], "decode")
+    assert lm.observers == []
+    t = read_trace(path)
+    assert t.header.n_layers == 2 and t.header.moe_layers == (1, 3) and t.header.tiers[0] == ("bf16", 64)
+    assert t.seg_phase == ("prefill", "decode")
+    assert np.array_equal(t.expert_ids, torch.cat(passes, dim=1).permute(1, 0, 2).numpy())
+    assert set(t.stream_ids.tolist()) == {7}
