@@ -80,4 +80,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=20, q_lora_rank=None,
         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, routed_scaling_factor=1.5, topk_method="greedy",
         norm_topk_prob=False, eos_token_id=None, bos_token_id=None)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }  # fmt: skip

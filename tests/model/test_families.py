@@ -24,7 +24,8 @@ N_PROMPT, N_DECODE, N_GREEDY, TOL = 37, 16, 32, 1e-4
 # (case id, family, config overrides)
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3_moe", "qwen3_moe", {}),
-    ("qwen3_moe-sparse_step", "qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)),
+    ("qwen3_moe-sparse_step-bias", "qwen3_moe", dict(
+        norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2, attention_bias=True)),
     ("qwen2_moe", "qwen2_moe", {}),
     ("qwen2_moe-norm-sparse_step", "qwen2_moe", dict(norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=2)),
     ("mixtral", "mixtral", {}),
@@ -36,6 +37,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=24, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                              mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    ("qwen3", "qwen3", dict(tie_word_embeddings=True)),
+    ("qwen3-bias-window", "qwen3", dict(attention_bias=True, use_sliding_window=True, sliding_window=20,
+                                        max_window_layers=1)),
+    ("llama", "llama", {}),
+    ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
 ]  # fmt: skip
 
 

@@ -179,7 +179,8 @@ def attend(
     qh = pad_rows(q.transpose(0, 1))  # [Hq, n8, D]
     kk = k.repeat_interleave(group, dim=0)  # [Hq, C, D]
     vv = v.repeat_interleave(group, dim=0)
-    scores = torch.matmul(qh, kk.transpose(1, 2)).float() * scale  # [Hq, n8, C]
+    # Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention in bf16.
+    scores = (torch.matmul(qh, kk.transpose(1, 2)) * scale).float()  # [Hq, n8, C]
     key_pos = torch.arange(capacity, device=q.device)
     row_pos = F.pad(positions, (0, qh.shape[1] - n), value=-1)
     mask = key_pos[None, :] <= row_pos[:, None]  # [n8, C]

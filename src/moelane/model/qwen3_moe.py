@@ -43,7 +43,8 @@ def build(config: dict[str, Any]) -> Decoder:
     moe_layers = [i for i in range(n_layers) if is_moe_layer(config, i)]
 
     def make_attention(i: int) -> nn.Module:
-        return Attention(hidden, n_heads, n_kv, head_dim, bool(config.get("attention_bias")), "head", eps)
+        bias = bool(config.get("attention_bias"))
+        return Attention(hidden, n_heads, n_kv, head_dim, bias, "head", eps, o_bias=bias)
 
     def make_mlp(i: int) -> nn.Module:
         if i in moe_layers:
