@@ -65,7 +65,7 @@ class ShardFiles:
             if st.st_size != size or st.st_mtime_ns != mtime:
                 raise ExpertReadError(
                     f"{what}: shard {ref.path} changed on disk while the model was running "
-                    f"(size {size} -> {st.st_size} bytes)"
+                    f"(size {size} -> {st.st_size} bytes, modified after it was opened)"
                 )
             n = os.preadv(fd, [out], ref.offset)
         except OSError as e:

@@ -1,0 +1,140 @@
+"""Precision tiers: group-wise int8/int4 against a brute-force reference, blob layout and sizes, the tier file
+(built once, CRC-checked, rebuilt when the checkpoint changes), and a store serving every expert at int8/int4."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import moelane
+from moelane.pager.storage import ExpertReadError, ShardFiles, TierFile, decode_native, read_native, tier_dir
+from moelane.pager.store import ExpertStore, store_factory
+from moelane.pager.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
+from tests.helpers import random_model
+
+
+def reference_roundtrip(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """Quantise and dequantise one group at a time, the slow obvious way."""
+    qmax = 127 if bits == 8 else 7
+    out = np.zeros_like(w, dtype=np.float32)
+    for r in range(w.shape[0]):
+        for g0 in range(0, w.shape[1], group):
+            chunk = w[r, g0 : g0 + group].astype(np.float32)
+            scale = np.float32(np.float16(np.abs(chunk).max() / qmax))
+            scale = np.float32(1.0) if scale == 0 else scale
+            out[r, g0 : g0 + group] = np.clip(np.round(chunk / scale), -qmax, qmax) * scale
+    return out
+
+
+@pytest.mark.parametrize("tier", [1, 2])
+@pytest.mark.parametrize("cols", [64, 100, 24])
+def test_roundtrip_matches_brute_force(tier: int, cols: int) -> None:
+    fmt = FORMATS[tier]
+    g = torch.Generator().manual_seed(tier * 1000 + cols)
+    w = torch.randn(7, cols, generator=g) * 0.05
+    w[3, :] = 0.0  # an all-zero row stays zero
+    codes, scales = quantize(w, fmt)
+    assert codes.dtype == torch.uint8 and codes.numel() == fmt.code_bytes(7, cols)
+    assert scales.dtype == torch.float16 and scales.shape == (7, fmt.n_groups(cols))
+    got = dequantize(codes, scales, cols, fmt)
+    want = reference_roundtrip(w.numpy(), fmt.bits, fmt.group)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-7)
+    assert torch.all(got[3] == 0)
+    # rounding error is at most half a step of the group's scale
+    step = scales.float().repeat_interleave(fmt.group, dim=1)[:, :cols]
+    assert torch.all((got - w).abs() <= step / 2 + 1e-6)
+
+
+def test_int4_codes_use_the_whole_symmetric_range() -> None:
+    fmt = FORMATS[2]
+    w = torch.arange(-7, 8, dtype=torch.float32).repeat(1, 3)[:, :32]  # one group of 32 with every code
+    codes, scales = quantize(w, fmt)
+    assert torch.equal(dequantize(codes, scales, 32, fmt), w)
+
+
+def test_blob_sizes_and_savings() -> None:
+    # a Qwen3-30B-A3B-sized expert: hidden 2048, width 768, checkpoint bf16
+    bf16_bytes = 3 * 2048 * 768 * 2
+    int8, int4 = ExpertCodec(1, 768, 2048).nbytes, ExpertCodec(2, 768, 2048).nbytes
+    assert int8 == 3 * 2048 * 768 * (1 + 2 / 64)
+    assert int4 == 3 * 2048 * 768 * (0.5 + 2 / 32)
+    assert 0.51 < int8 / bf16_bytes < 0.52 and 0.28 < int4 / bf16_bytes < 0.29
+    codec = ExpertCodec(2, 24, 48)
+    w13, w2 = torch.randn(48, 48), torch.randn(48, 24)
+    blob = codec.encode(w13, w2)
+    out13, out2 = torch.empty(48, 48, dtype=torch.bfloat16), torch.empty(48, 24, dtype=torch.bfloat16)
+    codec.decode_into(blob, out13, out2)
+    fmt = codec.fmt
+    assert torch.equal(out13, dequantize(*quantize(w13, fmt), 48, fmt).to(torch.bfloat16))
+    assert torch.equal(out2, dequantize(*quantize(w2, fmt), 24, fmt).to(torch.bfloat16))
+
+
+def test_parse_tier_and_bad_formats() -> None:
+    assert [parse_tier(t) for t in ("0", "native", "int8", "INT4", 2)] == [0, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="unknown precision tier"):
+        parse_tier("fp8")
+    with pytest.raises(ValueError):
+        QuantFormat(3, 32)
+    with pytest.raises(ValueError):
+        ExpertCodec(0, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("tiers"), seed=3)
+
+
+def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(folder, model)
+    lm = moelane.load(model)
+    handles, files = lm.expert_handles, ShardFiles()
+    hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
+    codec = ExpertCodec(1, width, hidden)
+    tiers = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    assert tiers.path.parent == model / ".moelane"
+    built = tiers.path.stat().st_mtime_ns
+    handle = handles[lm.moe_layers[1]][4]
+    w13, w2 = torch.empty(2 * width, hidden), torch.empty(hidden, width)
+    decode_native(handle, read_native(files, handle), w13, w2)
+    assert torch.equal(tiers.read(handle), codec.encode(w13, w2))
+    tiers.close()
+    again = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    assert again.path.stat().st_mtime_ns == built  # reused, not rebuilt
+    again.close()
+    with open(again.path, "r+b") as f:  # damage one expert's blob
+        f.seek(codec.nbytes * 5 + 3)
+        f.write(b"\xff\xfe")
+    damaged = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    with pytest.raises(ExpertReadError, match=r"expert 5 of layer 0: tier file .* corrupt"):
+        damaged.read(handles[lm.moe_layers[0]][5])
+    damaged.close()
+    shard = next(model.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes())  # same bytes, new mtime: the fingerprint changes
+    files.close()
+    files = ShardFiles()  # the old descriptors rightly refuse a shard modified under them
+    rebuilt = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    assert rebuilt.read(handles[lm.moe_layers[0]][5]).numel() == codec.nbytes  # CRC fine again
+    rebuilt.close()
+    files.close()
+
+
+@pytest.mark.parametrize(("tier", "tolerance"), [("int8", 0.02), ("int4", 0.3)])
+def test_store_serves_every_expert_at_a_lower_tier(folder: Path, tmp_path: Path, tier: str, tolerance: float) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(folder, model)
+    ids = list(range(3, 60))
+    want = moelane.load(model).logits(ids)
+    lm = moelane.load(model, provider=store_factory("100%", None, "planner", tier))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    got = lm.logits(ids)
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < tolerance
+    (level_tier,) = store.stats.bytes_read
+    assert level_tier == ("disk", tier)
+    store.close()
