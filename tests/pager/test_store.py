@@ -55,6 +55,9 @@ def test_greedy_tokens_identical_at_every_budget(wide: Path, reference: Referenc
     try:
         assert list(lm.generate_ids(PROMPT, 24)) == reference[1]
         assert list(lm.generate_ids(PROMPT[5:], 12, prefill_chunk=3)) == list(reference[0].generate_ids(PROMPT[5:], 12))
+        assert store.live_planner is not None
+        store.live_planner.wait()
+        assert store.live_planner.n_segments > 0 and store.live_planner.n_plans > 0 and store.plan is not None
         store.check_invariants()
         totals = store.stats.totals()
         assert totals.misses > 0 and (share == "100%") == (store.stats.evictions == 0)

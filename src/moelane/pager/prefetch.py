@@ -28,6 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moelane.model.provider import RoutingRecord
+from moelane.pager.plan import Plan
+from moelane.pager.planner import Planner, PlannerConfig
+from moelane.pager.trace import Segment
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +47,11 @@ class PrefetchTarget(Protocol):
     n_experts: int
     listeners: list[RoutingListener]
 
+    live_planner: LivePlanner | None
+
     def prefetch(self, layer: int, experts: list[int], source: str) -> int: ...
+    def apply(self, plan: Plan) -> None: ...
+    def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig: ...
     def prefetch_keys(self, keys: list[int], source: str) -> int: ...
     def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None: ...
     def release(self) -> None: ...
@@ -159,6 +168,60 @@ class CooccurrencePredictor:
         self._thread.join(timeout=5)
 
 
+class LivePlanner:
+    """The planner (planner.py) driven live: routing records in, on its own thread; each published plan applied to
+    the store. The engine's phase labels mark the boundary (`begin_decode`, called by the store at the first decode
+    pass of a thread); unlabelled records fall back to the planner's size-based detector."""
+
+    def __init__(self, store: PrefetchTarget, **overrides: Any) -> None:
+        self.store, self.overrides = store, overrides
+        self.planner: Planner | None = None
+        self.n_segments, self.n_plans = 0, 0
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="moelane-planner", daemon=True)
+        self._thread.start()
+
+    def observe(self, record: RoutingRecord) -> None:
+        ids = record.expert_ids.permute(1, 0, 2).numpy().copy()  # [L, T, K] -> [T, L, K]
+        self._queue.put(("segment", (ids, record.phase, np.asarray(record.stream_ids or [0] * ids.shape[0]))))
+
+    def begin_decode(self) -> None:
+        self._queue.put(("boundary", None))
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._step(*item)
+            except Exception:
+                log.exception("live planner step failed")
+
+    def _step(self, kind: str, body: Any) -> None:
+        if kind == "flush":
+            body.set()
+            return
+        if kind == "segment":
+            ids, phase, streams = body
+            if self.planner is None:
+                self.planner = Planner(self.store.planner_config(top_k=ids.shape[2], **self.overrides))
+            plan = self.planner.observe(Segment(self.n_segments, phase, ids, streams))
+            self.n_segments += 1
+        else:
+            plan = self.planner.begin_decode() if self.planner is not None else None
+        if plan is not None:
+            self.n_plans += 1
+            self.store.apply(plan)
+
+    def wait(self) -> None:
+        """Block until everything queued so far is processed (tests, benchmarks)."""
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        done.wait(timeout=60)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
 @dataclass(slots=True)
 class Attachment:
     """What `attach` installed; `detach()` removes it."""
@@ -166,10 +229,18 @@ class Attachment:
     hooks: list[Any] = field(default_factory=list)
     listeners: list[RoutingListener] = field(default_factory=list)
     store: PrefetchTarget | None = None
+    lm: Any = None
+    planner: LivePlanner | None = None
 
     def detach(self) -> None:
         for hook in self.hooks:
             hook.remove()
+        if self.planner is not None:
+            self.lm.observers.remove(self.planner)
+            self.planner.close()
+            if self.store is not None:
+                self.store.live_planner = None
+            self.planner = None
         if self.store is not None:
             for listener in self.listeners:
                 self.store.listeners.remove(listener)
@@ -179,10 +250,16 @@ class Attachment:
         self.listeners.clear()
 
 
-def attach(lm: Any, store: PrefetchTarget, lookahead: bool = True, cooc: bool = True) -> Attachment:
-    """Hook a loaded LM's MoE blocks to the store: lease release after each block, and the predictors."""
+def attach(
+    lm: Any, store: PrefetchTarget, lookahead: bool = True, cooc: bool = True, planner: bool = False
+) -> Attachment:
+    """Hook a loaded LM's MoE blocks to the store: lease release after each block, the predictors, and (`planner`)
+    the live planner as a routing observer."""
     blocks = {layer: lm.model.model.layers[layer].mlp for layer in store.layers}
-    out = Attachment(store=store)
+    out = Attachment(store=store, lm=lm)
+    if planner:
+        out.planner = store.live_planner = LivePlanner(store)
+        lm.observers.append(out.planner)
     for block in blocks.values():
         out.hooks.append(block.register_forward_hook(lambda module, args, output: store.release()))
     if lookahead:

@@ -42,10 +42,11 @@ from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
 from moelane.pager.memory import format_bytes, parse_memory
 from moelane.pager.plan import Plan
-from moelane.pager.prefetch import Attachment, FetchPool, RoutingListener, attach
+from moelane.pager.planner import PlannerConfig
+from moelane.pager.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
 from moelane.pager.stats import PagerStats, format_counts
 from moelane.pager.storage import Storage
-from moelane.pager.tiers import TIER_NAMES, parse_tier
+from moelane.pager.tiers import TIER_NAMES, ExpertCodec, parse_tier
 
 POLICIES = ("planner", "lru", "lfu")
 EMPTY, LOADING, READY = 0, 1, 2
@@ -115,6 +116,7 @@ class ExpertStore:
         self.stats = PagerStats()
         self.sources: list[str] = []
         self.listeners: list[RoutingListener] = []
+        self.live_planner: LivePlanner | None = None
         self._cond = threading.Condition()
         self._local = threading.local()
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
@@ -336,7 +338,9 @@ class ExpertStore:
             self._now_gen += 1
         boundary = getattr(local, "last_phase", None) == "prefill" and phase == "decode"
         local.last_phase = phase
-        if boundary:
+        if boundary and self.live_planner is not None:
+            self.live_planner.begin_decode()  # its boundary plan carries the warm list
+        elif boundary:
             self.warm_start(getattr(local, "prefill_keys", None))
             local.prefill_keys = None
         elif phase == "prefill":
@@ -428,9 +432,23 @@ class ExpertStore:
         chunk limit for small budgets; unlimited when one layer's experts all fit)."""
         return 1 << 30 if self.n_slots >= self.n_experts else max(1, self.n_slots // max(1, top_k))
 
-    def attach(self, lm: Any, lookahead: bool = True, cooc: bool = True) -> Attachment:
-        """Hook a loaded LM's MoE blocks: release leases right after each block, and run the predictors."""
-        return attach(lm, self, lookahead, cooc)
+    def attach(self, lm: Any, lookahead: bool = True, cooc: bool = True, planner: bool | None = None) -> Attachment:
+        """Hook a loaded LM: release leases right after each MoE block, run the predictors, and (by default when
+        the policy is "planner") drive the planner from the LM's routing and obey its plans."""
+        return attach(lm, self, lookahead, cooc, self.config.policy == "planner" if planner is None else planner)
+
+    def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig:
+        """The planner's settings for this store: its shape, stored bytes per tier, a budget of exactly the pool's
+        slots at the default tier, the store's pin mode."""
+        hidden, width = self._handles[0][0].tensors["down"].shape
+        native = self._handles[0][0].nbytes
+        tier_bytes = (native, ExpertCodec(1, width, hidden).nbytes, ExpertCodec(2, width, hidden).nbytes)
+        settings: dict[str, Any] = dict(
+            n_layers=len(self.layers), n_experts=self.n_experts, top_k=top_k, tier_bytes=tier_bytes,
+            budget_bytes=self.n_slots * tier_bytes[self.config.default_tier], default_tier=self.config.default_tier,
+            pin_mode=self.config.pin_mode,
+        )  # fmt: skip
+        return PlannerConfig(**{**settings, **overrides})
 
     def close(self) -> None:
         self._pool.close()
