@@ -1,0 +1,72 @@
+"""Malformed and impossible requests over raw HTTP: each gets a 4xx with an OpenAI error body and a clear message,
+never a 5xx or a hang."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL
+
+GOOD = {"model": MODEL, "prompt": "def f", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_lm: Any) -> Any:
+    from tests.server.conftest import create_app, make_engine, running
+
+    with running(create_app(make_engine(tiny_lm), tiny_lm, model_name=MODEL)) as base:
+        yield base
+
+
+CASES = [
+    ("bad json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    ("not an object", "/v1/completions", [1, 2], 400, "valid dictionary"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("prompt wrong type", "/v1/completions", {**GOOD, "prompt": 3}, 400, "prompt"),
+    ("max_tokens wrong type", "/v1/completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    ("max_tokens float", "/v1/completions", {**GOOD, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {**GOOD, "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens zero", "/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens huge", "/v1/completions", {**GOOD, "max_tokens": 10**12}, 400, "max_tokens is too large"),
+    ("prompt over context", "/v1/completions", {**GOOD, "prompt": "To be, or not " * 400}, 400, "context length"),
+    ("ids over context", "/v1/completions", {**GOOD, "prompt": [5] * 600}, 400, "context length"),
+    ("token id out of range", "/v1/completions", {**GOOD, "prompt": [1, 10**6]}, 400, "token ids"),
+    ("empty prompt", "/v1/completions", {**GOOD, "prompt": ""}, 400, "empty"),
+    ("several prompts", "/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-17"}, 404, "does not exist"),
+    ("temperature negative", "/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("n > 1", "/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("stop wrong type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
+    ("too many stops", "/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop"),
+    ("seed wrong type", "/v1/completions", {**GOOD, "seed": "x"}, 400, "seed"),
+    ("chat no messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("chat unknown model", "/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
+    ("chat huge max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, 400, "too large"),
+    ("unknown route", "/v1/embeddings", GOOD, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request_gets_clear_4xx(url: str, path: str, body: Any, status: int, needle: str) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    for stream in (False, True):
+        if isinstance(body, dict) and stream:
+            kwargs = {"json": {**body, "stream": True}}
+        r = httpx.post(f"{url}{path}", timeout=30, headers={"content-type": "application/json"}, **kwargs)  # type: ignore[arg-type]
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert needle.lower() in error["message"].lower(), error
+        assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_wrong_method_and_good_request_still_served(url: str) -> None:
+    r = httpx.get(f"{url}/v1/completions", timeout=30)
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
