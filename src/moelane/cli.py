@@ -7,6 +7,7 @@ Each area registers its own subcommands (`add_parser(subparsers)`); `run` lives 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -48,8 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")
     p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"), default="planner",
                    help="eviction policy of the expert pool (with --expert-memory)")  # fmt: skip
-    p.add_argument("--default-tier", choices=("0", "int8", "int4"), default="0",
-                   help="precision of experts fetched on a miss (0: the checkpoint's own)")  # fmt: skip
+    p.add_argument("--default-tier", choices=("native", "int8", "int4"), default="native",
+                   help="precision of experts fetched on a miss (native: the checkpoint's own)")  # fmt: skip
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -74,12 +75,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def provider_factory(args: argparse.Namespace) -> Callable[..., object] | None:
-    if not args.expert_memory and not args.host_memory and args.default_tier == "0":
+    if not args.expert_memory and not args.host_memory and args.default_tier == "native":
         return None
-    try:
-        from moelane.pager.store import store_factory
-    except ImportError:
-        raise InputError("--expert-memory needs the expert store, which this build lacks") from None
+    from moelane.pager.store import store_factory
+
     return store_factory(args.expert_memory, args.host_memory, args.pager_policy, args.default_tier)
 
 
@@ -103,14 +102,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)
-    recorder = open_trace(args.trace, lm) if args.trace else None
     if args.compile:
         print("compiling the decode step (first run of a shape takes a while; later runs use the cache)...",
               file=sys.stderr, flush=True)  # fmt: skip
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
     t0 = time.perf_counter()
     t_first, n_new = 0.0, 0
-    try:
+    with contextlib.ExitStack() as stack:
+        if args.trace:
+            stack.enter_context(open_trace(args.trace, lm))
         for token in lm.generate_ids(prompt_ids, args.max_tokens, params):
             if n_new == 0:
                 t_first = time.perf_counter()
@@ -120,9 +120,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             if stops.stopped:
                 break
         sys.stdout.write(stops.flush() + "\n")
-    finally:
-        if recorder is not None:
-            recorder.close()
     t_end = time.perf_counter()
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0
@@ -134,19 +131,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
-    try:
-        from moelane.pager.commands import open_recorder
-    except ImportError:
-        raise InputError("--trace needs the pager's trace recorder, which this build lacks") from None
+    from moelane.pager.recorder import open_recorder
+
     return open_recorder(path, lm)
 
 
 def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
-    try:
-        from moelane.pager.store import format_stats
-    except ImportError:
-        print("no pager statistics: all experts are resident", file=sys.stderr)
-        return
+    from moelane.pager.store import format_stats
+
     print(format_stats(lm.provider), file=sys.stderr)
 
 
