@@ -8,6 +8,7 @@ identical to transformers' bf16 run).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.errors import ModelLoadError
 from moelane.model.cache import Rows
 from tests.helpers import random_model
 
@@ -158,3 +160,23 @@ def test_deepseek_moe_layer_placement() -> None:
     config = {"n_routed_experts": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}
     assert [i for i in range(6) if is_moe_layer(config, i)] == [2, 4]
     assert not any(is_moe_layer({**config, "n_routed_experts": 0}, i) for i in range(6))
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "message"),
+    [
+        ("deepseek_v2", dict(topk_method="noaux_tc"), "unsupported topk_method 'noaux_tc'"),
+        ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2), "n_group dividing 8"),
+        ("deepseek_v2", dict(num_key_value_heads=2), "MLA needs num_key_value_heads"),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=16, layer_types=None), "has no layer_types"),
+        ("llama", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "unsupported rope scaling"),
+    ],
+)
+def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
+    import importlib
+
+    from tests.helpers import FAMILY_CONFIGS
+
+    base = {**FAMILY_CONFIGS[family][2], "model_type": family}
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        importlib.import_module(f"moelane.model.{family}").build({**base, **config})
