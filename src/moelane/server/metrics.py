@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,23 +22,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 RATE_WINDOW_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class PagerLevelStats:
-    """One storage level at one precision, as the expert store counts it (cumulative)."""
-
-    level: str  # "gpu", "host", "disk", "resident", ...
-    precision: str  # "bf16", "int8", ...
-    hits: int
-    misses: int
-    bytes: int
-    stall_seconds: float
-
-    def __post_init__(self) -> None:
-        if min(self.hits, self.misses, self.bytes) < 0 or self.stall_seconds < 0:
-            raise ValueError(f"pager counters must be >= 0: {self}")
-
-
-PagerStats = Callable[[], Iterable[PagerLevelStats]]
+PagerStats = Callable[[], dict[str, Any]]  # the plain-data form of the store's counters (`PagerStats.to_dict`)
 
 
 class TokenRate:
@@ -92,19 +75,25 @@ class EngineCollector(Collector):
         yield from self._pager()
 
     def _pager(self) -> Iterator[Any]:
-        labels = ["level", "precision"]
-        families = {
-            "hits": CounterMetricFamily("moelane_pager_hits", "expert lookups served at this level", labels=labels),
-            "misses": CounterMetricFamily("moelane_pager_misses", "expert lookups missed at this level", labels=labels),
-            "bytes": CounterMetricFamily("moelane_pager_bytes", "bytes fetched into this level", labels=labels),
-            "stall_seconds": CounterMetricFamily(
-                "moelane_pager_stall_seconds", "time rounds waited on this level", labels=labels
-            ),
-        }
-        for row in self.pager_stats() if self.pager_stats else ():
-            for key, family in families.items():
-                family.add_metric([row.level, row.precision], float(getattr(row, key)))
-        yield from families.values()
+        """Store counters: accesses by phase, reads by storage level and precision tier (empty without a store)."""
+        d = self.pager_stats() if self.pager_stats else {}
+        by_phase = d.get("by_phase", {})
+        for key, doc in (("hits", "expert accesses found resident"), ("misses", "expert accesses that had to be read"),
+                         ("prefetch_hits", "accesses found resident thanks to a prefetch"),
+                         ("stall_s", "seconds passes waited for expert reads")):  # fmt: skip
+            name = "moelane_pager_stall_seconds" if key == "stall_s" else f"moelane_pager_{key}"
+            family = CounterMetricFamily(name, doc, labels=["phase"])
+            for phase, counts in sorted(by_phase.items()):
+                family.add_metric([phase], float(counts.get(key, 0)))
+            yield family
+        for key, doc in (("bytes_read", "bytes of experts read"), ("experts_read", "experts read")):
+            family = CounterMetricFamily(f"moelane_pager_{key}", f"{doc}, by storage level and precision",
+                                         labels=["level", "precision"])  # fmt: skip
+            for where, n in sorted(d.get(key, {}).items()):
+                level, _, precision = where.partition("/")
+                family.add_metric([level, precision], float(n))
+            yield family
+        yield CounterMetricFamily("moelane_pager_evictions", "experts evicted", value=float(d.get("evictions", 0)))
 
 
 class ServerMetrics:

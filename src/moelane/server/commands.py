@@ -1,0 +1,92 @@
+"""`moelane serve`: load a model, start the lanes engine on its own thread, serve the OpenAI API with uvicorn.
+
+Binds loopback unless told otherwise. On SIGINT/SIGTERM uvicorn stops accepting connections and waits up to
+`--grace` seconds for running requests to finish; whatever still runs then is cancelled (its engine stream freed),
+and the engine thread stops. Also runnable alone: `python -m moelane.server.commands serve ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from moelane.cli import add_model_args
+    from moelane.lanes.config import DRAFTERS
+
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                              "/metrics (Prometheus) over the lanes engine.")  # fmt: skip
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the folder's name)")
+    p.add_argument("--drafter", choices=DRAFTERS, default="recall",
+                   help="how the engine drafts tokens to verify (default recall)")  # fmt: skip
+    p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
+                   help="shared guard that turns drafting off where it does not pay (auto: engine's)")  # fmt: skip
+    p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16)")
+    p.add_argument("--max-depth", type=int, default=8, help="most draft tokens per stream and round (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a stream slot; beyond that: 429 (default 64)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
+    p.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="seconds a request may wait for its next token, queueing included (default 120)")  # fmt: skip
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds running requests get to finish on shutdown (default 30)")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=cmd_serve)
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The app for these arguments (loads the model, builds the engine; the app's lifespan starts it)."""
+    from moelane.cli import load_model
+    from moelane.lanes.config import EngineConfig
+    from moelane.lanes.engine import Engine
+    from moelane.server.app import create_app
+    from moelane.server.cost import pager_hooks
+    from moelane.server.generation import Limits
+
+    lm = load_model(args)
+    if hasattr(lm.provider, "attach"):
+        lm.provider.attach(lm)
+    max_rows = 256
+    if hasattr(lm.provider, "max_rows"):
+        max_rows = max(args.max_streams, min(max_rows, lm.provider.max_rows(lm.args.num_experts_per_tok)))
+    guard = {"auto": None, "on": True, "off": False}[args.guard]
+    config = EngineConfig(drafter=args.drafter, guard=guard, max_streams=args.max_streams,
+                          max_depth=args.max_depth, max_rows=max_rows)  # fmt: skip
+    engine = Engine(lm, config)
+    cost_of, pager_stats = pager_hooks(lm)
+    name = args.served_model_name or Path(lm.folder).name
+    limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
+    return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
+                      pager_stats=pager_stats)  # fmt: skip
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build(args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.grace)  # fmt: skip
+    name = app.state.moelane.model_name
+    log.warning("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (the `moelane` CLI normally wires `serve` in)."""
+    from moelane.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""What each request cost the expert pager, for the `moelane` extension field and the metrics.
+
+The lanes engine runs many streams in one forward pass, so a pass's pager work (experts read, bytes, time waiting
+for reads) belongs to all of them together. `PagerLedger` is a routing observer: after each pass it takes the store's
+counters, and charges what changed since the previous pass to the streams in that pass in proportion to their rows.
+The shares of one pass add up to that pass's work, so the requests' costs add up to the store's totals.
+
+Invariants: reads the store's counters only (never its lock or slots); keeps at most `max_entries` streams' costs
+(the oldest are dropped); without an expert store every cost is zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from moelane.server.protocol import PagerCost
+
+Snapshot = tuple[int, int, float]  # experts read, bytes read, stall seconds
+
+
+def snapshot(stats: Any) -> Snapshot:
+    """Totals of a `moelane.pager.stats.PagerStats` (copied with C-level dict copies, safe against its writers)."""
+    reads, bytes_read = dict(stats.reads), dict(stats.bytes_read)
+    stall = sum(c.stall_s for c in list(stats.by_phase.values()))
+    return sum(reads.values()), sum(bytes_read.values()), stall
+
+
+class PagerLedger:
+    """A routing observer charging each pass's pager work to its streams; `cost_of(stream)` reads a stream's bill."""
+
+    def __init__(self, store: Any, max_entries: int = 4096) -> None:
+        self.store, self.max_entries = store, max_entries
+        self._lock = threading.Lock()
+        self._last = snapshot(store.stats)
+        self._bills: OrderedDict[int, list[float]] = OrderedDict()
+
+    def observe(self, record: Any) -> None:
+        now = snapshot(self.store.stats)
+        delta = [a - b for a, b in zip(now, self._last, strict=True)]
+        self._last = now
+        rows = Counter(record.stream_ids)
+        n_rows = sum(rows.values())
+        if not n_rows or not any(delta):
+            return
+        with self._lock:
+            for stream_id, n in rows.items():
+                bill = self._bills.setdefault(stream_id, [0.0, 0.0, 0.0])
+                for i, d in enumerate(delta):
+                    bill[i] += d * n / n_rows
+            while len(self._bills) > self.max_entries:
+                self._bills.popitem(last=False)
+
+    def cost_of(self, stream: Any) -> PagerCost:
+        with self._lock:
+            experts, n_bytes, stall = self._bills.get(stream.id, (0.0, 0.0, 0.0))
+        return PagerCost(experts_fetched=round(experts), bytes_fetched=round(n_bytes), stall_ms=stall * 1000)
+
+
+def pager_hooks(lm: Any) -> tuple[Callable[[Any], PagerCost] | None, Callable[[], dict[str, Any]] | None]:
+    """(cost_of, pager_stats) for an LM whose provider is an expert store (attaching a ledger), else (None, None)."""
+    store = lm.provider
+    if not hasattr(store, "stats") or not hasattr(store.stats, "bytes_read"):
+        return None, None
+    ledger = PagerLedger(store)
+    lm.observers.append(ledger)
+    return ledger.cost_of, store.stats.to_dict
