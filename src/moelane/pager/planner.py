@@ -82,6 +82,7 @@ class Planner:
         self.bandit = DecayBandit(self.n_ids, config.arms, config.reward_rate)
         self.budget_bytes = config.budget_bytes
         self.plan: Plan | None = None
+        self._last_pins: IntArray = np.zeros(0, np.int64)
         self._since_rewrite = 0
         self._new_request(None)
 
@@ -108,22 +109,24 @@ class Planner:
         """Fold in one forward pass; return a plan when one is published."""
         c = self.config
         flat = token_flat_ids(segment.expert_ids, c.n_experts).reshape(segment.n_tokens, -1)
-        union = np.unique(flat)
+        single = segment.n_tokens == 1  # one token's ids are distinct: no unique needed
+        size = flat.shape[1] if single else int(np.unique(flat).size)
         self._maybe_new_request(segment)
         if self.budget_bytes is None:
-            self.budget_bytes = max(1, math.ceil(1.5 * union.size)) * c.tier_bytes[c.default_tier]
-        published = self._boundary() if self._is_boundary(segment, int(union.size)) else None
+            self.budget_bytes = max(1, math.ceil(1.5 * size)) * c.tier_bytes[c.default_tier]
+        published = self._boundary() if self._is_boundary(segment, size) else None
         self.bandit.observe(flat, self.budget_slots)
         if not self.at_decode:
             self._prefill_counts += np.bincount(flat.reshape(-1), minlength=self.n_ids)
-            self._prefill_tail = union
+            self._prefill_tail = np.unique(flat)
         self._since_rewrite += 1
         if published is None and self._since_rewrite >= c.rewrite_every:
             published = self._rewrite()
         return published
 
     def _maybe_new_request(self, segment: Segment) -> None:
-        streams = frozenset(np.unique(segment.stream_ids).tolist())
+        sids = segment.stream_ids
+        streams = frozenset((int(sids[0]),) if sids.size == 1 else np.unique(sids).tolist())
         labelled_restart = segment.phase == "prefill" and self.at_decode
         unlabelled_restart = segment.phase in ("unknown", "mixed") and self._streams not in (None, streams)
         if labelled_restart or unlabelled_restart:
@@ -148,18 +151,31 @@ class Planner:
 
     def _rewrite(self) -> Plan | None:
         self._since_rewrite = 0
-        plan = self._make_plan(with_warm=False)
+        pin_ids = self._pin_ids()
+        if self.plan is not None and np.array_equal(pin_ids, self._last_pins) and self._same_budget():
+            return None
+        plan = self._make_plan(with_warm=False, pin_ids=pin_ids)
         if plan.same_residency(self.plan):
             return None
         self.plan = plan
         return plan
 
-    def _make_plan(self, with_warm: bool) -> Plan:
+    def _pin_ids(self) -> IntArray:
+        """The serving arm's top experts, at most half the budget (sorted by rank)."""
         c = self.config
         assert self.budget_bytes is not None
         pin_bytes = c.tier_bytes[c.default_tier if c.pin_tier is None else c.pin_tier]
         n_pins = min(c.n_pins, (self.budget_bytes // 2) // pin_bytes)
-        pin_ids = self.bandit.boards.top(self.bandit.best_arm, n_pins) if n_pins else np.zeros(0, np.int64)
+        return self.bandit.boards.top(self.bandit.best_arm, n_pins) if n_pins else np.zeros(0, np.int64)
+
+    def _same_budget(self) -> bool:
+        return self.plan is not None and self.plan.budget_bytes == self.budget_bytes
+
+    def _make_plan(self, with_warm: bool, pin_ids: IntArray | None = None) -> Plan:
+        c = self.config
+        assert self.budget_bytes is not None
+        pin_ids = self._pin_ids() if pin_ids is None else pin_ids
+        self._last_pins = pin_ids
         per_token = c.n_layers * c.top_k
         window_k = max(1, (self.budget_slots - pin_ids.size) // per_token)
         E = c.n_experts

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moelane.errors import MoelaneError
+from moelane.pager.lrutoken import lru_token
 from moelane.pager.plan import Plan
 from moelane.pager.trace import IntArray, Segment, Trace, TraceHeader, token_flat_ids
 
@@ -247,40 +248,30 @@ class Simulator:
         return stall
 
     def _token_fast(self, flat: IntArray, phase: PhaseStats) -> float | None:
-        """Whole decode token at once (LRU-keyed policies); None when it could differ from step by step."""
+        """Whole decode token at once (LRU-keyed policies), exactly as step by step; None: run the steps."""
         n_layers = flat.shape[1]
         ids = flat.reshape(-1)
-        hit = self.resident[ids]
-        miss = ids[~hit]
-        victims = np.zeros(0, np.int64)
-        if miss.size:
-            need = int(self.tier_units[self.load_tier[miss]].sum())
-            over = self.used + need - self.capacity
-            if over > 0:
-                found = self._victims(over, ids, allow_hard=False)
-                if found is None:
-                    return None
-                victims = found
-                top = int(self.lru_key(victims).max())
-                hit_keys = self.lru_key(ids[hit])
-                fresh_floor = self.step * self.resident.size
-                if top >= fresh_floor or (hit_keys.size and int(hit_keys.min()) < top):
-                    return None
-        self._evict(victims)
-        need_units = self.tier_units[self.load_tier[miss]]
+        load_units = self.tier_units[self.load_tier[ids]]
+        free = self.capacity - self.used
+        out = lru_token(flat[0], self.resident, self.hard, self.units, load_units, self.last, self.bias, free)
+        if out is None:
+            return None
+        self._evict(out.evicted)
+        miss = ids[~out.hit]
         self.resident[miss] = True
-        self.units[miss] = need_units
-        self.used += int(need_units.sum())
-        miss_bytes = self.tier_bytes[self.load_tier[ids]] * ~hit
-        per_layer = miss_bytes.reshape(n_layers, -1).sum(axis=1)
+        self.units[miss] = load_units[~out.hit]
+        self.used += int(load_units[~out.hit].sum())
+        assert self.capacity - self.used == out.free_after
+        per_layer = (self.tier_bytes[self.load_tier[ids]] * ~out.hit).reshape(n_layers, -1).sum(axis=1)
         phase.accesses += ids.size
-        phase.hits += int(hit.sum())
+        phase.hits += int(out.hit.sum())
         phase.bytes += int(per_layer.sum())
         self.last[flat[0]] = self.step + np.arange(n_layers, dtype=np.int64)[:, None]
         self.step += n_layers
-        for layer in range(n_layers):
-            self.policy.on_step(flat[0, layer], layer, flat)
-        return self.cost.stall(float(per_layer.sum()), int((per_layer > 0).sum()))
+        if type(self.policy).on_step is not Policy.on_step:
+            for layer in range(n_layers):
+                self.policy.on_step(flat[0, layer], layer, flat)
+        return float((per_layer > 0).sum() * self.cost.latency + per_layer.sum() / self.cost.bandwidth)
 
     def run_segment(self, seg: Segment, pos: int) -> None:
         flat = token_flat_ids(seg.expert_ids, self.header.n_experts)
