@@ -164,10 +164,11 @@ def main() -> None:
             f"{h.n_experts} experts, top-{h.top_k}, {h.expert_bytes} bytes per expert; git {git_rev()}. Cost model: "
             f"{cost.bandwidth / 1e9:.2f} GB/s, {cost.latency * 1e6:.0f} us per batched fetch, compute floor "
             f"{cost.compute_floor * 1e3:.2f} ms/token.")  # fmt: skip
+    warm_title = "### Warm start: decode hit rate over the first 32 decode tokens of each request"
+    bandit_title = "### Decay bandit: prediction hit rate of the top-`pool` experts (decode)"
+    traces = {"default model": trace, "synthetic, phase shift every 96 tokens": shift}
     sections = [meta, "", "### Coverage", "", *coverage_table(report), "", "### Policies by pool size", "", *table,
-                "", "### Warm start: decode hit rate over the first 32 decode tokens of each request", "",
-                *warm_table(results), "", "### Decay bandit: prediction hit rate of the top-`pool` experts (decode)",
-                "", *bandit_table({"default model": trace, "synthetic, phase shift every 96 tokens": shift})]  # fmt: skip
+                "", warm_title, "", *warm_table(results), "", bandit_title, "", *bandit_table(traces)]  # fmt: skip
     write_doc(sections)
     for (spec, f), r in results.items():
         print(json.dumps({"git": git_rev(), "trace": a.trace, "policy": spec, "fraction": f, **r.to_dict()}))

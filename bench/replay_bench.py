@@ -65,8 +65,8 @@ def main() -> None:
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         d = r.to_dict()
         print(json.dumps({**base, "what": "replay", "policy": spec, "slots": slots, "fraction": a.fraction,
-                          "seconds": secs, "cpu_s": cpu, "loadavg_1m": os.getloadavg()[0], "decode_hit_rate": d["decode_hit_rate"],
-                          "prefill_hit_rate": d["prefill"]["hit_rate"]}), flush=True)  # fmt: skip
+                          "seconds": secs, "cpu_s": cpu, "loadavg_1m": os.getloadavg()[0],
+                          "decode_hit_rate": d["decode_hit_rate"], "prefill_hit_rate": d["prefill"]["hit_rate"]}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Scores live in one float32 array [A, M] (A decay arms, M = L * E flat expert ids `layer * E + expert`; float32
 because numpy partitions it several times faster than float64, and the bandit partitions every token). Per token every
 score is multiplied by its arm's decay d, then +1 for each expert the token routed to: d = 0 is last-token recency,
-d = 0.99 nearly frequency. A segment of T tokens is folded in token by token, in closed form: s <- d^T s + sum_t d^(T-1-t) a_t.
+d = 0.99 nearly frequency. A segment of T tokens is folded in token by token, in closed form:
+s <- d^T s + sum_t d^(T-1-t) a_t.
 
 Bandit: before each segment is folded in, every arm predicts its top-`budget` experts from its current state and is
 rewarded with the fraction of the segment's distinct experts that prediction covered: reward <- (1 - r) reward + r hit,
