@@ -64,9 +64,10 @@ def main() -> None:
         r = replay(trace, make_policy(spec), slots)
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         d = r.to_dict()
-        print(json.dumps({**base, "what": "replay", "policy": spec, "slots": slots, "fraction": a.fraction,
-                          "seconds": secs, "cpu_s": cpu, "loadavg_1m": os.getloadavg()[0],
-                          "decode_hit_rate": d["decode_hit_rate"], "prefill_hit_rate": d["prefill"]["hit_rate"]}), flush=True)  # fmt: skip
+        row = {"what": "replay", "policy": spec, "slots": slots, "fraction": a.fraction, "seconds": secs, "cpu_s": cpu,
+               "loadavg_1m": os.getloadavg()[0], "decode_hit_rate": d["decode_hit_rate"],
+               "prefill_hit_rate": d["prefill"]["hit_rate"]}  # fmt: skip
+        print(json.dumps({**base, **row}), flush=True)
 
 
 if __name__ == "__main__":
