@@ -82,3 +82,17 @@ def test_recorder_writes_one_segment_per_pass(tmp_path: Path) -> None:
     assert t.seg_phase == ("prefill", "decode")
     assert np.array_equal(t.expert_ids, torch.cat(passes, dim=1).permute(1, 0, 2).numpy())
     assert set(t.stream_ids.tolist()) == {7}
+
+
+def test_plot_needs_matplotlib_or_writes_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "t.trc"
+    write_trace(path, small_trace(0))
+    out = tmp_path / "sweep.png"
+    argv = ["trace", "replay", str(path), "--sweep", "--policy", "lru", "--plot", str(out), "--json"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(MoelaneError):
+            run(argv)
+        return
+    assert run(argv) == 0 and out.stat().st_size > 0
