@@ -31,7 +31,7 @@ def reference_roundtrip(w: np.ndarray, bits: int, group: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("tier", [1, 2])
-@pytest.mark.parametrize("cols", [64, 100, 24])
+@pytest.mark.parametrize("cols", [64, 100, 24, 96])
 def test_roundtrip_matches_brute_force(tier: int, cols: int) -> None:
     fmt = FORMATS[tier]
     g = torch.Generator().manual_seed(tier * 1000 + cols)
@@ -41,11 +41,11 @@ def test_roundtrip_matches_brute_force(tier: int, cols: int) -> None:
     assert codes.dtype == torch.uint8 and codes.numel() == fmt.code_bytes(7, cols)
     assert scales.dtype == torch.float16 and scales.shape == (7, fmt.n_groups(cols))
     got = dequantize(codes, scales, cols, fmt)
-    want = reference_roundtrip(w.numpy(), fmt.bits, fmt.group)
+    want = reference_roundtrip(w.numpy(), fmt.bits, fmt.group_for(cols))
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-7)
     assert torch.all(got[3] == 0)
     # rounding error is at most half a step of the group's scale
-    step = scales.float().repeat_interleave(fmt.group, dim=1)[:, :cols]
+    step = scales.float().repeat_interleave(fmt.group_for(cols), dim=1)[:, :cols]
     assert torch.all((got - w).abs() <= step / 2 + 1e-6)
 
 
@@ -63,6 +63,7 @@ def test_blob_sizes_and_savings() -> None:
     assert int8 == 3 * 2048 * 768 * (1 + 2 / 64)
     assert int4 == 3 * 2048 * 768 * (0.5 + 2 / 32)
     assert 0.51 < int8 / bf16_bytes < 0.52 and 0.28 < int4 / bf16_bytes < 0.29
+    assert FORMATS[1].group_for(96) == 32 and FORMATS[1].group_for(100) == 64 and FORMATS[2].group_for(48) == 16
     codec = ExpertCodec(2, 24, 48)
     w13, w2 = torch.randn(48, 48), torch.randn(48, 24)
     blob = codec.encode(w13, w2)

@@ -31,7 +31,7 @@ from moelane.model.loader import DTYPES, ExpertHandle, TensorRef
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec
 
 log = logging.getLogger(__name__)
-TIER_FILE_VERSION = 1
+TIER_FILE_VERSION = 2  # bump whenever the blob layout changes (2: adaptive group size)
 
 
 class ExpertReadError(MoelaneError):

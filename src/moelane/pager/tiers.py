@@ -2,7 +2,8 @@
 
 Quantisation is symmetric and group-wise along each weight row (the input dimension), one float16 scale per group:
 int8 uses groups of 64 and codes in [-127, 127]; int4 groups of 32 and codes in [-7, 7], two codes per byte (low
-nibble first), stored offset by 8. A row whose length is not a multiple of the group is zero-padded for the scales.
+nibble first), stored offset by 8. A row whose length is not a multiple of the group uses half or a quarter of it
+when that divides the row (at least 16), else is zero-padded to whole groups.
 Quantisation happens once per expert (see `storage.TierFile`); the resident pool always holds the compute dtype, so
 an expert is dequantised when it is admitted. What a lower tier saves is therefore storage, host RAM and bytes read
 per miss -- never pool bytes -- and it costs the rounding error measured as held-out perplexity (docs/pager.md).
@@ -46,11 +47,18 @@ class QuantFormat:
     def qmax(self) -> int:
         return 127 if self.bits == 8 else 7
 
+    def group_for(self, cols: int) -> int:
+        """The group used for rows of `cols` weights: `group`, or half or a quarter of it if that divides the row."""
+        for g in (self.group, self.group // 2, self.group // 4):
+            if g >= 16 and g % 2 == 0 and cols % g == 0:
+                return g
+        return self.group
+
     def n_groups(self, cols: int) -> int:
-        return -(-cols // self.group)
+        return -(-cols // self.group_for(cols))
 
     def code_bytes(self, rows: int, cols: int) -> int:
-        padded = self.n_groups(cols) * self.group
+        padded = self.n_groups(cols) * self.group_for(cols)
         return rows * padded * self.bits // 8
 
     def scale_bytes(self, rows: int, cols: int) -> int:
@@ -63,8 +71,8 @@ FORMATS: dict[int, QuantFormat] = {1: QuantFormat(8, 64), 2: QuantFormat(4, 32)}
 def quantize(w: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, C] float -> (codes uint8 [R * padded * bits / 8], scales float16 [R, G])."""
     rows, cols = w.shape
-    n_groups = fmt.n_groups(cols)
-    wf = torch.nn.functional.pad(w.float(), (0, n_groups * fmt.group - cols)).view(rows, n_groups, fmt.group)
+    n_groups, group = fmt.n_groups(cols), fmt.group_for(cols)
+    wf = torch.nn.functional.pad(w.float(), (0, n_groups * group - cols)).view(rows, n_groups, group)
     amax = wf.abs().amax(dim=-1)
     scales = (amax / fmt.qmax).clamp(max=65504.0).to(torch.float16)
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)  # all-zero groups (or underflow) code as 0
@@ -82,8 +90,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, cols: int, fmt: QuantF
         values = codes.view(torch.int8).float()
     else:
         values = torch.stack([(codes & 0x0F), (codes >> 4)], dim=-1).reshape(-1).float() - 8.0
-    w = values.view(rows, n_groups, fmt.group) * scales.float()[..., None]
-    return w.reshape(rows, n_groups * fmt.group)[:, :cols]
+    group = fmt.group_for(cols)
+    w = values.view(rows, n_groups, group) * scales.float()[..., None]
+    return w.reshape(rows, n_groups * group)[:, :cols]
 
 
 @dataclass(frozen=True, slots=True)
