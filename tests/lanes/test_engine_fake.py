@@ -107,7 +107,12 @@ def test_chunked_prefill_shares_a_round_with_decoding() -> None:
     engine, target = make("none", max_streams=2, prefill_chunk=4)
     seen = []
     forward = target.forward
-    target.forward = lambda rows: seen.append([len(r.token_ids) for r in rows]) or forward(rows)  # type: ignore[method-assign]
+    target.forward = lambda rows, last_only=False: (
+        seen.append([len(r.token_ids) for r in rows])
+        or forward(  # type: ignore[method-assign]
+            rows, last_only
+        )
+    )
     a = engine.submit([1, 2, 3], max_tokens=20)
     engine.step()
     b = engine.submit(list(range(1, 15)), max_tokens=5)

@@ -190,7 +190,7 @@ class ModelDrafter:
         while active:  # one batched draft pass per draft level
             feeds = {i: self._feed(lanes[i], caches[i], out[i]) for i in active}
             rows = [Rows(caches[i].cache, feeds[i], caches[i].n_fed + len(caches[i].fed), lanes[i].id) for i in active]
-            logits = self.draft.forward(rows)
+            logits = self.draft.forward(rows, last_only=True)
             still = []
             for i, lg in zip(active, logits, strict=True):
                 dc = caches[i]

@@ -65,7 +65,9 @@ class Target(Protocol):
 
     def cache_for(self, n_prompt: int, max_tokens: int) -> Any: ...
 
-    def forward(self, rows: list[Rows]) -> list[torch.Tensor]: ...
+    def forward(self, rows: list[Rows], last_only: bool = False) -> list[torch.Tensor]:
+        """Logits [n_i, vocab] per stream, or [1, vocab] of each stream's last row if `last_only`."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,13 +216,14 @@ class Engine:
 
     def _forward(self, windows: list[Window]) -> list[torch.Tensor]:
         rows = [w.rows() for w in windows]
+        last_only = not any(w.drafts for w in windows)  # then only each stream's last row is read
         t0 = self.clock.now()
         if self._pool is not None:
-            pending = self._pool.submit(self.target.forward, rows)
+            pending = self._pool.submit(self.target.forward, rows, last_only)
             self._admit()  # host work that does not depend on this pass
             logits = pending.result()
         else:
-            logits = self.target.forward(rows)
+            logits = self.target.forward(rows, last_only)
         if self.config.timed:
             self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0)
         for w in windows:

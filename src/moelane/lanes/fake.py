@@ -76,7 +76,7 @@ class FakeTarget:
     def cache_for(self, n_prompt: int, max_tokens: int) -> FakeCache:
         return FakeCache(n_prompt + max_tokens)
 
-    def forward(self, rows: Sequence[Rows]) -> list[torch.Tensor]:
+    def forward(self, rows: Sequence[Rows], last_only: bool = False) -> list[torch.Tensor]:
         out = []
         for r in rows:
             cache = cast(FakeCache, r.cache)
@@ -86,7 +86,8 @@ class FakeTarget:
                 cache.tokens[p] = tok
                 cache.prefix[p] = mix(cache.prefix[p - 1] if p else mix(self.seed, 0x5EED), tok + 1)
             cache.length = r.start + len(r.token_ids)
-            out.append(torch.stack([self._logits(cache, r.start + i) for i in range(len(r.token_ids))]))
+            first = len(r.token_ids) - 1 if last_only else 0
+            out.append(torch.stack([self._logits(cache, r.start + i) for i in range(first, len(r.token_ids))]))
         n_rows = sum(len(r.token_ids) for r in rows)
         self.n_passes += 1
         self.n_rows += n_rows

@@ -71,10 +71,11 @@ def plan_windows(chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: Pric
 
 
 def verify(window: Window, logits: torch.Tensor) -> list[int]:
-    """The committed tokens of a window, from its logits [rows, vocab]."""
+    """The committed tokens of a window, from its logits [rows, vocab] (or only the rows from its last fed token on,
+    as a pass with `last_only` gives when no window holds drafts)."""
     if not window.commits:
         return []
-    lane, first = window.lane, len(window.feed) - 1
+    lane, first = window.lane, logits.shape[0] - 1 - len(window.drafts)
     position = len(lane.tokens)
     if lane.params.greedy:
         model_ids: list[int] = logits[first:].argmax(-1).tolist()

@@ -1,0 +1,144 @@
+"""Lanes engine throughput: aggregate tokens/s at 1, 2, 4, 8, 16 streams, plain / always-drafted / guarded, on
+copy-heavy prompts (repeat or edit a given text) and on open generation; all in one run, with the ratios the issue
+asks for and a token-identity check of every reply against plain mode.
+
+Each cell is a fresh `Engine` on one loaded model: N streams, each with a different prompt, greedy, `--tokens`
+tokens each (no EOS stop, so every cell does the same work), timed from the first submit to idle. Prints one JSON
+line per cell and a summary line.
+
+    python bench/lanes_bench.py --tokens 128 --drafter copy
+    python bench/lanes_bench.py --model PATH --drafter model --draft PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODULES = ["json", "csv", "argparse", "textwrap", "collections", "functools", "itertools", "pathlib", "logging",
+           "unittest", "string", "random", "heapq", "bisect", "shutil", "pickle", "typing", "subprocess"]  # fmt: skip
+MODES = {"plain": dict(drafter="none"), "drafted": dict(guard=False), "guarded": dict(guard=True)}
+
+
+def git_rev() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def passages(n: int, chars: int = 500) -> list[str]:
+    """`n` different passages of text every Python install has: standard library module docstrings."""
+    out = []
+    for name in MODULES * (n // len(MODULES) + 1):
+        doc = " ".join((importlib.import_module(name).__doc__ or name).split())
+        out.append(doc[len(out) // len(MODULES) * 50 :][:chars])
+    return out[:n]
+
+
+def prompts(tokenizer: Any, workload: str, n: int) -> list[list[int]]:
+    texts = passages(n)
+    if workload == "copy":  # repeat (or edit) a given text: the reply is mostly in the prompt
+        made = [
+            f"{t}\n\nThe same text again, word for word:\n\n{t[:60]}" if i % 2 == 0
+            else f"{t}\n\nThe same text with every 'the' in capitals:\n\n{t[:60].replace('the', 'THE')}"
+            for i, t in enumerate(texts)
+        ]  # fmt: skip
+    else:  # open generation: the first sentence of a passage and nothing to copy
+        made = [t.split(". ")[0] + "." for t in texts]
+    return [tokenizer.encode(m) for m in made]
+
+
+def run_cell(lm: Any, draft: Any, config: dict[str, Any], batch: list[list[int]], tokens: int) -> dict[str, Any]:
+    from moelane.lanes import Engine, EngineConfig
+
+    engine = Engine(lm, EngineConfig(**config), draft=draft)
+    t0 = time.perf_counter()
+    streams = [engine.submit(p, max_tokens=tokens, stop_token_ids=None) for p in batch]
+    engine.run_until_idle()
+    seconds = time.perf_counter() - t0
+    stats = engine.stats()
+    n_tokens = sum(len(s.token_ids) for s in streams)
+    return {
+        "tok_s": n_tokens / seconds, "seconds": seconds, "tokens": n_tokens, "rounds": stats.rounds,
+        "holds": stats.holds, "accepted": stats.accepted, "guard": stats.guard_modes,
+        "replies": [s.token_ids for s in streams],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the shipped model)")
+    ap.add_argument("--draft", default=None, help="draft model folder for --drafter model (default: shipped)")
+    ap.add_argument("--drafter", default="copy", choices=["copy", "recall", "model"])
+    ap.add_argument("--streams", default="1,2,4,8,16")
+    ap.add_argument("--workloads", default="copy,open")
+    ap.add_argument("--modes", default="plain,drafted,guarded")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--max-depth", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import moelane
+
+    lm = moelane.load(args.model)
+    draft = None
+    if args.drafter == "model":
+        from moelane.lanes.engine import load_draft_model
+
+        draft = moelane.load(args.draft) if args.draft else load_draft_model()
+    # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead
+    lm.eos_ids = frozenset()
+    setting = {"model": args.model or "shipped", "drafter": args.drafter, "tokens": args.tokens, "rev": git_rev(),
+               "threads": torch.get_num_threads(), "max_depth": args.max_depth}  # fmt: skip
+    print(json.dumps({"event": "setting", **setting}), flush=True)
+    counts = [int(x) for x in args.streams.split(",")]
+    results: dict[tuple[str, int, str], float] = {}
+    mismatches = 0
+    run_cell(lm, draft, dict(drafter="none"), prompts(lm.tokenizer, "open", 1), 8)  # warm up
+    for workload in args.workloads.split(","):
+        batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
+        for n in counts:
+            plain_replies = None
+            for mode in args.modes.split(","):
+                config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
+                cell = run_cell(lm, draft, config, batches[n], args.tokens)
+                replies = cell.pop("replies")
+                if plain_replies is None:
+                    plain_replies = replies
+                same = replies == plain_replies
+                mismatches += not same
+                results[(workload, n, mode)] = cell["tok_s"]
+                print(json.dumps({"event": "cell", "workload": workload, "streams": n, "mode": mode,
+                                  "same_replies": same, **cell}), flush=True)  # fmt: skip
+    print(json.dumps({"event": "summary", **setting, "mismatches": mismatches, **ratios(results, counts)}), flush=True)
+
+
+def ratios(results: dict[tuple[str, int, str], float], counts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for workload in ("copy", "open"):
+        r = {k[1:]: v for k, v in results.items() if k[0] == workload}
+        if (1, "plain") in r and (8, "plain") in r:
+            out[f"{workload}_plain_8_over_1"] = round(r[(8, "plain")] / r[(1, "plain")], 2)
+        if (1, "plain") in r and (1, "drafted") in r:
+            out[f"{workload}_drafted_over_plain_at_1"] = round(r[(1, "drafted")] / r[(1, "plain")], 2)
+        guarded = {}
+        for n in counts:
+            if all((n, m) in r for m in ("plain", "drafted", "guarded")):
+                guarded[n] = round(r[(n, "guarded")] / max(r[(n, "plain")], r[(n, "drafted")]), 2)
+        if guarded:
+            out[f"{workload}_guarded_over_best"] = guarded
+        out[f"{workload}_tok_s"] = {f"{n}/{m}": round(v, 1) for (n, m), v in sorted(r.items())}
+    return out
+
+
+if __name__ == "__main__":
+    main()
