@@ -32,7 +32,13 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ w.T + b`, batch-invariant: rows are computed in tiles of TILE whatever their count."""
+    """`x @ w.T + b`, batch-invariant: rows are computed in tiles of TILE whatever their count.
+
+    Under torch.compile it is written as a fixed-order reduction instead, which the compiler fuses into one kernel at
+    the memory roofline (a matrix-vector product through the BLAS reaches about half of it here; ANCHORS.md)."""
+    if torch.compiler.is_compiling():
+        y = (x[:, None, :] * w[None]).sum(-1)
+        return y if b is None else y + b
     n = x.shape[0]
     return F.linear(pad_rows(x), w, b)[:n]
 
@@ -174,13 +180,13 @@ def attend(
     the `window` keys ending at its own position.
     """
     n, n_heads = q.shape[0], q.shape[1]
-    group = n_heads // k.shape[0]
-    capacity = k.shape[1]
+    n_kv, capacity = k.shape[0], k.shape[1]
     qh = pad_rows(q.transpose(0, 1))  # [Hq, n8, D]
-    kk = k.repeat_interleave(group, dim=0)  # [Hq, C, D]
-    vv = v.repeat_interleave(group, dim=0)
+    n8 = qh.shape[1]
+    # Query heads sharing a KV head are stacked as rows (whole tiles), so K/V are never copied per head.
+    qg = qh.reshape(n_kv, -1, qh.shape[2])  # [Hkv, group * n8, D]
     # Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention in bf16.
-    scores = (torch.matmul(qh, kk.transpose(1, 2)) * scale).float()  # [Hq, n8, C]
+    scores = (torch.matmul(qg, k.transpose(1, 2)) * scale).float().view(n_heads, n8, capacity)  # [Hq, n8, C]
     key_pos = torch.arange(capacity, device=q.device)
     row_pos = F.pad(positions, (0, qh.shape[1] - n), value=-1)
     mask = key_pos[None, :] <= row_pos[:, None]  # [n8, C]
@@ -188,7 +194,7 @@ def attend(
         mask = mask & (key_pos[None, :] > row_pos[:, None] - window)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
-    out = torch.matmul(probs, vv)  # [Hq, n8, Dv]
+    out = torch.matmul(probs.view(n_kv, -1, capacity), v).view(n_heads, n8, -1)  # [Hq, n8, Dv]
     return out[:, :n].transpose(0, 1)  # [n, Hq, Dv]
 
 
