@@ -19,7 +19,7 @@ from moelane.errors import InputError, MoelaneError
 log = logging.getLogger("moelane")
 
 # Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
-SUBCOMMANDS = ("moelane.server.commands", "moelane.pager.commands", "moelane.bench_commands")
+SUBCOMMANDS = ("moelane.server.commands", "moelane.pager.commands", "moelane.benchmark")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     add_run_parser(sub)
     for module in SUBCOMMANDS:
-        try:
-            add = importlib.import_module(module).add_parser
-        except (ImportError, AttributeError):  # an area that is not built yet
-            continue
-        add(sub)
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
