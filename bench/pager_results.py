@@ -4,8 +4,10 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/pager_results.py                           # tables from the fixtures
 
 Records tests/fixtures/traces/default.trc from the prompts in tests/fixtures/traces/prompts.jsonl (code, prose, play
-interleaved; prefill in chunks of 64 as the engine does; 96 greedy tokens each), then writes the generated section of
-docs/pager-results.md (between the GENERATED markers) and prints JSON lines with config and git revision.
+interleaved; prefill in chunks of 64 as the engine does; 96 tokens each, sampled at temperature 0.8, top-p 0.95 with
+a fixed seed per request: greedy decoding of a small model loops, which would flatter every recency policy), then
+writes the generated section of docs/pager-results.md (between the GENERATED markers) and prints JSON lines with
+config and git revision.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def record(model: str | None, out: Path) -> None:
     from moelane.pager.commands import cmd_record
 
     args = argparse.Namespace(prompts=str(FIXTURES / "prompts.jsonl"), out=str(out), model=model, max_tokens=96,
-                              prefill_chunk=64)  # fmt: skip
+                              prefill_chunk=64, temperature=0.8, seed=0)  # fmt: skip
     cmd_record(args)
 
 

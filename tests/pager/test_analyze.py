@@ -65,3 +65,22 @@ def test_cooccurrence_learns_a_deterministic_transition() -> None:
         pred.observe(b, a)
     assert set(pred.predict(a, 2)[0].tolist()) == {2, 3}
     assert pred.predict(np.array([[4, 0]]), 3)[0].tolist()[:2] in ([2, 3], [3, 2])
+
+
+def test_lookahead_stats_scores_a_perfect_and_a_useless_router() -> None:
+    from moelane.pager.predict import lookahead_stats
+
+    rng = np.random.default_rng(0)
+    n_tokens, n_layers, n_experts, k = 6, 3, 8, 2
+    routed = np.stack(
+        [np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_layers)]) for _ in range(n_tokens)]
+    )
+    gates = [np.eye(n_experts) for _ in range(n_layers)]
+    hidden = [np.zeros((n_tokens, n_experts)) for _ in range(n_layers)]
+    for t in range(n_tokens):
+        for layer in range(n_layers - 1):
+            hidden[layer][t, routed[t, layer + 1]] = 1.0  # layer l's state points at layer l+1's experts
+    perfect = lookahead_stats(hidden, gates, routed)
+    assert perfect["recall"] == 1.0 and perfect["n_tokens"] == n_tokens - 1
+    useless = lookahead_stats(hidden, [-g for g in gates], routed)
+    assert useless["recall"] == 0.0

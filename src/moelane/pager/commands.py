@@ -34,6 +34,8 @@ def add_parser(subparsers: Any) -> None:
     rec.add_argument("--model", default=None, help="model folder (default: the shipped default model)")
     rec.add_argument("--max-tokens", type=int, default=64)
     rec.add_argument("--prefill-chunk", type=int, default=64)
+    rec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with seed + request no.")
+    rec.add_argument("--seed", type=int, default=0)
     rec.set_defaults(func=cmd_record)
 
     an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles")
@@ -88,7 +90,11 @@ def cmd_record(args: argparse.Namespace) -> int:
             ids = lm.tokenizer.encode(req["prompt"])
             n = int(req.get("max_tokens", args.max_tokens))
             chunk = int(req.get("prefill_chunk", args.prefill_chunk))
-            sum(1 for _ in lm.generate_ids(ids, n, SamplingParams(), prefill_chunk=chunk, stop_ids=frozenset()))
+            temperature = float(req.get("temperature", getattr(args, "temperature", 0.0)))
+            params = (
+                SamplingParams(temperature, 0.95, 0, getattr(args, "seed", 0) + i) if temperature else SamplingParams()
+            )
+            sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
     log.info("recorded %d segments of %d requests to %s", recorder.n_segments, len(requests), args.out)
     return 0
 
