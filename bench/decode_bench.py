@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers import save_model  # noqa: E402
+from tests.helpers import save_model
 
 PROMPT = [17, 4242, 99, 1234, 5678, 31000, 12, 7, 8080, 4000, 15, 16]
 
@@ -140,10 +140,14 @@ def main() -> None:
         for name, run in runners.items():
             tps = run()
             results[name].append(tps)
-            print(json.dumps({"round": r, "engine": name, "dtype": args.dtype, "decode_tok_s": round(tps, 1)}), flush=True)
+            print(
+                json.dumps({"round": r, "engine": name, "dtype": args.dtype, "decode_tok_s": round(tps, 1)}), flush=True
+            )
     medians = {name: statistics.median(v) for name, v in results.items()}
-    summary: dict[str, object] = {"summary": True, "git": git_rev(), "dtype": args.dtype, "threads": torch.get_num_threads(),
-                                  "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()}}  # fmt: skip
+    summary: dict[str, object] = {
+        "summary": True, "git": git_rev(), "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
+    }  # fmt: skip
     best = max((v for k, v in medians.items() if k.startswith("moelane")), default=None)
     for ref in ("transformers", "llama.cpp"):
         if best is not None and ref in medians:

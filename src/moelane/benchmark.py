@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 PROMPTS = (
-    "def parse_header(data):\n    \"\"\"Parse a header block.\"\"\"\n",
+    'def parse_header(data):\n    """Parse a header block."""\n',
     "To be, or not to be, that is the question:\n",
     "The quick brown fox jumps over the lazy dog. Then it ran",
     ":help windows\n\nThis chapter explains how to use",
@@ -69,8 +69,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.rounds < 1 or args.streams < 1:
         raise InputError("--tokens must be >= 2, --rounds and --streams >= 1")
     lm = load_model(args, compile=args.compile and args.streams == 1)
-    measure = (lambda: one_stream(lm, args.tokens)) if args.streams == 1 else (
-        lambda: many_streams(lm, args.streams, args.tokens, args.drafter))  # fmt: skip
+
+    def measure() -> dict[str, float]:
+        if args.streams == 1:
+            return one_stream(lm, args.tokens)
+        return many_streams(lm, args.streams, args.tokens, args.drafter)
+
     measure()  # warm-up (and compile)
     results = []
     for r in range(args.rounds):

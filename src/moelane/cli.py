@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from moelane.errors import InputError, MoelaneError
+from moelane.errors import MoelaneError
 
 log = logging.getLogger("moelane")
 
@@ -141,7 +141,9 @@ def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except MoelaneError as e:

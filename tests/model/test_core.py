@@ -134,7 +134,7 @@ def test_shape_disagrees_with_config(folder: Path, tmp_path: Path) -> None:
     config["moe_intermediate_size"] -= 1
     config["intermediate_size"] += 2  # the dense layer's MLP
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="mlp.*implies"):
+    with pytest.raises(ModelLoadError, match=r"mlp.*implies"):
         moelane.load(bad)
 
 

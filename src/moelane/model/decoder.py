@@ -12,7 +12,7 @@ A feed-forward block is called as `block(x, layer, provider, routing)`; MoE bloc
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -80,16 +80,14 @@ class Decoder(nn.Module):
     def cache_shapes(self) -> dict[int, tuple[int, int, int]]:
         return {i: self._cache_shape for i in range(len(self.model.layers))}
 
-    def forward(
-        self, tokens: torch.Tensor, batch: Batch, provider: ExpertProvider, routing: Routing
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, batch: Batch, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         """tokens [N] -> hidden [N, H]. MoE layers append their routing to `routing` in layer order."""
         x = self.model.embed_tokens(tokens)
         rope = self.rope.cos_sin(batch.positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast(list[DecoderLayer], self.model.layers)):
             x = x + layer.self_attn(layer.input_layernorm(x), i, batch, rope)
             x = x + layer.mlp(layer.post_attention_layernorm(x), i, provider, routing)
-        return self.model.norm(x)
+        return cast(torch.Tensor, self.model.norm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head.weight).float()

@@ -86,8 +86,8 @@ class LM:
             self._notify(routing, rows, phase)
         if last_only:
             picked = hidden[torch.tensor([f + n - 1 for f, n in spans])]
-            return list(self.model.logits(picked).split(1))
-        return list(self.model.logits(hidden).split([n for _, n in spans]))
+            return list(torch.split(self.model.logits(picked), 1))
+        return list(torch.split(self.model.logits(hidden), [n for _, n in spans]))
 
     def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
         if phase is None:
@@ -200,8 +200,8 @@ class Args:
         self.vocab_size: int = config["vocab_size"]
         self.hidden_size: int = config["hidden_size"]
         self.num_hidden_layers: int = config["num_hidden_layers"]
-        self.num_experts: int = config.get("num_experts") or config.get("num_local_experts") or config.get(
-            "n_routed_experts"
-        ) or 0
+        self.num_experts: int = (
+            config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+        )
         self.num_experts_per_tok: int = config.get("num_experts_per_tok") or 0
         self.max_position_embeddings: int = config.get("max_position_embeddings") or 4096

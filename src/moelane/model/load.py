@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from moelane.errors import ModelLoadError
+from moelane.model.decoder import Decoder
 from moelane.model.lm import LM
 from moelane.model.loader import (
     ExpertHandle,
@@ -76,7 +77,7 @@ def load(
 def expert_handles(
     family: ModuleType, moe_layers: list[int], config: dict[str, object], refs: dict[str, TensorRef]
 ) -> dict[int, list[ExpertHandle]]:
-    n_experts = int(getattr(family, "n_experts")(config))
+    n_experts = int(family.n_experts(config))
     handles: dict[int, list[ExpertHandle]] = {}
     for layer in moe_layers:
         found = find_expert_handles(refs, family.expert_prefix(layer), n_experts, family.EXPERT_NAMES)
@@ -100,7 +101,7 @@ def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: 
                     )
 
 
-def load_dense(model: torch.nn.Module, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype) -> None:
+def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype) -> None:
     weights = {name: read_tensor(ref, dtype) for name, ref in refs.items()}
     if hasattr(family, "sanitize"):
         weights = family.sanitize(weights)
@@ -114,7 +115,7 @@ def load_dense(model: torch.nn.Module, family: ModuleType, refs: dict[str, Tenso
     if unexpected:
         log.warning("ignoring %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
     missing = model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False).missing_keys
-    tied = {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set()
+    tied = {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set[str]()
     missing = [k for k in missing if k not in tied]
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")

@@ -43,7 +43,9 @@ def dispatch(
     flat = slots.reshape(-1)
     if torch.compiler.is_compiling():
         ys = [
-            expert_mlp(x[j // k : j // k + 1], w13.index_select(0, flat[j : j + 1])[0], w2.index_select(0, flat[j : j + 1])[0])
+            expert_mlp(
+                x[j // k : j // k + 1], w13.index_select(0, flat[j : j + 1])[0], w2.index_select(0, flat[j : j + 1])[0]
+            )
             for j in range(n_tokens * k)
         ]
         y = torch.cat(ys, dim=0)

@@ -53,7 +53,9 @@ class ResidentProvider:
 
         pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         total = sum(len(v) for v in handles.values())
-        with tqdm(total=total, desc="loading experts", unit="expert", disable=not progress, leave=False, delay=1.0) as bar:
+        with tqdm(
+            total=total, desc="loading experts", unit="expert", disable=not progress, leave=False, delay=1.0
+        ) as bar:
             for layer, experts in handles.items():
                 w13s, w2s = [], []
                 for handle in experts:
