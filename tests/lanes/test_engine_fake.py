@@ -58,6 +58,16 @@ def test_replies_equal_solo_decode(cases, n_streams: int, drafter: str, guard: b
         assert engine.stats().holds > 0 and engine.stats().accepted > 0
 
 
+@pytest.mark.parametrize("drafter", ["copy", "model"])
+def test_overlapped_passes_change_nothing(cases, drafter: str) -> None:
+    """overlap=True: newcomers are admitted and prepared (prompt index, draft-model prefill) during a pass."""
+    engine, _ = make(drafter, guard=False, max_streams=4, overlap=True, timed=False)
+    streams = submit_all(engine, cases)
+    engine.run_until_idle()
+    assert [s.token_ids for s in streams] == [c[2] for c in cases]
+    assert engine.stats().accepted > 0
+
+
 def test_drafting_saves_rounds(cases) -> None:
     rounds = {}
     for drafter in ("none", "copy", "model"):

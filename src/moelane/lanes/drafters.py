@@ -42,6 +42,10 @@ class Drafter(Protocol):
 
     def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None: ...
 
+    def prepare(self, lanes: Sequence[Lane]) -> None:
+        """New lanes joined: do the work that needs only their prompts (indexing, draft-model prefill)."""
+        ...
+
     def release(self, lane: Lane) -> None:
         """The lane has finished (or was cancelled): drop its state, learn from its reply."""
         ...
@@ -84,6 +88,10 @@ class CopyDrafter:
         if found is None or found[1] < self.min_match:
             return []
         return lane.tokens[found[0] : found[0] + depth]
+
+    def prepare(self, lanes: Sequence[Lane]) -> None:
+        for lane in lanes:
+            self._state(lane).index.extend(lane.tokens)
 
     def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None:
         if n_offered == 0:
@@ -221,6 +229,22 @@ class ModelDrafter:
         dc.n_fed = min(dc.n_fed, len(lane.tokens) - 1)
         dc.fed = []
         return dc
+
+    def prepare(self, lanes: Sequence[Lane]) -> None:
+        """Prefill the draft caches with the prompts (all but the last token, which `propose` feeds)."""
+        caches = {lane.id: self._sync(lane) for lane in lanes}
+        while True:
+            todo = [x for x in lanes if caches[x.id].n_fed < len(x.tokens) - 1]
+            if not todo:
+                return
+            rows = []
+            for x in todo:
+                dc = caches[x.id]
+                feed = x.tokens[dc.n_fed : min(dc.n_fed + self.prefill_chunk, len(x.tokens) - 1)]
+                rows.append(Rows(dc.cache, feed, dc.n_fed, x.id))
+            self.draft.forward(rows, last_only=True)
+            for x, r in zip(todo, rows, strict=True):
+                caches[x.id].n_fed += len(r.token_ids)
 
     def feedback(self, lane: Lane, n_offered: int, n_accepted: int) -> None:
         pass

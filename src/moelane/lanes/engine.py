@@ -220,7 +220,9 @@ class Engine:
         t0 = self.clock.now()
         if self._pool is not None:
             pending = self._pool.submit(self.target.forward, rows, last_only)
-            self._admit()  # host work that does not depend on this pass
+            joined = self._admit()  # host work that does not depend on this pass: the next round's newcomers
+            if joined and self.drafter is not None:
+                self.drafter.prepare(joined)  # index their prompts, prefill the draft model
             logits = pending.result()
         else:
             logits = self.target.forward(rows, last_only)
@@ -263,7 +265,7 @@ class Engine:
         self._drafted_for = mode
         if mode == PLAIN:
             for lane in self._active:
-                lane.drafts = []
+                lane.drafts, lane.drafted_at = [], -1
             return
         lanes = [x for x in self._active if x.decoding and x.room > 0 and x.drafted_at != len(x.tokens)]
         if not lanes:
@@ -284,7 +286,9 @@ class Engine:
 
     # ---- membership ---------------------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Lane]:
+        """Between rounds (or during a pass, with `overlap`): drop cancelled streams, admit waiting ones."""
+        joined = []
         with self._cv:
             for lane in [x for x in self._active if x.stream.cancel_requested]:
                 self._retire(lane, "cancelled")
@@ -295,6 +299,8 @@ class Engine:
                     continue
                 lane.cache = self.target.cache_for(lane.n_prompt, lane.stream.max_tokens)
                 self._active.append(lane)
+                joined.append(lane)
+        return joined
 
     def _retire(self, lane: Lane, reason: str) -> None:
         if lane in self._active:
