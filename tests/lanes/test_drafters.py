@@ -134,3 +134,21 @@ def test_a_stream_joining_a_plain_count_holds_no_first_drafts() -> None:
     assert b.token_ids == solo_decode(target, [4, 5, 6, 4, 5, 6], 40, SamplingParams())
     assert a.token_ids == solo_decode(target, [1, 2, 3, 1, 2, 3, 1, 2, 3], 400, SamplingParams())
     assert engine.stats().holds > holds
+
+
+def test_guard_keeps_a_draft_model_only_where_it_pays() -> None:
+    """On the fake clock: a cheap draft model wins the guard's comparison, one as slow as the target loses it."""
+    modes = {}
+    for name, draft_cost in (("cheap", 0.0005), ("dear", 0.02)):
+        clock = FakeClock()
+        target = FakeTarget(48, window=2, clock=clock, price=linear_price(0.02, 0.0002))
+        draft = FakeTarget(48, window=2, error_rate=0.2, clock=clock, price=linear_price(draft_cost, 0.0))
+        engine = Engine(target, EngineConfig(drafter="model", max_depth=4), draft=draft, clock=clock)
+        assert engine.guard is not None  # on by default for the draft model
+        stream = engine.submit([7, 3, 9, 1], max_tokens=300)
+        engine.run_until_idle()
+        assert stream.token_ids == solo_decode(target, [7, 3, 9, 1], 300, SamplingParams(), frozenset())
+        entry = engine.guard.entry(1)
+        modes[name] = (entry.winner, entry.rate_drafted / entry.rate_plain)
+    assert modes["cheap"][0] == "drafted" and modes["cheap"][1] > 1.05
+    assert modes["dear"][0] == "plain"
