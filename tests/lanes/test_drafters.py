@@ -145,9 +145,9 @@ def test_guard_keeps_a_draft_model_only_where_it_pays() -> None:
         draft = FakeTarget(48, window=2, error_rate=0.2, clock=clock, price=linear_price(draft_cost, 0.0))
         engine = Engine(target, EngineConfig(drafter="model", max_depth=4), draft=draft, clock=clock)
         assert engine.guard is not None  # on by default for the draft model
-        stream = engine.submit([7, 3, 9, 1], max_tokens=300)
+        stream = engine.submit([7, 3, 9, 1], max_tokens=160)
         engine.run_until_idle()
-        assert stream.token_ids == solo_decode(target, [7, 3, 9, 1], 300, SamplingParams(), frozenset())
+        assert stream.token_ids == solo_decode(target, [7, 3, 9, 1], 160, SamplingParams(), frozenset())
         entry = engine.guard.entry(1)
         modes[name] = (entry.winner, entry.rate_drafted / entry.rate_plain)
     assert modes["cheap"][0] == "drafted" and modes["cheap"][1] > 1.05
