@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moelane.errors import InputError
@@ -290,7 +291,32 @@ def create_app(
     app.state.moelane = state
     errors.install(app)
     add_routes(app, state)
+    app.openapi = lambda: openapi_schema(app, state)  # type: ignore[method-assign]
     return app
+
+
+def openapi_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
+    """FastAPI's schema, made to say what the server does: 400 (not 422) for invalid bodies, the one model id,
+    the context as the bound of max_tokens, and server-sent events as the other 200 body of the generation routes."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema["paths"].values():
+        for op in path.values():
+            op["responses"].pop("422", None)
+            if "requestBody" in op:
+                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    schemas = schema["components"]["schemas"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [state.model_name], "title": "Model"}
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in props:
+                props[key]["anyOf"][0]["maximum"] = int(state.lm.max_context) - 1
+    app.openapi_schema = schema
+    return schema
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,0 +1,224 @@
+"""Serving benchmark: moelane's OpenAI server against `llama_cpp.server` (llama-cpp-python's) on the same model, the
+same prompts, in the same run.
+
+For each server and each client count (default 1, 4, 8, 16): every client sends `--requests` streamed greedy
+completions one after another; we measure aggregate completion tokens/s (all tokens / wall time), time to first
+token (request sent -> first text chunk) and inter-token latency (per request: (last chunk - first chunk) /
+(tokens - 1)), p50 and p99 over requests. Prints one JSON line per (server, clients) and a summary line with the
+ratios at 1 and 8 clients.
+
+llama.cpp needs the model as GGUF: pass `--gguf FILE`, or `--llama-cpp DIR` (the llama.cpp tree in the
+llama-cpp-python sdist, `vendor/llama.cpp`) to convert the model folder with its `convert_hf_to_gguf.py` (f32; a
+byte-level BPE tokenizer it does not know is declared "gpt-2", the same pre-tokenizer). The llama server runs with an
+f32 KV cache (`--type_k 0 --type_v 0`) and as many threads as the moelane server.
+
+    python bench/serve_bench.py --llama-python /path/venv/bin/python --llama-cpp /path/vendor/llama.cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "ROMEO. But soft, what light through yonder window breaks?\n",
+    "*options.txt*  For Vim version 9.0.\n\nOptions\t\t\t\t\t\t*options*\n\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "HAMLET. To be, or not to be, that is the question:\n",
+    "class Stack:\n    def __init__(self):\n",
+    "KING LEAR. Blow, winds, and crack your cheeks!\n",
+    ":help motion.txt\n\nThe motion commands",
+    "for i in range(10):\n",
+    "MACBETH. Is this a dagger which I see before me,\n",
+    "def quicksort(items):\n",
+    "*usr_02.txt*\tFor Vim version 9.0.\n\n",
+    "OTHELLO. It is the cause, it is the cause, my soul.\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "PROSPERO. We are such stuff as dreams are made on,\n",
+    "while True:\n    line = input()\n",
+]
+MODEL_ID = "bench"
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    first = last = None
+    n_chunks, usage = 0, None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]
+            if data.get("choices") and data["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                n_chunks += 1
+    n_tokens = usage["completion_tokens"] if usage else n_chunks
+    if first is None or last is None:
+        return {"tokens": n_tokens, "ttft": time.perf_counter() - t0, "itl": float("nan")}
+    itl = (last - first) / (n_tokens - 1) if n_tokens > 1 else float("nan")
+    return {"tokens": n_tokens, "ttft": first - t0, "itl": itl}
+
+
+async def load(url: str, n_clients: int, n_requests: int, max_tokens: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        await one_request(client, url, PROMPTS[0], 4)  # warm-up
+
+        async def run_client(i: int) -> list[dict[str, float]]:
+            return [await one_request(client, url, PROMPTS[(i + k * n_clients) % len(PROMPTS)], max_tokens)
+                    for k in range(n_requests)]  # fmt: skip
+
+        t0 = time.perf_counter()
+        per_client = await asyncio.gather(*(run_client(i) for i in range(n_clients)))
+        wall = time.perf_counter() - t0
+    results = [r for rs in per_client for r in rs]
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    itl = [r["itl"] for r in results if r["itl"] == r["itl"]]
+    return {
+        "clients": n_clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall, 2), "mean_tokens": round(tokens / len(results), 1),
+        "ttft_p50_ms": round(1000 * percentile(ttft, 50), 1), "ttft_p99_ms": round(1000 * percentile(ttft, 99), 1),
+        "itl_p50_ms": round(1000 * percentile(itl, 50), 2), "itl_p99_ms": round(1000 * percentile(itl, 99), 2),
+    }  # fmt: skip
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
+def moelane_command(args: argparse.Namespace, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "moelane.cli", "serve", "--port", str(port), "--served-model-name", MODEL_ID,
+           "--drafter", args.drafter, "--max-streams", "16", "--log-level", "warning"]  # fmt: skip
+    return cmd + (["--model", args.model] if args.model else []) + args.moelane_arg
+
+
+def llama_command(args: argparse.Namespace, port: int, gguf: Path) -> list[str]:
+    return [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_ID,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--type_k", "0", "--type_v", "0",
+            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]  # fmt: skip
+
+
+def to_gguf(args: argparse.Namespace, out_dir: Path) -> Path:
+    if args.gguf:
+        return Path(args.gguf)
+    if not args.llama_cpp:
+        raise SystemExit("give --gguf FILE or --llama-cpp DIR (llama.cpp tree with convert_hf_to_gguf.py)")
+    folder = args.model or str(Path(__import__("moelane.assets", fromlist=["x"]).default_model_path()))
+    out = out_dir / "model-f32.gguf"
+    llama = str(Path(args.llama_cpp).resolve())
+    shim = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{llama!r}, {llama + '/gguf-py'!r}]\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        f"sys.argv = [{llama + '/convert_hf_to_gguf.py'!r}, {folder!r}, '--outfile', {str(out)!r}, "
+        "'--outtype', 'f32']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    subprocess.run([sys.executable, "-c", shim], check=True, capture_output=True)
+    return out
+
+
+def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    log = open(Path(tempfile.gettempdir()) / f"serve_bench_{port}.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        try:
+            wait_ready(url, proc, args.startup_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{name}: {e}; see {log.name}") from None
+        for n in args.clients:
+            row = {"server": name, **asyncio.run(load(url, n, args.requests, args.max_tokens))}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model folder (default: the shipped default model)")
+    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="compute threads of each server (default 2)")
+    p.add_argument("--drafter", default="none", help="moelane serve --drafter (default none)")
+    p.add_argument("--moelane-arg", action="append", default=[], help="extra argument for moelane serve")
+    p.add_argument("--llama-python", help="python with llama-cpp-python[server] (omit: moelane only)")
+    p.add_argument("--llama-cpp", help="llama.cpp tree to convert the model with")
+    p.add_argument("--gguf", help="the model as GGUF already")
+    p.add_argument("--port", type=int, default=8311)
+    p.add_argument("--startup-timeout", type=float, default=900)
+    args = p.parse_args()
+    config = {k: v for k, v in vars(args).items() if k not in ("llama_python",)}
+    print(json.dumps({"bench": "serve", "git": git_revision(), **config}), flush=True)
+    results = measure("moelane", moelane_command(args, args.port), args.port, args)
+    if args.llama_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf = to_gguf(args, Path(tmp))
+            results += measure("llama_cpp.server", llama_command(args, args.port + 1, gguf), args.port + 1, args)
+    summary: dict[str, Any] = {"summary": True}
+    for n in args.clients:
+        ours = [r for r in results if r["server"] == "moelane" and r["clients"] == n]
+        theirs = [r for r in results if r["server"] != "moelane" and r["clients"] == n]
+        if ours and theirs:
+            summary[f"tok_s_ratio_{n}"] = round(ours[0]["tok_s"] / theirs[0]["tok_s"], 2)
+    summary["median_ratio"] = statistics.median([v for k, v in summary.items() if k.startswith("tok_s_ratio")] or [0])
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
