@@ -188,3 +188,18 @@ def test_stop_cancels_running_streams() -> None:
         stream.wait(0.01)
     engine.stop()
     assert stream.finish_reason == "cancelled" and engine.n_active == 0
+
+
+def test_timed_prices_are_measured_at_start_up_and_as_rounds_run() -> None:
+    clock = FakeClock()
+    target = FakeTarget(VOCAB, window=1, clock=clock, price=linear_price(0.010, 0.001))
+    engine = Engine(target, EngineConfig(drafter="copy", max_rows=64), clock=clock)
+    assert [n for n, _ in engine.prices.points] == [1, 2, 4, 8, 16, 32, 64]
+    for n, cost in engine.prices.points:
+        assert cost == pytest.approx(0.010 + 0.001 * n)
+    target.price = linear_price(0.020, 0.001)  # the machine got slower
+    engine.submit([1, 2, 3], max_tokens=30)
+    engine.run_until_idle()
+    assert engine.prices.price(1) > 0.015
+    fixed = Engine(target, EngineConfig(drafter="copy", timed=False), clock=clock)
+    assert fixed.prices.points == sorted(EngineConfig().prices)

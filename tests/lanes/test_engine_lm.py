@@ -79,24 +79,34 @@ def shipped() -> tuple[Any, Any]:
     return lm, draft
 
 
+TEXTS = [
+    "Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3, 4, 5,",
+    "Repeat after me: the cat sat on the mat. The cat sat", "In the beginning", "import numpy as np\n",
+    "Q: What is two plus two?\nA:", "The quick brown fox", "Dear Sir or Madam,", "for i in range(10):",
+    "It was the best of times, it was the worst of times, it was", "Rain", "Alice said to Bob", "Monday, Tuesday,",
+    "ROMEO:\nBut soft, what light", "Hello! How are", "To be or not to be,", ":help buffers", "Chapter 1\n\n",
+    "class Stack:\n    def push(self, x):", "One fish, two fish,", "*usr_01.txt*", "Edit: teh cat is hapy. Fixed:",
+]  # fmt: skip
+SHIPPED_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def shipped_cases(shipped: tuple[Any, Any]) -> list[tuple[list[int], list[int]]]:
+    lm, _ = shipped
+    cases = []
+    for i, text in enumerate(TEXTS):
+        p = lm.tokenizer.encode(text)
+        cases.append((p, list(lm.generate_ids(p, SHIPPED_TOKENS, params_of(i)))))
+    return cases
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("guard", [False, True])
 @pytest.mark.parametrize("drafter", ["none", "copy", "recall", "model"])
-def test_shipped_model_replies_equal_solo_decode(shipped, drafter: str, guard: bool) -> None:
+def test_shipped_model_replies_equal_solo_decode(shipped, shipped_cases, drafter: str, guard: bool) -> None:
+    """The acceptance matrix: 24 varied prompts (half greedy, half seeded sampling) at 1, 2, 4, 8, 16 streams."""
     lm, draft = shipped
     if drafter == "model" and draft is None:
         pytest.skip("no shipped draft model")
-    texts = [
-        "Once upon a time", "The capital of France is", "def add(a, b):", "1, 2, 3, 4, 5,",
-        "Repeat after me: the cat sat on the mat. The cat sat", "In the beginning", "import numpy as np\n",
-        "Q: What is two plus two?\nA:", "The quick brown fox", "Dear Sir or Madam,", "for i in range(10):",
-        "It was the best of times, it was the worst of times, it was", "Rain", "Alice said to Bob", "Monday, Tuesday,",
-        "The following is a list of", "Hello! How are", "To be or not to be,", "<html><body>", "Chapter 1\n\n",
-        "SELECT * FROM", "One fish, two fish,", "The weather today", "Edit this sentence: teh cat is hapy. Fixed:",
-    ]  # fmt: skip
-    cases = []
-    for i, text in enumerate(texts):
-        p = lm.tokenizer.encode(text)
-        cases.append((p, list(lm.generate_ids(p, 48, params_of(i)))))
     for n_streams in (1, 2, 4, 8, 16):
-        check_identity(lm, draft, cases, 48, drafter=drafter, guard=guard, max_streams=n_streams)
+        check_identity(lm, draft, shipped_cases, SHIPPED_TOKENS, drafter=drafter, guard=guard, max_streams=n_streams)
