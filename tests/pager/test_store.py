@@ -63,7 +63,7 @@ def test_greedy_tokens_identical_at_every_budget(wide: Path, reference: Referenc
         assert totals.misses > 0 and (share == "100%") == (store.stats.evictions == 0)
         # every resident slot holds exactly what the resident provider holds
         resident = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
-        for slot, key in enumerate(store._slot_key.tolist()):
+        for slot, key in enumerate(store.table.key.tolist()):
             if key >= 0:
                 layer, expert = store.layers[key // store.n_experts], key % store.n_experts
                 assert torch.equal(store.w13[slot], resident.weights(layer)[0][expert])
@@ -89,7 +89,7 @@ def call(store: ExpertStore, layer: int, experts: list[int]) -> None:
 
 def resident(store: ExpertStore, layer: int) -> set[int]:
     li = store.layers.index(layer)
-    return {k % store.n_experts for k in store._slot_key.tolist() if k >= 0 and k // store.n_experts == li}
+    return {k % store.n_experts for k in store.table.key.tolist() if k >= 0 and k // store.n_experts == li}
 
 
 def test_oldest_generation_evicted_first_and_a_layer_batch_keeps_its_hits(reference: Reference) -> None:
@@ -210,7 +210,7 @@ def test_plan_tiers_decide_the_precision_of_each_fetch(wide: Path, reference: Re
     reads = store.stats.reads
     assert reads[("disk", "int8")] > 0 and reads[("disk", "native")] > 0
     resident_pool = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
-    for slot, key in enumerate(store._slot_key.tolist()):
+    for slot, key in enumerate(store.table.key.tolist()):
         if key < 0:
             continue
         layer, expert = store.layers[key // store.n_experts], key % store.n_experts

@@ -44,12 +44,12 @@ from moelane.pager.memory import format_bytes, parse_memory
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 from moelane.pager.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
+from moelane.pager.slots import LOADING, READY, IntArray, SlotTable
 from moelane.pager.stats import PagerStats, format_counts
 from moelane.pager.storage import Storage
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec, parse_tier
 
 POLICIES = ("planner", "lru", "lfu")
-EMPTY, LOADING, READY = 0, 1, 2
 Key = int  # flat expert id: layer index * E + expert
 
 
@@ -99,19 +99,9 @@ class ExpertStore:
             raise StoreError(f"expert memory of {config.budget_bytes} bytes holds no expert ({self.slot_bytes} bytes)")
         self.w13 = torch.empty(self.n_slots, 2 * width, hidden, dtype=dtype)
         self.w2 = torch.empty(self.n_slots, hidden, width, dtype=dtype)
-        s, n = self.n_slots, n_total
-        self._slot_key = np.full(s, -1, np.int64)
-        self._state, self._lease = np.zeros(s, np.int8), np.zeros(s, np.int32)
-        self._gen, self._tick = np.zeros(s, np.int64), np.zeros(s, np.int64)
-        self._credit, self._hard = np.zeros(s, np.int64), np.zeros(s, bool)
-        self._tier, self._prefetched = np.zeros(s, np.int8), np.zeros(s, np.int8)  # prefetched: source index + 1
-        self._slot_of = np.full(n, -1, np.int64)
-        self._count, self._credit_of = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        self._hard_of, self._tier_of = np.zeros(n, bool), np.full(n, config.default_tier, np.int8)
-        self._futures: dict[int, Future[None]] = {}
-        self._leases: dict[threading.Thread, list[int]] = {}
-        self._now_gen, self._now_tick, self._n_assigned = 0, 0, 0
-        self.high_water_bytes = 0
+        self.table = SlotTable(self.n_slots, n_total, config.policy, config.default_tier)
+        self._futures: dict[int, Future[None]] = {}  # slot -> its load in flight
+        self._leases: dict[threading.Thread, IntArray] = {}
         self.plan: Plan | None = None
         self.stats = PagerStats()
         self.sources: list[str] = []
@@ -130,40 +120,45 @@ class ExpertStore:
 
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         li = self._index[layer]
-        flat = expert_ids.reshape(-1).tolist()
         base = li * self.n_experts
-        keys = sorted({base + int(e) for e in flat})
+        flat = expert_ids.reshape(-1).numpy()
+        keys = np.unique(flat) + base
         phase = getattr(self._local, "phase", None) or ("decode" if expert_ids.shape[0] == 1 else "prefill")
         if li == 0:
             self._new_generation(phase)
         if phase == "prefill" and (counts := getattr(self._local, "prefill_keys", None)) is not None:
-            for k in keys:
+            for k in keys.tolist():
                 counts[k] = counts.get(k, 0) + 1
         start = time.perf_counter()
-        mapping, jobs, waits = self._acquire(keys, phase)
-        if jobs or waits:
-            self._finish(jobs, waits, phase)
+        slots, jobs, waits = self._acquire(keys, phase)
+        if waits:
+            self._finish(jobs, waits)
             with self._cond:
                 for stats in self._targets():
                     stats.phase(phase).stall_s += time.perf_counter() - start
-        for listener in self.listeners:
-            listener.routed(li, keys)
-        return torch.tensor([mapping[base + int(e)] for e in flat], dtype=torch.long).view(expert_ids.shape)
+        if self.listeners:
+            routed = keys.tolist()
+            for listener in self.listeners:
+                listener.routed(li, routed)
+        lut = np.zeros(self.n_experts, np.int64)
+        lut[keys - base] = slots
+        return torch.from_numpy(lut[flat]).view(expert_ids.shape)
 
     # ---- slot decisions (under the lock) -------------------------------------------------------------------------
 
-    def _acquire(self, keys: list[Key], phase: str) -> tuple[dict[Key, int], list[tuple[int, Key]], list[Future[None]]]:
-        thread = threading.current_thread()
+    def _acquire(self, keys: IntArray, phase: str) -> tuple[IntArray, list[tuple[int, Key]], list[Future[None]]]:
+        """Lease every routed expert's slot, admitting the misses as one batch. -> (slots, loads to run, waits)."""
+        thread, t = threading.current_thread(), self.table
         with self._cond:
             self._release_locked(thread)
-            self._now_tick += 1
+            t.now_tick += 1
             while True:
-                have = self._slot_of[keys]
-                missing = [k for k, s in zip(keys, have, strict=True) if s < 0]
-                victims = self._victims(len(missing), have[have >= 0]) if missing else []
-                if victims is not None and len(victims) == len(missing):
+                have = t.slot_of[keys]
+                missing = keys[have < 0]
+                victims = t.victims(len(missing), have[have >= 0]) if len(missing) else []
+                if victims is not None:
                     break
-                n_hard = int(self._hard.sum()) - int(self._hard[have[have >= 0]].sum())
+                n_hard = int(t.hard.sum()) - int(t.hard[have[have >= 0]].sum())
                 if len(keys) + n_hard > self.n_slots:
                     raise StoreError(
                         f"one MoE layer call needs {len(keys)} experts at once but the expert memory holds "
@@ -171,80 +166,38 @@ class ExpertStore:
                     )
                 self._reap_dead_locked()
                 self._cond.wait(0.05)
-            counts = [s.phase(phase) for s in self._targets()]
-            waits: list[Future[None]] = []
-            for s in have:
-                if s < 0:
-                    continue
-                src = int(self._prefetched[s])
-                for c in counts:
-                    c.prefetch_hits += src > 0
-                    c.hits += src == 0
-                if src:
-                    self.stats.source(self.sources[src - 1]).used += 1
-                    self._prefetched[s] = 0
-                if self._state[s] == LOADING:
-                    waits.append(self._futures[s])
-            jobs = [(self._assign_locked(s, k, 0), k) for k, s in zip(missing, victims, strict=True)]
+            counts = [stats.phase(phase) for stats in self._targets()]
+            present = have[have >= 0]
+            sources = t.source[present]
             for c in counts:
+                c.hits += int((sources == 0).sum())
+                c.prefetch_hits += int((sources > 0).sum())
                 c.misses += len(missing)
                 c.layer_calls += 1
-            slots = self._slot_of[keys]
-            self._lease[slots] += 1
-            self._gen[slots], self._tick[slots] = self._now_gen, self._now_tick
-            self._count[keys] += 1
-            self._leases[thread] = slots.tolist()
-            return dict(zip(keys, slots.tolist(), strict=True)), jobs, waits
-
-    def _victims(self, n: int, keep: np.ndarray, prefetch: bool = False) -> list[int] | None:
-        """Up to n slots to reuse, cheapest first by the policy; None when fewer than n exist (demand only)."""
-        ok = (self._lease == 0) & (self._state != LOADING) & ~self._hard
-        if prefetch:
-            ok &= (self._gen < self._now_gen) | (self._state == EMPTY)
-        ok[keep] = False
-        cand = np.flatnonzero(ok)
-        if len(cand) < n and not prefetch:
-            return None
-        n = min(n, len(cand))
-        if n == 0:
-            return []
-        key = self._eviction_key(cand)
-        pick = cand if n == len(cand) else cand[np.argpartition(key, n - 1)[:n]]
-        return [int(s) for s in pick]
-
-    def _eviction_key(self, cand: np.ndarray) -> np.ndarray:
-        tick = self._tick[cand]
-        if self.config.policy == "lru":
-            key = tick
-        elif self.config.policy == "lfu":
-            key = (self._count[np.maximum(self._slot_key[cand], 0)] << 32) + tick
-        else:
-            key = ((self._gen[cand] + self._credit[cand]) << 32) + tick
-        return np.where(self._state[cand] == EMPTY, -1, key)
+            for src in sources[sources > 0].tolist():
+                self.stats.source(self.sources[src - 1]).used += 1
+            t.source[present] = 0
+            waits = [self._futures[int(s)] for s in present[t.state[present] == LOADING]]
+            jobs = [(self._assign_locked(s, int(k), 0), int(k)) for k, s in zip(missing, victims, strict=True)]
+            waits += [self._futures[slot] for slot, _ in jobs]
+            slots = t.touch(keys)
+            self._leases[thread] = slots
+            return slots, jobs, waits
 
     def _assign_locked(self, slot: int, key: Key, source: int) -> int:
-        """Evict what `slot` holds and give it to `key` (state LOADING, a future to wait on)."""
-        old = int(self._slot_key[slot])
+        """Give `slot` to `key` (evicting what it held); its load gets a future to wait on."""
+        old, old_source = self.table.assign(slot, key, source)
         if old >= 0:
-            self._slot_of[old] = -1
-            self._n_assigned -= 1
             self.stats.evictions += 1
-            if self._prefetched[slot]:
-                self.stats.source(self.sources[self._prefetched[slot] - 1]).wasted += 1
-        assert self._slot_of[key] < 0 and self._lease[slot] == 0 and self._state[slot] != LOADING
-        self._slot_key[slot], self._slot_of[key] = key, slot
-        self._state[slot], self._prefetched[slot], self._tier[slot] = LOADING, source, self._tier_of[key]
-        self._credit[slot], self._hard[slot] = self._credit_of[key], self._hard_of[key]
-        self._gen[slot], self._tick[slot] = self._now_gen, self._now_tick
+            if old_source:
+                self.stats.source(self.sources[old_source - 1]).wasted += 1
         self._futures[slot] = Future()
-        self._n_assigned += 1
-        self.high_water_bytes = max(self.high_water_bytes, self._n_assigned * self.slot_bytes)
         return slot
 
     def _release_locked(self, thread: threading.Thread) -> None:
         slots = self._leases.pop(thread, None)
-        if slots:
-            self._lease[slots] -= 1
+        if slots is not None and len(slots):
+            self.table.lease[slots] -= 1
             self._cond.notify_all()
 
     def _reap_dead_locked(self) -> None:
@@ -258,43 +211,36 @@ class ExpertStore:
 
     # ---- loads (outside the lock) --------------------------------------------------------------------------------
 
-    def _finish(self, jobs: list[tuple[int, Key]], waits: list[Future[None]], phase: str) -> None:
+    def _finish(self, jobs: list[tuple[int, Key]], waits: list[Future[None]]) -> None:
         """Run this call's misses (all but the last on the I/O threads, the last here) and wait for every load."""
         targets = self._targets()
-        futures = [self._futures_of(jobs)]
         for slot, key in jobs[:-1]:
             self._pool.submit(0, functools.partial(self._load, slot, key, targets))
         if jobs:
             self._load(*jobs[-1], targets)
         try:
-            for fut in [*futures[0], *waits]:
+            for fut in waits:
                 fut.result()
         except BaseException:
             self.release()
             raise
 
-    def _futures_of(self, jobs: list[tuple[int, Key]]) -> list[Future[None]]:
-        with self._cond:
-            return [self._futures[slot] for slot, _ in jobs]
-
     def _load(self, slot: int, key: Key, targets: list[PagerStats]) -> None:
         """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
         handle = self._handles[key // self.n_experts][key % self.n_experts]
-        tier = int(self._tier[slot])
+        tier = int(self.table.tier[slot])
         try:
             level, n_bytes = self.storage.load_into(handle, tier, self.w13[slot], self.w2[slot])
         except BaseException as e:
             with self._cond:
                 fut = self._futures.pop(slot)
-                self._slot_of[key], self._slot_key[slot], self._state[slot] = -1, -1, EMPTY
-                self._prefetched[slot] = 0
-                self._n_assigned -= 1
+                self.table.free(slot)
                 self._cond.notify_all()
             fut.set_exception(e)
             return
         with self._cond:
             fut = self._futures.pop(slot)
-            self._state[slot] = READY
+            self.table.state[slot] = READY
             for stats in targets:
                 stats.add_read(level, TIER_NAMES[tier], n_bytes)
             self._cond.notify_all()
@@ -313,8 +259,8 @@ class ExpertStore:
             if source not in self.sources:
                 self.sources.append(source)
             code = self.sources.index(source) + 1
-            missing = list(dict.fromkeys(k for k in keys if self._slot_of[k] < 0))
-            victims = self._victims(len(missing), np.zeros(0, np.int64), prefetch=True) if missing else []
+            missing = list(dict.fromkeys(k for k in keys if self.table.slot_of[k] < 0))
+            victims = self.table.victims(len(missing), np.zeros(0, np.int64), prefetch=True) if missing else []
             assert victims is not None
             jobs = [(self._assign_locked(s, k, code), k) for k, s in zip(missing, victims, strict=False)]
             self.stats.source(source).issued += len(jobs)
@@ -335,7 +281,7 @@ class ExpertStore:
         """A pass begins (first MoE layer): a new token generation; at a prefill -> decode switch, warm the pool."""
         local = self._local
         with self._cond:
-            self._now_gen += 1
+            self.table.now_gen += 1
         boundary = getattr(local, "last_phase", None) == "prefill" and phase == "decode"
         local.last_phase = phase
         if boundary and self.live_planner is not None:
@@ -363,24 +309,22 @@ class ExpertStore:
             if tier >= len(TIER_NAMES):
                 raise StoreError(f"plan asks for precision tier {tier}; this store has {len(TIER_NAMES)} tiers")
             self.storage.tier_source(tier)
+        n = self.table.slot_of.size
+        credit_of, hard_of, tier_of = np.zeros(n, np.int64), np.zeros(n, bool), np.full(n, plan.default_tier, np.int8)
+        n_hard = 0
+        for layer, expert, pin_tier in plan.pins:
+            if layer not in self._index or expert >= self.n_experts:
+                continue
+            key = self._index[layer] * self.n_experts + expert
+            if self.config.policy != "planner":
+                pass
+            elif plan.pin_mode == "hard" and n_hard < self.n_slots // 2:
+                hard_of[key], n_hard = True, n_hard + 1
+            else:
+                credit_of[key] = 2 * plan.window_k
+            tier_of[key] = plan.default_tier if pin_tier is None else pin_tier
         with self._cond:
-            self._credit_of[:], self._hard_of[:] = 0, False
-            self._tier_of[:] = plan.default_tier
-            n_hard = 0
-            for layer, expert, pin_tier in plan.pins:
-                if layer not in self._index or expert >= self.n_experts:
-                    continue
-                key = self._index[layer] * self.n_experts + expert
-                if self.config.policy != "planner":
-                    pass
-                elif plan.pin_mode == "hard" and n_hard < self.n_slots // 2:
-                    self._hard_of[key], n_hard = True, n_hard + 1
-                else:
-                    self._credit_of[key] = 2 * plan.window_k
-                self._tier_of[key] = plan.default_tier if pin_tier is None else pin_tier
-            held = self._slot_key >= 0
-            self._credit[held] = self._credit_of[self._slot_key[held]]
-            self._hard[held] = self._hard_of[self._slot_key[held]]
+            self.table.set_plan(credit_of, hard_of, tier_of)
             self.plan = plan
         if plan.warm:
             self.warm_start()
@@ -412,14 +356,17 @@ class ExpertStore:
 
     @property
     def resident_bytes(self) -> int:
-        return self._n_assigned * self.slot_bytes
+        return self.table.n_held * self.slot_bytes
+
+    @property
+    def high_water_bytes(self) -> int:
+        """The most expert bytes ever held in the pool at once (counted at every admission)."""
+        return self.table.high_water * self.slot_bytes
 
     def check_invariants(self) -> None:
         """Slot table and expert table agree; nothing over budget (tests call this)."""
         with self._cond:
-            held = np.flatnonzero(self._slot_key >= 0)
-            assert (self._slot_of[self._slot_key[held]] == held).all()
-            assert int((self._slot_of >= 0).sum()) == len(held) == self._n_assigned
+            self.table.check()
             assert self.high_water_bytes <= self.config.budget_bytes
 
     def wait_loads(self) -> None:
