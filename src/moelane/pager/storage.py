@@ -125,12 +125,15 @@ def shard_fingerprint(handles: dict[int, list[ExpertHandle]]) -> list[list[objec
 
 
 def tier_dir(model_folder: Path) -> Path:
-    """`<model>/.moelane/` when writable, else `~/.cache/moelane/tiers/<hash of the model path>/`."""
+    """`<model>/.moelane/` when writable, else (and for the model shipped inside the package)
+    `~/.cache/moelane/tiers/<hash of the model path>/`."""
     beside = model_folder / ".moelane"
+    shipped = Path(__file__).resolve().parents[1] in model_folder.resolve().parents
     try:
-        beside.mkdir(exist_ok=True)
-        if os.access(beside, os.W_OK):
-            return beside
+        if not shipped:
+            beside.mkdir(exist_ok=True)
+            if os.access(beside, os.W_OK):
+                return beside
     except OSError:
         pass
     digest = hashlib.sha1(str(model_folder.resolve()).encode()).hexdigest()[:16]
