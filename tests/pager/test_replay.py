@@ -51,6 +51,16 @@ def test_whole_token_fast_path_equals_step_by_step(spec: str, monkeypatch: pytes
         assert np.array_equal(fast.token_hits, slow.token_hits)
 
 
+def test_fast_path_with_precision_tiers_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = small_trace(3, decode_tokens=60)
+    budget = 9 * t.header.expert_bytes
+    fast = replay(t, PlannerPolicy(pin_tier=1, default_tier=2), budget, "bytes")
+    with monkeypatch.context() as m:
+        no_fast_path(m)
+        slow = replay(t, PlannerPolicy(pin_tier=1, default_tier=2), budget, "bytes")
+    same_result(fast.to_dict(), slow.to_dict())
+
+
 def test_planner_with_tiers_in_bytes_never_exceeds_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     t = small_trace(2, decode_tokens=40)
     eb = t.header.expert_bytes

@@ -54,13 +54,12 @@ class Plan:
             raise ValueError(f"default_tier must be >= 0, got {self.default_tier}")
         if self.pin_mode not in PIN_MODES:
             raise ValueError(f"pin_mode must be one of {PIN_MODES}, got {self.pin_mode!r}")
-        seen: set[tuple[int, int]] = set()
-        for layer, expert, tier in self.pins:
-            if layer < 0 or expert < 0 or (tier is not None and tier < 0):
-                raise ValueError(f"bad pin {(layer, expert, tier)}")
-            if (layer, expert) in seen:
-                raise ValueError(f"pin {(layer, expert)} given twice")
-            seen.add((layer, expert))
+        if self.pins:
+            bad = [p for p in self.pins if p[0] < 0 or p[1] < 0 or (p[2] is not None and p[2] < 0)]
+            if bad:
+                raise ValueError(f"bad pin {bad[0]}")
+            if len({(p[0], p[1]) for p in self.pins}) != len(self.pins):
+                raise ValueError("a pin is given twice")
 
     def pin_ids(self) -> frozenset[tuple[int, int]]:
         return frozenset((layer, expert) for layer, expert, _ in self.pins)

@@ -179,7 +179,7 @@ class Planner:
         per_token = c.n_layers * c.top_k
         window_k = max(1, (self.budget_slots - pin_ids.size) // per_token)
         E = c.n_experts
-        pins = tuple((int(i) // E, int(i) % E, c.pin_tier) for i in pin_ids)
+        pins = tuple(zip((pin_ids // E).tolist(), (pin_ids % E).tolist(), [c.pin_tier] * pin_ids.size, strict=True))
         warm: tuple[tuple[int, int], ...] = ()
         if with_warm:
             warm = tuple((int(i) // E, int(i) % E) for i in self._warm_ids(pin_ids))
