@@ -277,3 +277,22 @@ def test_non_finite_expert_weights_are_rejected(wide: Path, tmp_path: Path) -> N
     with pytest.raises(ExpertReadError, match=f"expert 5 of layer {lm.moe_layers[2]}: non-finite"):
         list(lm.generate_ids(list(range(3, 200)), 4))
     lm.provider.close()  # type: ignore[attr-defined]
+
+
+def test_cli_reports_a_corrupt_expert_in_one_line(
+    wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moelane.cli import main
+
+    folder = copy_model(wide, tmp_path / "m")
+    lm = moelane.load(folder)
+    for expert in range(16):  # every expert of one layer: whatever the prompt routes to is corrupt
+        ref = lm.expert_handles[lm.moe_layers[1]][expert].tensors["gate"]
+        with open(ref.path, "r+b") as f:
+            f.seek(ref.offset)
+            f.write(torch.full((8,), float("inf")).numpy().tobytes())
+    args = ["run", "--model", str(folder), "--expert-memory", "50%", "--max-tokens", "4", "hello"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"of layer {lm.moe_layers[1]}: non-finite weights read from {folder}" in err[0]
