@@ -10,6 +10,7 @@ import torch
 from moelane.errors import MoelaneError
 from moelane.model.provider import RoutingRecord
 from moelane.pager.commands import add_parser
+from moelane.pager.plan import Plan
 from moelane.pager.recorder import open_recorder
 from moelane.pager.trace import read_trace, write_trace
 
@@ -35,6 +36,12 @@ def test_analyze_and_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFix
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [r["policy"] for r in rows] == ["lru", "belady"]
     assert rows[1]["decode_hit_rate"] >= rows[0]["decode_hit_rate"]
+    plan_file = tmp_path / "plan.json"
+    assert (
+        run(["trace", "replay", str(path), "--slots", "12", "--policy", "planner", "--plan-out", str(plan_file)]) == 0
+    )
+    assert Plan.from_json(plan_file.read_text()).budget_bytes == 12 * small_trace(0).header.expert_bytes
+    capsys.readouterr()
     assert run(["trace", "replay", str(path), "--sweep", "--policy", "lru", "--policy", "planner"]) == 0
     assert "planner" in capsys.readouterr().out
 

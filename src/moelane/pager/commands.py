@@ -54,6 +54,7 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--budget", type=int, metavar="BYTES")
     size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
     rp.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
+    rp.add_argument("--plan-out", metavar="FILE", help="planner: write each published plan to FILE (atomically)")
     rp.add_argument("--json", action="store_true")
     rp.add_argument("--plot", metavar="OUT.png")
     rp.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="storage bytes/s")
@@ -167,7 +168,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         rows = sweep(trace, list(args.policy or SWEEP_POLICIES), default_capacities(trace), cost)
     else:
         capacity, unit = _capacity(args, trace)
-        rows = [replay(trace, make_policy(p), capacity, unit, cost).to_dict() for p in args.policy or ["planner"]]
+        specs = args.policy or ["planner"]
+        rows = [replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict() for p in specs]
     if args.plot:
         from moelane.pager.plots import plot_sweep
 

@@ -21,6 +21,7 @@ from collections import deque
 import numpy as np
 
 from moelane.errors import MoelaneError
+from moelane.pager.plan import Plan
 from moelane.pager.planner import Planner, PlannerConfig
 from moelane.pager.replay import FloatArray, Policy, Simulator
 from moelane.pager.scoreboard import DecayBandit
@@ -123,10 +124,13 @@ class PlannerPolicy(Policy):
 
     lru_keyed = True
 
-    def __init__(self, pin_mode: str = "bias", warm_start: bool = True, **overrides: object) -> None:
+    def __init__(
+        self, pin_mode: str = "bias", warm_start: bool = True, plan_path: str | None = None, **overrides: object
+    ) -> None:
         self.overrides = {"pin_mode": pin_mode, "warm_start": warm_start, **overrides}
         self.name = "planner" + ("" if pin_mode == "bias" else f":{pin_mode}") + ("" if warm_start else ":nowarm")
         self.n_plans = 0
+        self.plan_path = plan_path  # every published plan is also written here, atomically
 
     def bind(self, sim: Simulator) -> None:
         super().bind(sim)
@@ -134,13 +138,12 @@ class PlannerPolicy(Policy):
         cfg = PlannerConfig.from_header(sim.header, budget_bytes=budget, **self.overrides)
         self.planner = Planner(cfg)
 
-    def _apply(self, plan: object) -> None:
+    def _apply(self, plan: Plan | None) -> None:
         if plan is None:
             return
-        from moelane.pager.plan import Plan
-
-        assert isinstance(plan, Plan)
         self.n_plans += 1
+        if self.plan_path:
+            plan.write_atomic(self.plan_path)
         self.sim.apply_plan(plan, credit_steps=2 * plan.window_k * self.sim.header.n_layers)
 
     def begin_segment(self, seg: Segment, flat: IntArray, decode: bool) -> None:
@@ -154,8 +157,10 @@ class PlannerPolicy(Policy):
 POLICY_NAMES = ("lru", "lfu", "recent-k", "belady", "ema:D", "bandit", "planner")
 
 
-def make_policy(spec: str, header: TraceHeader | None = None) -> Policy:
-    """Policy from a command-line spec: lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:hard][:nowarm]."""
+def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str | None = None) -> Policy:
+    """Policy from a command-line spec: lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:hard][:nowarm].
+    `header` is accepted for callers that pass it (policies read the trace header when bound); `plan_path`: the
+    planner writes every published plan there, atomically."""
     name, _, rest = spec.partition(":")
     args = [a for a in rest.split(":") if a]
     try:
@@ -174,7 +179,8 @@ def make_policy(spec: str, header: TraceHeader | None = None) -> Policy:
 
             return Belady()
         if name == "planner" and set(args) <= {"hard", "bias", "nowarm"}:
-            return PlannerPolicy(pin_mode="hard" if "hard" in args else "bias", warm_start="nowarm" not in args)
+            pin_mode = "hard" if "hard" in args else "bias"
+            return PlannerPolicy(pin_mode=pin_mode, warm_start="nowarm" not in args, plan_path=plan_path)
     except ValueError as e:
         raise MoelaneError(f"bad policy {spec!r}: {e}") from e
     raise MoelaneError(f"unknown policy {spec!r}; choose from {', '.join(POLICY_NAMES)}")
