@@ -57,6 +57,7 @@ def main() -> int:
     p.add_argument("--max-examples", type=int, default=60)
     p.add_argument("--workers", default="2")
     p.add_argument("--max-time", type=int, default=900, help="seconds for the whole schemathesis run")
+    p.add_argument("--request-timeout", type=int, default=120, help="seconds one request may take (slow machines)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else tiny_model(Path(tmp) / "model")
@@ -71,7 +72,9 @@ def main() -> int:
             wait_ready(url, server)
             st = [args.schemathesis, "run", f"{url}/openapi.json", "--checks", "all", "--exclude-checks", EXCLUDED,
                   "--max-examples", str(args.max_examples), "--workers", args.workers, "--max-time",
-                  str(args.max_time), "--suppress-health-check", "too_slow", "--no-color"]  # fmt: skip
+                  str(args.max_time), "--suppress-health-check", "too_slow", "--no-color",
+                  "--request-timeout", str(args.request_timeout),
+                  "--max-response-time", str(args.request_timeout)]  # fmt: skip
             run = subprocess.run(st, capture_output=True, text=True)
             report = run.stdout + run.stderr
             print(report[-12000:])

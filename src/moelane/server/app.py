@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moelane.errors import InputError
 from moelane.server import errors
-from moelane.server.errors import ModelNotFound, Overloaded, ServerStopping, sse_error
+from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_error
 from moelane.server.generation import Generation, GenerationParams, Limits
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.protocol import (
@@ -45,6 +45,12 @@ from moelane.server.responses import DONE, Header
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 DISCONNECT_POLL_S = 0.05
+SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
+                   "event": {"type": "string"}},
+    "required": ["data"],
+}  # fmt: skip
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503, 504)
 }
@@ -187,7 +193,7 @@ class ServerState:
                     return task.result()
                 if await request.is_disconnected():
                     self.metrics.cancelled.inc()
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientGone("the client disconnected")
         finally:
             if not task.done():
                 task.cancel()
@@ -305,7 +311,7 @@ def openapi_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
         for op in path.values():
             op["responses"].pop("422", None)
             if "requestBody" in op:
-                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
     schemas = schema["components"]["schemas"]
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)

@@ -37,11 +37,16 @@ class ServerStopping(MoelaneError):
     """The server is shutting down and takes no new requests."""
 
 
+class ClientGone(MoelaneError):
+    """The client disconnected before its reply was ready (answered with 499, which nobody reads)."""
+
+
 # (status, type, code) per error class; the first match in this order wins.
 ERROR_KINDS: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (ModelNotFound, 404, "invalid_request_error", "model_not_found"),
     (Overloaded, 429, "rate_limit_error", "queue_full"),
     (ServerStopping, 503, "server_error", "server_stopping"),
+    (ClientGone, 499, "invalid_request_error", "client_closed_request"),
     (RequestTimeout, 504, "timeout_error", "timeout"),
     (EngineError, 500, "server_error", "engine_error"),
     (InputError, 400, "invalid_request_error", None),
