@@ -56,10 +56,24 @@ def prompts(tokenizer: Any, workload: str, n: int) -> list[list[int]]:
     return [tokenizer.encode(m) for m in made]
 
 
-def run_cell(lm: Any, draft: Any, config: dict[str, Any], batch: list[list[int]], tokens: int) -> dict[str, Any]:
+def run_cell(
+    lm: Any,
+    draft: Any,
+    config: dict[str, Any],
+    batch: list[list[int]],
+    tokens: int,
+    warm: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """One fresh engine; with `warm`, a batch of other prompts goes through it first (untimed), so that the cell
+    measures a serving engine in its steady state (calibrated prices, the guard's first measurements done)."""
     from moelane.lanes import Engine, EngineConfig
 
     engine = Engine(lm, EngineConfig(**config), draft=draft)
+    if warm:
+        for p in warm:
+            engine.submit(p, max_tokens=tokens)
+        engine.run_until_idle()
+    before = engine.stats()
     t0 = time.perf_counter()
     streams = [engine.submit(p, max_tokens=tokens, stop_token_ids=None) for p in batch]
     engine.run_until_idle()
@@ -67,8 +81,8 @@ def run_cell(lm: Any, draft: Any, config: dict[str, Any], batch: list[list[int]]
     stats = engine.stats()
     n_tokens = sum(len(s.token_ids) for s in streams)
     return {
-        "tok_s": n_tokens / seconds, "seconds": seconds, "tokens": n_tokens, "rounds": stats.rounds,
-        "holds": stats.holds, "accepted": stats.accepted, "guard": stats.guard_modes,
+        "tok_s": n_tokens / seconds, "seconds": seconds, "tokens": n_tokens, "rounds": stats.rounds - before.rounds,
+        "holds": stats.holds - before.holds, "accepted": stats.accepted - before.accepted, "guard": stats.guard_modes,
         "replies": [s.token_ids for s in streams],
     }  # fmt: skip
 
@@ -84,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--warm", action="store_true", help="put a batch of other prompts through each engine first")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,7 +113,7 @@ def main() -> None:
     # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead
     lm.eos_ids = frozenset()
     setting = {"model": args.model or "shipped", "drafter": args.drafter, "tokens": args.tokens, "rev": git_rev(),
-               "threads": torch.get_num_threads(), "max_depth": args.max_depth}  # fmt: skip
+               "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm}  # fmt: skip
     print(json.dumps({"event": "setting", **setting}), flush=True)
     counts = [int(x) for x in args.streams.split(",")]
     results: dict[tuple[str, int, str], float] = {}
@@ -106,11 +121,12 @@ def main() -> None:
     run_cell(lm, draft, dict(drafter="none"), prompts(lm.tokenizer, "open", 1), 8)  # warm up
     for workload in args.workloads.split(","):
         batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
+        warm = {n: prompts(lm.tokenizer, workload, 2 * n)[n:] if args.warm else None for n in counts}
         for n in counts:
             plain_replies = None
             for mode in args.modes.split(","):
                 config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
-                cell = run_cell(lm, draft, config, batches[n], args.tokens)
+                cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n])
                 replies = cell.pop("replies")
                 if plain_replies is None:
                     plain_replies = replies
