@@ -98,19 +98,25 @@ async def load(url: str, n_clients: int, n_requests: int, max_tokens: int) -> di
         await one_request(client, url, PROMPTS[0], 4)  # warm-up
 
         async def run_client(i: int) -> list[dict[str, float]]:
-            return [await one_request(client, url, PROMPTS[(i + k * n_clients) % len(PROMPTS)], max_tokens)
-                    for k in range(n_requests)]  # fmt: skip
+            out = []
+            for k in range(n_requests):
+                try:
+                    out.append(await one_request(client, url, PROMPTS[(i + k * n_clients) % len(PROMPTS)], max_tokens))
+                except httpx.HTTPError:
+                    out.append({"tokens": 0, "ttft": float("nan"), "itl": float("nan"), "failed": 1})
+            return out
 
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(run_client(i) for i in range(n_clients)))
         wall = time.perf_counter() - t0
-    results = [r for rs in per_client for r in rs]
+    failed = sum(r.get("failed", 0) for rs in per_client for r in rs)
+    results = [r for rs in per_client for r in rs if not r.get("failed")] or [{"tokens": 0, "ttft": 0, "itl": 0}]
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results]
     itl = [r["itl"] for r in results if r["itl"] == r["itl"]]
     return {
-        "clients": n_clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
-        "tok_s": round(tokens / wall, 2), "mean_tokens": round(tokens / len(results), 1),
+        "clients": n_clients, "requests": n_clients * n_requests, "failed": failed, "tokens": tokens,
+        "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2), "mean_tokens": round(tokens / len(results), 1),
         "ttft_p50_ms": round(1000 * percentile(ttft, 50), 1), "ttft_p99_ms": round(1000 * percentile(ttft, 99), 1),
         "itl_p50_ms": round(1000 * percentile(itl, 50), 2), "itl_p99_ms": round(1000 * percentile(itl, 99), 2),
     }  # fmt: skip
@@ -139,7 +145,8 @@ def moelane_command(args: argparse.Namespace, port: int) -> list[str]:
 def llama_command(args: argparse.Namespace, port: int, gguf: Path) -> list[str]:
     return [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", MODEL_ID,
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048", "--type_k", "0", "--type_v", "0",
-            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]  # fmt: skip
+            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+            "--interrupt_requests", "False"]  # queue concurrent requests, do not cancel the running one  # fmt: skip
 
 
 def to_gguf(args: argparse.Namespace, out_dir: Path) -> Path:
