@@ -55,10 +55,6 @@ def lru_token(
     n_slot: list[int] = np.flatnonzero(old)[order].tolist()  # index into ids
     n_units: list[int] = units[ids[old]][order].tolist()
     per_layer_miss = np.where(res0, 0, load_units).reshape(n_layers, k).sum(axis=1)
-    old_layer = np.flatnonzero(old) // k
-    quick = _no_conflict(per_layer_miss, free, c_arr, queue, always, old_pos, old_layer, units, load_units)
-    if quick is not None:
-        return TokenOutcome(quick[0], res0.copy(), quick[1])
     miss_units = per_layer_miss.tolist()
     c = c_arr.tolist()
     hit = res0.copy()
@@ -92,32 +88,3 @@ def lru_token(
     evicted_always = consumed[always[:p] == 1]
     evicted_needed = ids[old & ~hit]
     return TokenOutcome(np.concatenate([evicted_always, evicted_needed]), hit, free)
-
-
-def _no_conflict(
-    per_layer_miss: IntArray,
-    free: int,
-    c: IntArray,
-    queue: IntArray,
-    always: IntArray,
-    old_pos: IntArray,
-    old_layer: IntArray,
-    units: IntArray,
-    load_units: IntArray,
-) -> tuple[IntArray, int] | None:
-    """The common case vectorised: every unit size equal (queue and loads), and no queue entry that the token needs is
-    passed by the pointer before its own layer (passed entries are skipped: already touched). With equal sizes each
-    step evicts exactly its shortfall, so after step j the demand is max(0, misses so far - free) and the pointer sits
-    at the first queue position whose prefix frees that much. Returns (evicted, free after) or None."""
-    sizes = np.concatenate([units[queue], load_units])
-    if sizes.size and int(sizes.min()) != int(sizes.max()):
-        return None
-    demand = np.maximum(np.cumsum(per_layer_miss) - free, 0)
-    if int(demand[-1]) > int(c[-1]):
-        return None
-    pointer = np.searchsorted(c, demand, side="left")  # after each step
-    passed_at = np.searchsorted(pointer, old_pos, side="right")  # first step whose pointer lies beyond the entry
-    if bool((passed_at < old_layer).any()):
-        return None
-    end = int(pointer[-1])
-    return queue[:end][always[:end] == 1], free - int(per_layer_miss.sum()) + int(demand[-1])
