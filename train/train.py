@@ -14,8 +14,8 @@ together with the tokenizer and a generation config. Run ``corpus.py`` and ``tok
 
 Usage (the shipped models)::
 
-    python train/train.py --kind moe   --steps 2000 --out train/runs/moe
-    python train/train.py --kind draft --steps 1000 --threads 1 --out train/runs/draft
+    python train/train.py --kind moe   --steps 1200 --out train/runs/moe
+    python train/train.py --kind draft --steps 500 --threads 1 --out train/runs/draft
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def moe_config(experts_impl: str):
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        router_aux_loss_coef=0.01,
+        router_aux_loss_coef=0.1,  # weight of the per-layer balancing loss below
         output_router_logits=False,
         max_position_embeddings=2048,
         rope_theta=10000.0,
@@ -162,6 +162,28 @@ def evaluate(model, windows: dict[str, torch.Tensor], bs: int = 16) -> dict[str,
     return res
 
 
+def balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load-balancing losses per MoE layer, averaged over layers: (switch, kl).
+
+    switch: the Switch-Transformer loss E * sum_e load_e * mean_prob_e (1.0 when perfectly balanced). transformers'
+        own `load_balancing_loss_func` pools the tokens of all layers before balancing, which leaves experts dead in
+        one layer as long as other layers use them; this balances each layer.
+    kl: KL(uniform || mean router probability) (0 when balanced). The switch loss pushes a dead expert's logit up
+        only in proportion to its (tiny) probability; this term pushes it at a rate that does not vanish, so experts
+        that die early in training come back.
+    """
+    switch, kl = [], []
+    for logits in router_logits:  # [T, E] per layer
+        probs = logits.float().softmax(dim=-1)
+        n_experts = probs.shape[-1]
+        top = probs.topk(top_k, dim=-1).indices  # [T, K]
+        load = torch.zeros(n_experts).index_add_(0, top.reshape(-1), torch.ones(top.numel())) / top.numel()
+        mean_prob = probs.mean(dim=0)
+        switch.append(n_experts * (load * mean_prob).sum())
+        kl.append(-(mean_prob * n_experts).log().mean())
+    return torch.stack(switch).mean(), torch.stack(kl).mean()
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -197,7 +219,7 @@ def save_final(model, out: Path, kind: str) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=("moe", "draft"), default="moe")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=None, help="peak LR (default 3e-3 moe, 4e-3 draft)")
@@ -245,6 +267,7 @@ def main() -> None:
 
     log = open(args.out / "log.jsonl", "a")  # noqa: SIM115 -- open for the whole run, closed at exit
     aux_coef = model.config.router_aux_loss_coef if args.kind == "moe" else 0.0
+    model.router_aux_loss_coef = 0.0  # out.loss is the plain cross-entropy; balance_loss() replaces the pooled one
     model.train()
     t0 = time.time()
     tokens = 0
@@ -262,14 +285,15 @@ def main() -> None:
                 use_cache=False,
                 shift_labels=x[:, 1:].contiguous(),
             )
-            ce, aux = out.loss - aux_coef * out.aux_loss, out.aux_loss
+            switch, kl = balance_loss(out.router_logits, model.config.num_experts_per_tok)
+            ce, aux = out.loss, switch + kl
         else:
             out = model(
                 input_ids=x[:, :-1], labels=x[:, 1:].contiguous(), shift_labels=x[:, 1:].contiguous(), use_cache=False
             )
             ce, aux = out.loss, torch.zeros(())
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        (ce + aux_coef * aux).backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += x[:, :-1].numel()
