@@ -41,12 +41,12 @@ class SlowTarget:
     def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
         return self.lm.cache_for(n_prompt, max_tokens)
 
-    def forward(self, rows: list[Any]) -> Any:
+    def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
         if self.poison is not None and any(self.poison in r.token_ids for r in rows):
             raise RuntimeError("poisoned pass (test)")
         if self.delay:
             time.sleep(self.delay)
-        return self.lm.forward(rows)
+        return self.lm.forward(rows, *args, **kwargs)
 
 
 def make_engine(lm: Any, delay: float = 0.0, poison: int | None = None, **config: Any) -> Engine:
