@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 DOC = ROOT / "docs" / "pager-results.md"
 BEGIN, END = "<!-- BEGIN GENERATED (bench/pager_results.py) -->", "<!-- END GENERATED -->"
-POLICIES = ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard", "planner:nowarm", "belady")
+POLICIES = ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard", "planner:nowarm",
+            "planner:score", "planner:score:hard", "planner:score:nowarm", "belady")  # fmt: skip
 FRACTIONS = (0.2, 0.25, 0.35, 0.5, 0.75)
 SOURCE = {"prefill_union": "66%", "decode_recency": "58%", "prefill_tail": "47%", "stable": "1.4%",
           "freq_top_k": "2.8%", "last_1": "41%", "last_2": "51%", "last_4": "59%"}  # fmt: skip
@@ -100,11 +101,12 @@ def first_tokens_hit(r: ReplayResult, n: int = 32) -> float:
 
 
 def warm_table(results: dict[tuple[str, float], ReplayResult]) -> list[str]:
-    lines = ["| pool | planner (warm) | planner:nowarm | planner:hard (warm) | lru |", "|---|---|---|---|---|"]
+    names = ("planner", "planner:nowarm", "planner:hard", "planner:score", "planner:score:nowarm", "lru")
+    lines = ["| pool | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for f in FRACTIONS:
         if ("planner", f) not in results:
             continue
-        row = [first_tokens_hit(results[(p, f)]) for p in ("planner", "planner:nowarm", "planner:hard", "lru")]
+        row = [first_tokens_hit(results[(p, f)]) for p in names]
         lines.append(f"| {f:.0%} | " + " | ".join(pct(x) for x in row) + " |")
     return lines
 

@@ -169,5 +169,5 @@ def test_belady_fetches_least_of_every_policy_on_synthetic_traces() -> None:
     t = small_trace(5)
     for cap in (10, 16):
         best = fetched_bytes(t, Belady(), cap)
-        for spec in ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard"):
+        for spec in ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard", "planner:score"):
             assert fetched_bytes(t, make_policy(spec), cap) >= best, spec

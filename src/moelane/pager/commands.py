@@ -21,7 +21,7 @@ from moelane.pager.sweep import default_capacities, sweep
 from moelane.pager.trace import Trace, read_trace
 
 log = logging.getLogger(__name__)
-SWEEP_POLICIES = ("lru", "lfu", "recent-k", "belady", "ema:0.85", "bandit", "planner", "planner:hard", "planner:nowarm")
+SWEEP_POLICIES = ("lru", "lfu", "recent-k", "belady", "ema:0.85", "bandit", "planner", "planner:hard", "planner:score")
 
 
 def add_parser(subparsers: Any) -> None:

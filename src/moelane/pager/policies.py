@@ -10,8 +10,8 @@ recent-k, planner) use the simulator's key `last access step + pin credit`.
   number of whole decode tokens the pool holds): "keep the last k tokens resident".
 - ema:D: lowest EMA score at decay D, the current segment's activations folded in as each layer runs.
 - bandit: like ema, with the decay the decay bandit serves before each segment (SPEC 2.5).
-- planner[:hard|:bias][:nowarm]: LRU store obeying the planner's plans: pins (credit 2 * window_k tokens, or hard),
-  warm start at the boundary (SPEC 2.6, 2.7).
+- planner[:score][:hard|:bias][:nowarm]: a store obeying the planner's plans: pins (credit 2 * window_k, or hard),
+  warm start at the boundary (SPEC 2.6, 2.7); LRU order (the live store's) or, with `score`, the bandit's EMA order.
 """
 
 from __future__ import annotations
@@ -120,23 +120,35 @@ class Bandit(_Scored):
 
 
 class PlannerPolicy(Policy):
-    """The LRU store driven by a `Planner`'s plans."""
-
-    lru_keyed = True
+    """A store driven by a `Planner`'s plans. `order`: "lru" (the live store's order: least recent access, pins
+    credited 2 * window_k tokens) or "score" (the bandit's serving-arm EMA score, pins credited 2 * window_k in score
+    units, as the source documents the pin bias)."""
 
     def __init__(
-        self, pin_mode: str = "bias", warm_start: bool = True, plan_path: str | None = None, **overrides: object
+        self,
+        pin_mode: str = "bias",
+        warm_start: bool = True,
+        plan_path: str | None = None,
+        order: str = "lru",
+        **overrides: object,
     ) -> None:
+        if order not in ("lru", "score"):
+            raise MoelaneError(f"planner order must be lru or score, got {order!r}")
         self.overrides = {"pin_mode": pin_mode, "warm_start": warm_start, **overrides}
-        self.name = "planner" + ("" if pin_mode == "bias" else f":{pin_mode}") + ("" if warm_start else ":nowarm")
+        self.name = "planner" + ("" if order == "lru" else ":score") + ("" if pin_mode == "bias" else f":{pin_mode}")
+        self.name += "" if warm_start else ":nowarm"
+        self.lru_keyed = order == "lru"
         self.n_plans = 0
         self.plan_path = plan_path  # every published plan is also written here, atomically
+        self.credit = 0.0
 
     def bind(self, sim: Simulator) -> None:
         super().bind(sim)
         budget = sim.capacity * int(sim.tier_bytes[0]) if sim.unit == "slots" else sim.capacity
         cfg = PlannerConfig.from_header(sim.header, budget_bytes=budget, **self.overrides)
         self.planner = Planner(cfg)
+        self.scores: FloatArray = np.zeros(sim.resident.size, np.float64)
+        self.decay = 0.0
 
     def _apply(self, plan: Plan | None) -> None:
         if plan is None:
@@ -144,11 +156,25 @@ class PlannerPolicy(Policy):
         self.n_plans += 1
         if self.plan_path:
             plan.write_atomic(self.plan_path)
+        self.credit = 2.0 * plan.window_k
         self.sim.apply_plan(plan, credit_steps=2 * plan.window_k * self.sim.header.n_layers)
 
     def begin_segment(self, seg: Segment, flat: IntArray, decode: bool) -> None:
         if seg.phase == "decode":
             self._apply(self.planner.begin_decode())
+        if not self.lru_keyed:
+            bandit = self.planner.bandit
+            self.decay = bandit.best_decay
+            self.scores = bandit.boards.scores[bandit.best_arm].astype(np.float64) * self.decay ** flat.shape[0]
+
+    def on_step(self, ids: IntArray, layer: int, flat: IntArray) -> None:
+        if not self.lru_keyed:
+            _Scored.on_step(self, ids, layer, flat)  # type: ignore[arg-type]
+
+    def order(self, cand: IntArray) -> IntArray:
+        s = self.sim
+        keys = self.scores[cand] + self.credit * (s.bias[cand] > 0)
+        return np.lexsort((s.ids_desc[cand], s.last[cand], keys))
 
     def end_segment(self, seg: Segment, flat: IntArray) -> None:
         self._apply(self.planner.observe(seg))
@@ -158,7 +184,7 @@ POLICY_NAMES = ("lru", "lfu", "recent-k", "belady", "ema:D", "bandit", "planner"
 
 
 def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str | None = None) -> Policy:
-    """Policy from a command-line spec: lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:hard][:nowarm].
+    """Policy from a command-line spec: lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:score][:hard][:nowarm].
     `header` is accepted for callers that pass it (policies read the trace header when bound); `plan_path`: the
     planner writes every published plan there, atomically."""
     name, _, rest = spec.partition(":")
@@ -178,9 +204,10 @@ def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str 
             from moelane.pager.belady import Belady
 
             return Belady()
-        if name == "planner" and set(args) <= {"hard", "bias", "nowarm"}:
+        if name == "planner" and set(args) <= {"hard", "bias", "nowarm", "score"}:
             pin_mode = "hard" if "hard" in args else "bias"
-            return PlannerPolicy(pin_mode=pin_mode, warm_start="nowarm" not in args, plan_path=plan_path)
+            order = "score" if "score" in args else "lru"
+            return PlannerPolicy(pin_mode, "nowarm" not in args, plan_path, order)
     except ValueError as e:
         raise MoelaneError(f"bad policy {spec!r}: {e}") from e
     raise MoelaneError(f"unknown policy {spec!r}; choose from {', '.join(POLICY_NAMES)}")
