@@ -126,7 +126,11 @@ def run_speed(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(1)
     resident = moelane.load(folder, dtype)
     prompt = rng.integers(3, resident.vocab_size - 1, args.prompt_tokens).tolist()
-    chunk = args.chunk
+    # one prefill chunk for every run (so the replayed trace is the one each store ran): small enough that a chunk's
+    # experts fit the smallest pool (see ExpertStore.max_rows)
+    n_per_layer, top_k = resident.args.num_experts, resident.args.num_experts_per_tok
+    min_slots = min(args.shares) * n_per_layer * len(resident.moe_layers) // 100
+    chunk = args.chunk if min_slots >= n_per_layer else min(args.chunk, max(1, min_slots // top_k))
     recorder = Recorder()
     generate(resident, prompt[:8], 4, chunk)  # warm-up
     resident.observers.append(recorder)
@@ -135,10 +139,20 @@ def run_speed(args: argparse.Namespace) -> None:
     header = header_from_lm(resident)
     n_experts_total = sum(len(hs) for hs in resident.expert_handles.values())
     bandwidth = disk_bandwidth(resident, args.io_threads)
-    base = {"git": git_rev(), "model": str(folder), "dtype": args.dtype, "prompt_tokens": len(prompt),
+    base = {"git": git_rev(), "model": str(folder), "dtype": args.dtype, "prompt_tokens": len(prompt), "chunk": chunk,
             "tokens": args.tokens, "policy": args.policy, "predictors": args.predictors}  # fmt: skip
     emit({**base, "run": "resident", "decode_tok_s": base_tps, "disk_bytes_s": bandwidth})
+    resident_tps = base_tps
     del resident
+    gc.collect()
+    # The store at 100% with every expert of the run already resident (a second identical generation): the
+    # all-resident speed through the same provider code, and the baseline of the ratios below.
+    warm = moelane.load(folder, dtype, provider=store_factory("100%", None, args.policy, "native"))
+    generate(warm, prompt, args.tokens, chunk)
+    _, _, base_tps = generate(warm, prompt, args.tokens, chunk)
+    emit({**base, "run": "store_100_warm", "decode_tok_s": base_tps})
+    warm.provider.close()  # type: ignore[attr-defined]
+    del warm
     gc.collect()
     trace = trace_from_segments(header, recorder.segments)
     rows = []
@@ -148,13 +162,14 @@ def run_speed(args: argparse.Namespace) -> None:
         assert isinstance(store, ExpertStore)
         attached = store.attach(lm, lookahead=args.predictors, cooc=args.predictors)
         store.storage.files.drop_page_cache(shard_paths(lm))
-        got, prefill_s, tps = generate(lm, prompt, args.tokens, min(chunk, store.max_rows(header.top_k)))
+        got, prefill_s, tps = generate(lm, prompt, args.tokens, chunk)
         attached.detach()
         cost = CostModel(bandwidth=bandwidth, latency=1e-4, compute_floor=1.0 / base_tps)
         predicted = replay(trace, make_policy(args.policy, header), store.n_slots, "slots", cost).to_dict()
         stats = store.stats.to_dict()
         row = {**base, "run": "store", "share": share, "slots": store.n_slots, "of": n_experts_total,
                "identical": got == want, "decode_tok_s": tps, "ratio_to_resident": tps / base_tps,
+               "ratio_to_resident_provider": tps / resident_tps,
                "predicted_tok_s": predicted["tok_s_aggregate"],
                "predicted_decode_hit_rate": predicted["decode_hit_rate"],
                "decode_hit_rate": stats["by_phase"].get("decode", {}).get("hit_rate"),
@@ -167,13 +182,19 @@ def run_speed(args: argparse.Namespace) -> None:
         store.close()
         del lm, store
         gc.collect()
-    print(f"all-resident decode {base_tps:.1f} tok/s; disk {bandwidth / 1e6:.0f} MB/s", file=sys.stderr)
+    again = moelane.load(folder, dtype)
+    _, _, again_tps = generate(again, prompt, args.tokens, chunk)  # the baseline again: order and load effects
+    emit({**base, "run": "resident_again", "decode_tok_s": again_tps})
+    del again
+    print(f"all-resident (ResidentProvider) decode {resident_tps:.2f} tok/s, again after the store runs "
+          f"{again_tps:.2f}; store at 100% warm {base_tps:.2f} tok/s (the ratios' baseline); "
+          f"disk {bandwidth / 1e6:.0f} MB/s", file=sys.stderr)  # fmt: skip
     print(
         f"{'share':>6}{'slots':>7}{'tok/s':>8}{'x res':>7}{'pred':>8}{'hit':>7}{'pred hit':>9}  same", file=sys.stderr
     )
     for r in rows:
-        print(f"{r['share']:>5}%{r['slots']:>7}{r['decode_tok_s']:>8.1f}{r['ratio_to_resident']:>7.2f}"
-              f"{r['predicted_tok_s']:>8.1f}{r['decode_hit_rate'] or 0:>7.1%}{r['predicted_decode_hit_rate']:>9.1%}"
+        print(f"{r['share']:>5}%{r['slots']:>7}{r['decode_tok_s']:>8.2f}{r['ratio_to_resident']:>7.2f}"
+              f"{r['predicted_tok_s']:>8.2f}{r['decode_hit_rate'] or 0:>7.1%}{r['predicted_decode_hit_rate']:>9.1%}"
               f"  {r['identical']}", file=sys.stderr)  # fmt: skip
 
 
