@@ -169,15 +169,17 @@ class ExpertStore:
             counts = [stats.phase(phase) for stats in self._targets()]
             present = have[have >= 0]
             sources = t.source[present]
+            n_prefetched = int(np.count_nonzero(sources))
             for c in counts:
-                c.hits += int((sources == 0).sum())
-                c.prefetch_hits += int((sources > 0).sum())
+                c.hits += len(present) - n_prefetched
+                c.prefetch_hits += n_prefetched
                 c.misses += len(missing)
                 c.layer_calls += 1
-            for src in sources[sources > 0].tolist():
-                self.stats.source(self.sources[src - 1]).used += 1
-            t.source[present] = 0
-            waits = [self._futures[int(s)] for s in present[t.state[present] == LOADING]]
+            if n_prefetched:
+                for src in sources[sources > 0].tolist():
+                    self.stats.source(self.sources[src - 1]).used += 1
+                t.source[present] = 0
+            waits = [self._futures[s] for s in present[t.state[present] == LOADING].tolist()] if self._futures else []
             jobs = [(self._assign_locked(s, int(k), 0), int(k)) for k, s in zip(missing, victims, strict=True)]
             waits += [self._futures[slot] for slot, _ in jobs]
             slots = t.touch(keys)
