@@ -1,5 +1,5 @@
 """Serving benchmark: moelane's OpenAI server against `llama_cpp.server` (llama-cpp-python's) on the same model, the
-same prompts, in the same run.
+same prompts, in the same run (both servers up at once, measured in turn at each client count).
 
 For each server and each client count (default 1, 4, 8, 16): every client sends `--requests` streamed greedy
 completions one after another; we measure aggregate completion tokens/s (all tokens / wall time), time to first
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -170,28 +171,45 @@ def to_gguf(args: argparse.Namespace, out_dir: Path) -> Path:
     return out
 
 
-def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    log = open(Path(tempfile.gettempdir()) / f"serve_bench_{port}.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    rows = []
-    try:
+class Server:
+    """A server subprocess on a loopback port, stopped on exit."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, args: argparse.Namespace) -> None:
+        self.name, self.cmd, self.url, self.args = name, cmd, f"http://127.0.0.1:{port}", args
+        self.log_path = Path(tempfile.gettempdir()) / f"serve_bench_{port}.log"
+
+    def __enter__(self) -> Server:
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.args.threads)}
+        self.log = open(self.log_path, "wb")  # closed in __exit__
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         try:
-            wait_ready(url, proc, args.startup_timeout)
+            wait_ready(self.url, self.proc, self.args.startup_timeout)
         except RuntimeError as e:
-            raise RuntimeError(f"{name}: {e}; see {log.name}") from None
-        for n in args.clients:
-            row = {"server": name, **asyncio.run(load(url, n, args.requests, args.max_tokens))}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    finally:
-        proc.terminate()
+            self.__exit__()
+            raise RuntimeError(f"{self.name}: {e}; see {self.log_path}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
         try:
-            proc.wait(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            self.proc.kill()
+        self.log.close()
+
+
+def measure(servers: list[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Both servers up at once (the idle one takes no CPU), measured in turn at each client count, so a change in
+    the machine's load during the run hits both alike."""
+    rows = []
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.enter_context(server)
+        for n in args.clients:
+            for server in servers:
+                row = {"server": server.name, **asyncio.run(load(server.url, n, args.requests, args.max_tokens))}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
     return rows
 
 
@@ -212,11 +230,12 @@ def main() -> None:
     args = p.parse_args()
     config = {k: v for k, v in vars(args).items() if k not in ("llama_python",)}
     print(json.dumps({"bench": "serve", "git": git_revision(), **config}), flush=True)
-    results = measure("moelane", moelane_command(args, args.port), args.port, args)
-    if args.llama_python:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = [Server("moelane", moelane_command(args, args.port), args.port, args)]
+        if args.llama_python:
             gguf = to_gguf(args, Path(tmp))
-            results += measure("llama_cpp.server", llama_command(args, args.port + 1, gguf), args.port + 1, args)
+            servers.append(Server("llama_cpp.server", llama_command(args, args.port + 1, gguf), args.port + 1, args))
+        results = measure(servers, args)
     summary: dict[str, Any] = {"summary": True}
     for n in args.clients:
         ours = [r for r in results if r["server"] == "moelane" and r["clients"] == n]
