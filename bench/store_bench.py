@@ -250,6 +250,9 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.random else "float32")
+    # Measured here: without this, runs were 10-25x slower at random (the ResidentProvider most often): denormal
+    # arithmetic, apparently on uninitialised buffers holding freed bytes; every run of one invocation shares it.
+    torch.set_flush_denormal(True)
     if args.perplexity:
         run_perplexity(args)
     else:
