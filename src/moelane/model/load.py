@@ -102,22 +102,26 @@ def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: 
 
 
 def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype) -> None:
-    weights = {name: read_tensor(ref, dtype) for name, ref in refs.items()}
+    """Read the dense tensors one at a time straight into the model's parameters (peak memory: the model plus one
+    tensor, not a second copy of every weight)."""
     if hasattr(family, "sanitize"):
-        weights = family.sanitize(weights)
+        refs = family.sanitize(refs)  # renames only
+    model.to(dtype)
     own = model.state_dict()
-    for name, tensor in weights.items():
-        if name in own and own[name].shape != tensor.shape:
+    for name, ref in refs.items():
+        if name in own and tuple(own[name].shape) != ref.shape:
             raise ModelLoadError(
-                f"tensor {name} has shape {list(tensor.shape)}, config.json implies {list(own[name].shape)}"
+                f"tensor {name} has shape {list(ref.shape)}, config.json implies {list(own[name].shape)}"
             )
-    unexpected = sorted(set(weights) - set(own))
+    unexpected = sorted(set(refs) - set(own))
     if unexpected:
         log.warning("ignoring %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
-    missing = model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False).missing_keys
     tied = {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set[str]()
-    missing = [k for k in missing if k not in tied]
+    missing = sorted(set(own) - set(refs) - tied)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
-    model.to(dtype)
+    with torch.no_grad():
+        for name, ref in refs.items():
+            if name in own:
+                own[name].copy_(read_tensor(ref, dtype))
     model.eval()

@@ -4,9 +4,8 @@ weights are always renormalised; experts named `block_sparse_moe.experts.N.w1/w3
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
 from moelane.model.decoder import Decoder, config_get, sliding_windows
@@ -20,7 +19,11 @@ def expert_prefix(layer: int) -> str:
     return f"model.layers.{layer}.block_sparse_moe.experts"
 
 
-def sanitize(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+T = TypeVar("T")
+
+
+def sanitize(weights: dict[str, T]) -> dict[str, T]:
+    """Checkpoint names -> ours (values untouched: tensors or their disk references)."""
     return {name.replace(".block_sparse_moe.", ".mlp."): w for name, w in weights.items()}
 
 
