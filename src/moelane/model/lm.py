@@ -22,7 +22,7 @@ from moelane.model.cache import KVCache, Rows
 from moelane.model.decoder import Decoder
 from moelane.model.layers import Batch
 from moelane.model.loader import ExpertHandle
-from moelane.model.provider import ExpertProvider, RoutingObserver, RoutingRecord
+from moelane.model.provider import ExpertProvider, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 
@@ -110,7 +110,14 @@ class LM:
 
     def enable_compile(self) -> None:
         """Compile the one-token decode step whole (fullgraph); the first step of each cache size pays the compile."""
-        self._compiled = torch.compile(self._decode_step, fullgraph=True, dynamic=False)
+        # All experts resident: one graph. A pager's store hands back to Python at its residency check.
+        whole = isinstance(self.provider, ResidentProvider)
+        self._compiled = torch.compile(self._decode_step, fullgraph=whole, dynamic=False)
+
+    def warm_up(self, n_prompt: int, max_tokens: int) -> None:
+        """Compile the decode step for the cache size a request of this shape uses, before anything is timed."""
+        if self._compiled is not None:
+            self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
         batch = Batch(((0, 1),), (cache,), position)
