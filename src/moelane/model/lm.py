@@ -51,6 +51,7 @@ class LM:
         self.vocab_size = self.args.vocab_size
         self.max_context = self.args.max_position_embeddings
         self._compiled: Callable[..., torch.Tensor] | None = None
+        self.prefill_chunk = 256  # rows per prefill pass; a small expert pool may need fewer
 
     # ---- passes -------------------------------------------------------------------------------------------------
 
@@ -136,7 +137,7 @@ class LM:
         prompt_ids: list[int],
         max_tokens: int = 256,
         params: SamplingParams | None = None,
-        prefill_chunk: int = 256,
+        prefill_chunk: int | None = None,
         stop_ids: frozenset[int] | None = None,
     ) -> Iterator[int]:
         """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`."""
@@ -152,6 +153,7 @@ class LM:
         max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         cache = self.cache_for(len(prompt_ids), max_tokens)
+        prefill_chunk = prefill_chunk or self.prefill_chunk
         with torch.no_grad():
             for start in range(0, len(prompt_ids), prefill_chunk):
                 chunk = prompt_ids[start : start + prefill_chunk]
