@@ -19,7 +19,7 @@ import torch
 
 from moelane.errors import InputError
 from moelane.model.cache import KVCache, Rows
-from moelane.model.decoder import Decoder
+from moelane.model.decoder import Decoder, config_get
 from moelane.model.layers import Batch
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider, RoutingObserver, RoutingRecord
@@ -209,8 +209,6 @@ class Args:
         self.vocab_size: int = config["vocab_size"]
         self.hidden_size: int = config["hidden_size"]
         self.num_hidden_layers: int = config["num_hidden_layers"]
-        self.num_experts: int = (
-            config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
-        )
+        self.num_experts: int = config_get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
         self.num_experts_per_tok: int = config.get("num_experts_per_tok") or 0
         self.max_position_embeddings: int = config.get("max_position_embeddings") or 4096
