@@ -3,7 +3,7 @@
 Builds a random qwen3_moe of ~115M params (vocab 32000, hidden 512, 8 layers, 32 experts, top-4, norm_topk_prob)
 unless --model is given, then alternates the engines round by round and prints one JSON line per measurement and a
 summary line with medians and ratios. llama.cpp runs only when `llama_cpp` is importable and a converter is found
-(--convert PATH to llama.cpp's convert_hf_to_gguf.py); it uses an f32 KV cache.
+(--llama-cpp DIR, the llama.cpp tree in llama-cpp-python's sdist); it uses an f32 KV cache.
 
     python bench/decode_bench.py --rounds 3 --tokens 128 --dtype float32
 """
@@ -22,8 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tests.helpers import save_model
+
+import gguf
 
 PROMPT = [17, 4242, 99, 1234, 5678, 31000, 12, 7, 8080, 4000, 15, 16]
 
@@ -86,18 +89,17 @@ def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int) -> Callab
     return run
 
 
-def llama_runner(folder: Path, dtype: torch.dtype, tokens: int, convert: str | None) -> Callable[[], float] | None:
+def llama_runner(folder: Path, dtype: torch.dtype, tokens: int, llama_tree: str | None) -> Callable[[], float] | None:
     try:
         import llama_cpp
     except ImportError:
         return None
     outtype = "f32" if dtype == torch.float32 else "bf16"
-    gguf = folder / f"model-{outtype}.gguf"
-    if not gguf.exists():
-        if not convert:
-            return None
-        subprocess.run([sys.executable, convert, str(folder), "--outfile", str(gguf), "--outtype", outtype], check=True)
-    llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False)
+    gguf_path = folder / f"model-{outtype}.gguf"
+    if not gguf_path.exists() and not llama_tree:
+        return None
+    gguf.convert(folder, gguf_path, Path(llama_tree or "."), outtype)
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=512, n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False)
 
     def run() -> float:
         llm.reset()
@@ -118,7 +120,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--convert", help="path to llama.cpp's convert_hf_to_gguf.py")
+    p.add_argument("--llama-cpp", help="llama.cpp tree with convert_hf_to_gguf.py (vendor/llama.cpp in its sdist)")
     p.add_argument("--engines", default="moelane,moelane-compiled,transformers,llama.cpp")
     args = p.parse_args()
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -133,7 +135,7 @@ def main() -> None:
         print(json.dumps({"event": "compiled", "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     if "transformers" in wanted:
         runners["transformers"] = transformers_runner(folder, dtype, args.tokens)
-    if "llama.cpp" in wanted and (run := llama_runner(folder, dtype, args.tokens, args.convert)) is not None:
+    if "llama.cpp" in wanted and (run := llama_runner(folder, dtype, args.tokens, args.llama_cpp)) is not None:
         runners["llama.cpp"] = run
     results: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):

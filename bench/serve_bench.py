@@ -32,6 +32,10 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gguf
+
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "ROMEO. But soft, what light through yonder window breaks?\n",
@@ -156,19 +160,7 @@ def to_gguf(args: argparse.Namespace, out_dir: Path) -> Path:
     if not args.llama_cpp:
         raise SystemExit("give --gguf FILE or --llama-cpp DIR (llama.cpp tree with convert_hf_to_gguf.py)")
     folder = args.model or str(Path(__import__("moelane.assets", fromlist=["x"]).default_model_path()))
-    out = out_dir / "model-f32.gguf"
-    llama = str(Path(args.llama_cpp).resolve())
-    shim = (
-        "import runpy, sys\n"
-        f"sys.path[:0] = [{llama!r}, {llama + '/gguf-py'!r}]\n"
-        "import conversion.base as base\n"
-        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
-        f"sys.argv = [{llama + '/convert_hf_to_gguf.py'!r}, {folder!r}, '--outfile', {str(out)!r}, "
-        "'--outtype', 'f32']\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    subprocess.run([sys.executable, "-c", shim], check=True, capture_output=True)
-    return out
+    return gguf.convert(Path(folder), out_dir / "model-f32.gguf", Path(args.llama_cpp))
 
 
 class Server:

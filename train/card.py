@@ -31,8 +31,9 @@ def read_log(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
 
 
-def folder_mb(folder: Path) -> float:
-    return sum((folder / f).stat().st_size for f in SHIPPED) / 2**20
+def folder_size(folder: Path) -> str:
+    n = sum((folder / f).stat().st_size for f in SHIPPED)
+    return f"{n / 1e6:.2f} MB ({n:,} bytes)"
 
 
 def corpus_section() -> str:
@@ -96,7 +97,7 @@ architecture, `norm_topk_prob: true`). It is a toy: it continues code with code-
 text, and knows nothing else.
 
 Files: `config.json`, `model.safetensors` (bf16), `tokenizer.json`, `tokenizer_config.json` (with a chat template),
-`generation_config.json`: {folder_mb(ASSETS / "default"):.1f} MiB together. Expert tensors are stored per expert,
+`generation_config.json`: {folder_size(ASSETS / "default")} together. Expert tensors are stored per expert,
 as transformers writes them: `model.layers.N.mlp.experts.E.{{gate_proj,up_proj,down_proj}}.weight`.
 
 ## Corpus
@@ -166,7 +167,7 @@ Greedy (repetition penalty 1.1), 80 new tokens, transformers:
 
 A dense `qwen3` model with the same tokenizer for draft-model speculative decoding: {dcfg["num_hidden_layers"]} layers,
 hidden {dcfg["hidden_size"]}, MLP {dcfg["intermediate_size"]}, {dcfg["num_attention_heads"]} heads ({dcfg["num_key_value_heads"]} KV) of
-dim {dcfg["head_dim"]}, tied embeddings, {dan["params"] / 1e6:.2f} M parameters, {folder_mb(ASSETS / "draft"):.1f} MiB.
+dim {dcfg["head_dim"]}, tied embeddings, {dan["params"] / 1e6:.2f} M parameters, {folder_size(ASSETS / "draft")}.
 Trained the same way: `python train/train.py --kind draft --steps {dlast["step"]} --threads 1 --out train/runs/draft`
 ({dlast["step"]} steps of 8 x 256 tokens, peak LR 4e-3, {dlast["elapsed_s"] / 60:.0f} min at low priority beside the main run). Its perplexities above are on 16,384 held-out tokens per domain.
 

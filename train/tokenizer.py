@@ -68,7 +68,7 @@ def train_tokenizer(out_dir: Path) -> Tokenizer:
 
     tok.train_from_iterator(docs(), trainer=trainer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
+    tok.save(str(out_dir / "tokenizer.json"), pretty=False)  # minified: 0.22 MB instead of 0.54
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     return tok
 
