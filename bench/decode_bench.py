@@ -99,7 +99,9 @@ def llama_runner(folder: Path, dtype: torch.dtype, tokens: int, llama_tree: str 
     if not gguf_path.exists() and not llama_tree:
         return None
     gguf.convert(folder, gguf_path, Path(llama_tree or "."), outtype)
-    llm = llama_cpp.Llama(str(gguf_path), n_ctx=512, n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False)
+    llm = llama_cpp.Llama(
+        str(gguf_path), n_ctx=512, n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False
+    )
 
     def run() -> float:
         llm.reset()
