@@ -159,6 +159,35 @@ def test_stop_tokens_cancel_and_errors() -> None:
         engine.submit([1], temperature=-1.0)
 
 
+class PoisonedTarget(FakeTarget):
+    """Fails every pass that holds the first rows of a prompt that starts with POISON."""
+
+    def forward(self, rows, last_only=False):  # type: ignore[no-untyped-def]
+        if any(r.start == 0 and r.token_ids[0] == POISON for r in rows):
+            raise RuntimeError("poisoned pass (test)")
+        return super().forward(rows, last_only)
+
+
+POISON = 7
+
+
+@pytest.mark.parametrize("drafter", ["none", "copy"])
+def test_a_failing_stream_fails_alone(cases, drafter: str) -> None:
+    """A round that fails is rerun stream by stream: the stream that fails alone ends with "error", the streams that
+    shared its round go on and still equal their solo decode."""
+    target = PoisonedTarget(VOCAB, window=1, eos_ids=EOS)
+    engine = Engine(target, EngineConfig(drafter=drafter, timed=False))  # type: ignore[arg-type]
+    healthy = [c for c in cases if c[0][0] != POISON][:5]
+    streams = submit_all(engine, healthy[:2])
+    bad = engine.submit([POISON, 3, 4], max_tokens=MAX_TOKENS)
+    streams += submit_all(engine, healthy[2:])
+    engine.run_until_idle()
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    for stream, (_, _, expected) in zip(streams, healthy, strict=True):
+        assert stream.token_ids == expected and stream.finish_reason in ("stop", "length")
+    assert engine.n_active == 0
+
+
 def test_threaded_mode_streams_tokens_as_they_commit(cases) -> None:
     engine = Engine(FakeTarget(VOCAB, window=1, eos_ids=EOS), EngineConfig(drafter="copy"))
     engine.start()

@@ -190,6 +190,15 @@ class Engine:
         if not chosen:
             self._span_start = None
             return False
+        try:
+            self._round_of(chosen)
+        except Exception:
+            log.exception("a lanes round of %d streams failed; running them one at a time", len(chosen))
+            self._isolate(chosen)
+        return True
+
+    def _round_of(self, chosen: list[tuple[Lane, int]]) -> None:
+        """One round over `chosen`: plan windows, verify all in one pass, commit, draft the next round."""
         start = self.clock.now() if self._span_start is None else self._span_start
         mode = self._mode(len(chosen))
         windows = plan_windows(chosen, mode == DRAFTED, self.prices, self.config.max_rows)
@@ -201,7 +210,22 @@ class Engine:
             self.guard.observe(len(chosen), mode, n_committed, end - start, measured=self._drafted_for == mode)
         self._span_start = end
         self._draft()
-        return True
+
+    def _isolate(self, failed: list[tuple[Lane, int]]) -> None:
+        """A round failed: rerun its streams one at a time without drafts, so only a stream that fails by itself ends
+        ("error") and the others go on. Nothing was committed for a stream whose pass failed; KV rows it wrote are
+        written again at the same positions."""
+        for lane, _ in failed:
+            lane.drafts, lane.drafted_at = [], -1
+        for lane, _ in failed:
+            if lane not in self._active:
+                continue
+            try:
+                self._round_of(choose([lane], 1, self.config.max_rows, self.config.prefill_chunk))
+            except Exception:
+                log.exception("lanes stream %d failed alone; ending it", lane.stream.id)
+                self._retire(lane, "error")
+        self._span_start = None
 
     def run_until_idle(self) -> None:
         """Run rounds in this thread until every submitted stream has finished (not while `start`ed)."""
@@ -365,8 +389,8 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:
-                log.exception("lanes engine round failed; ending its streams")
+            except Exception:  # outside any one round (admission, isolation): nothing is left to retry alone
+                log.exception("lanes engine failed between rounds; ending its streams")
                 with self._cv:
                     for lane in list(self._active):
                         self._retire(lane, "error")
