@@ -75,20 +75,28 @@ class Tokenizer:
 
 
 class Detokenizer:
-    """Turns a growing list of ids into text pieces, holding back an unfinished UTF-8 character."""
+    """Turns a growing list of ids into text pieces, holding back an unfinished UTF-8 character.
+
+    Each push decodes only a short window: the ids since the last piece plus the ids of that piece as context (so
+    tokenizers that drop a leading space at the start of a decode still space correctly), and emits the difference.
+    Work per token stays constant however long the reply grows."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._sent = 0
+        self._prefix = 0  # window start: context ids already emitted
+        self._read = 0  # ids before this are emitted
 
     def push(self, ids: Iterable[int]) -> str:
         self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
+        if len(self._ids) == self._read:
             return ""
-        piece, self._sent = text[self._sent :], len(text)
-        return piece
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
 
 
 class StopFilter:

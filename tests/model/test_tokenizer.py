@@ -1,0 +1,48 @@
+"""Streaming detokenization: the pieces, joined, are the whole decode, whatever the tokenizer and however ids arrive."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from moelane.assets import default_model_path
+from moelane.model.tokenizer import Detokenizer, Tokenizer
+
+TEXT = (
+    "def naïve(n):\n    return 'déjà vu' * n  # 日本語のテキスト, emoji 🙂🚀, Ελληνικά\n"
+    "To be, or not to be: that is the question.  Whether 'tis nobler in the mind to suffer\n"
+)
+
+
+def metaspace_folder(tmp_path: Path) -> Path:
+    """A SentencePiece-style tokenizer (Metaspace: spaces become '▁', dropped at the start of a decode)."""
+    tok = HfTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>", *byte_tokens])
+    tok.train_from_iterator([TEXT] * 20, trainer=trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_streamed_pieces_join_to_the_whole_decode(kind: str, tmp_path: Path) -> None:
+    folder = default_model_path() if kind == "byte-level" else metaspace_folder(tmp_path)
+    tok = Tokenizer(folder, frozenset())
+    rng = random.Random(0)
+    for text in (TEXT, TEXT[40:], " leading space", "🙂" * 5):
+        ids = tok.encode(text)
+        whole = tok.decode(ids)
+        for _ in range(5):
+            detok, pieces, i = Detokenizer(tok), [], 0
+            while i < len(ids):  # ids arrive one or several at a time, as rounds commit them
+                n = rng.randint(1, 3)
+                pieces.append(detok.push(ids[i : i + n]))
+                i += n
+            assert "".join(pieces) == whole
+            assert all("\ufffd" not in p for p in pieces)
