@@ -178,6 +178,23 @@ def test_rows_are_batch_invariant(lm: moelane.LM) -> None:
     assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
 
 
+def test_streams_attend_in_one_batched_call_bit_for_bit(lm: moelane.LM) -> None:
+    """Streams sharing a cache capacity attend in one batched call; each stream's logits equal its solo pass, for
+    decode rows, drafted windows and prefill chunks, and beside streams of another capacity."""
+    prompts = [[(i * 11 + j * 3) % 290 for j in range(5 + 3 * i)] for i in range(6)]
+    caps = [256, 256, 256, 512, 256, 512]
+    solo, caches = [], []
+    for p, cap in zip(prompts, caps, strict=True):
+        cache = lm.new_cache(cap)
+        solo.append(lm.forward([Rows(cache, p, 0)])[0])
+        solo[-1] = torch.cat([solo[-1], lm.forward([Rows(cache, [7, 8, 9][: 1 + len(p) % 3], len(p))])[0]])
+        caches.append(lm.new_cache(cap))
+    together = lm.forward([Rows(c, p, 0) for c, p in zip(caches, prompts, strict=True)])
+    step = lm.forward([Rows(c, [7, 8, 9][: 1 + len(p) % 3], len(p)) for c, p in zip(caches, prompts, strict=True)])
+    for alone, first, second in zip(solo, together, step, strict=True):
+        assert torch.equal(alone, torch.cat([first, second]))
+
+
 def test_max_tokens_and_eos(lm: moelane.LM) -> None:
     ids = list(range(10, 30))
     out = list(lm.generate_ids(ids, 8))

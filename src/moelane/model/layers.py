@@ -179,23 +179,69 @@ def attend(
     entries beyond the stream's length (rolled-back drafts) never count. With a sliding `window`, a row sees only
     the `window` keys ending at its own position.
     """
-    n, n_heads = q.shape[0], q.shape[1]
-    n_kv, capacity = k.shape[0], k.shape[1]
-    qh = pad_rows(q.transpose(0, 1))  # [Hq, n8, D]
-    n8 = qh.shape[1]
+    if torch.compiler.is_compiling():
+        return attend_fused(q, k, v, positions, scale, window)
+    return attend_batched([q], [k], [v], [positions], scale, window)[0]
+
+
+def attend_batched(
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    positions: list[torch.Tensor],
+    scale: float,
+    window: int | None = None,
+) -> list[torch.Tensor]:
+    """`attend` for B streams at once, whose caches have one capacity and whose rows pad to the same tile count.
+
+    Each stream's query heads, padded to whole tiles, meet its own K/V in one batched matrix product over B x Hkv
+    matrices of the same shapes as alone, so a stream's numbers do not depend on B (tested bit for bit)."""
+    b, n_heads = len(qs), qs[0].shape[1]
+    n_kv, capacity, d = ks[0].shape
+    n8 = -(-qs[0].shape[0] // TILE) * TILE
+    qh = torch.stack([F.pad(q.transpose(0, 1), (0, 0, 0, n8 - q.shape[0])) for q in qs])  # [B, Hq, n8, D]
+    k = ks[0][None] if b == 1 else torch.stack(ks)  # [B, Hkv, C, D]
+    v = vs[0][None] if b == 1 else torch.stack(vs)
     # Query heads sharing a KV head are stacked as rows (whole tiles), so K/V are never copied per head.
-    qg = qh.reshape(n_kv, -1, qh.shape[2])  # [Hkv, group * n8, D]
+    qg = qh.reshape(b * n_kv, -1, d)  # [B * Hkv, group * n8, D]
+    keys = k.reshape(b * n_kv, capacity, d).transpose(1, 2)
     # Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention in bf16.
-    scores = (torch.matmul(qg, k.transpose(1, 2)) * scale).float().view(n_heads, n8, capacity)  # [Hq, n8, C]
-    key_pos = torch.arange(capacity, device=q.device)
-    row_pos = F.pad(positions, (0, qh.shape[1] - n), value=-1)
-    mask = key_pos[None, :] <= row_pos[:, None]  # [n8, C]
+    scores = (torch.matmul(qg, keys) * scale).float().view(b, n_heads, n8, capacity)  # [B, Hq, n8, C]
+    key_pos = torch.arange(capacity, device=qh.device)
+    row_pos = torch.stack([F.pad(p, (0, n8 - p.shape[0]), value=-1) for p in positions])  # [B, n8]
+    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n8, C]
     if window is not None:
-        mask = mask & (key_pos[None, :] > row_pos[:, None] - window)
-    scores = scores.masked_fill(~mask[None], float("-inf"))
+        mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
-    out = torch.matmul(probs.view(n_kv, -1, capacity), v).view(n_heads, n8, -1)  # [Hq, n8, Dv]
-    return out[:, :n].transpose(0, 1)  # [n, Hq, Dv]
+    out = torch.matmul(probs.view(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
+    out = out.view(b, n_heads, n8, -1)  # [B, Hq, n8, Dv]
+    return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
+
+
+def attend_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """`attend` as the compiler should see it: broadcast products and sums that it fuses into a few loops. At decode
+    sizes a BLAS call per head group costs more in thread wake-ups than in arithmetic (about 50 us each here, two a
+    layer). Same shapes and masking as `attend`; the compiled path is not bit-identical to eager anyway."""
+    n, n_heads, d = q.shape
+    n_kv, capacity = k.shape[0], k.shape[1]
+    qg = q.view(n, n_kv, n_heads // n_kv, d)  # [n, Hkv, g, D]
+    scores = ((qg[:, :, :, None, :] * k[None, :, None, :, :]).sum(-1) * scale).float()  # [n, Hkv, g, C]
+    key_pos = torch.arange(capacity, device=q.device)
+    mask = key_pos[None, :] <= positions[:, None]  # [n, C]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > positions[:, None] - window)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
+    out = (probs[..., None] * v[None, :, None, :, :]).sum(-2)  # [n, Hkv, g, Dv]
+    return out.reshape(n, n_heads, -1)
 
 
 class Attention(nn.Module):
@@ -260,13 +306,26 @@ def attend_streams(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Write each stream's new K/V into its cache, then attend per stream. q [N, Hq, D], k/v [N, Hkv, D]."""
-    outs = []
-    for (first, n), cache in zip(batch.spans, batch.caches, strict=True):
+    """Write each stream's new K/V into its cache, then attend: streams whose caches share a capacity and whose rows
+    pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    kvs, qs, poss = [], [], []
+    for i, ((first, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
         pos = batch.positions[first : first + n]
-        kc, vc = cache.write(layer, pos, k[first : first + n], v[first : first + n])
-        outs.append(attend(q[first : first + n], kc, vc, pos, scale, window))
-    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+        kvs.append(cache.write(layer, pos, k[first : first + n], v[first : first + n]))
+        qs.append(q[first : first + n])
+        poss.append(pos)
+        groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
+    if len(qs) == 1 or torch.compiler.is_compiling():
+        outs = [attend(qi, kc, vc, pos, scale, window) for qi, (kc, vc), pos in zip(qs, kvs, poss, strict=True)]
+        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    out: list[torch.Tensor] = [q[:0]] * len(qs)
+    for members in groups.values():
+        results = attend_batched([qs[i] for i in members], [kvs[i][0] for i in members], [kvs[i][1] for i in members],
+                                 [poss[i] for i in members], scale, window)  # fmt: skip
+        for i, r in zip(members, results, strict=True):
+            out[i] = r
+    return torch.cat(out, dim=0)
 
 
 class MLP(nn.Module):
