@@ -27,6 +27,9 @@ DOMAIN_SOURCE = {
 }
 
 
+NOTES = "## How this run went (notes)"
+
+
 def read_log(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines() if line.strip()]
 
@@ -174,11 +177,13 @@ Trained the same way: `python train/train.py --kind draft --steps {dlast["step"]
 ## Reproducing
 
 See `train/README.md`: `corpus.py`, `tokenizer.py`, then the training command above. Batches and initialisation come
-from the seed alone, so rerunning with the same seed and thread count repeats the run step for step.
+from the seed alone; rerunning with the same seed reproduces the held-out loss within 1 % (see the notes below).
 """
     if args.notes:
         card += "\n" + args.notes.read_text()
-    (ASSETS / "default" / "MODEL_CARD.md").write_text(card)
+    path = ASSETS / "default" / "MODEL_CARD.md"
+    notes = path.read_text().partition(NOTES)[2] if path.exists() else ""
+    path.write_text(card + (f"\n{NOTES}{notes}" if notes else ""))  # hand-written run notes are kept
     print(card)
 
 
