@@ -258,3 +258,23 @@ def test_stop_filter_never_leaks_past_a_stop() -> None:
     assert out == "hello " and f.stopped
     g = StopFilter(["STOP"])
     assert "".join([g.push("a ST"), g.push("ar"), g.flush()]) == "a STar"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype) -> None:
+    """The eager dispatch's grouped products give each (token, expert) pair the bits of `expert_mlp` on that expert's
+    rows alone: the tile rule holds through `torch._grouped_mm`, for empty, partial and multi-tile groups."""
+    from moelane.model.moe import expert_mlp, grouped
+
+    gen = torch.Generator().manual_seed(0)
+    n_slots, hidden, width, k = 6, 40, 24, 3
+    w13 = torch.randn(n_slots, 2 * width, hidden, generator=gen).to(dtype)
+    w2 = torch.randn(n_slots, hidden, width, generator=gen).to(dtype)
+    for n_tokens in (1, 3, 11, 40):
+        x = torch.randn(n_tokens, hidden, generator=gen).to(dtype)
+        flat = torch.stack([torch.randperm(n_slots - 1, generator=gen)[:k] for _ in range(n_tokens)]).reshape(-1)
+        y = grouped(x, flat, k, w13, w2)
+        for slot in range(n_slots):
+            pairs = (flat == slot).nonzero().reshape(-1)
+            if len(pairs):
+                assert torch.equal(y[pairs], expert_mlp(x[pairs // k], w13[slot], w2[slot]))
