@@ -10,7 +10,8 @@ ratios at 1 and 8 clients.
 llama.cpp needs the model as GGUF: pass `--gguf FILE`, or `--llama-cpp DIR` (the llama.cpp tree in the
 llama-cpp-python sdist, `vendor/llama.cpp`) to convert the model folder with its `convert_hf_to_gguf.py` (f32; a
 byte-level BPE tokenizer it does not know is declared "gpt-2", the same pre-tokenizer). The llama server runs with an
-f32 KV cache (`--type_k 0 --type_v 0`) and as many threads as the moelane server.
+f32 KV cache (`--type_k 0 --type_v 0`) and `--threads` threads (every core by default); moelane runs with its
+serve default (every core but one, the other left to its HTTP thread) unless `--moelane-threads` says otherwise.
 
     python bench/serve_bench.py --llama-python /path/venv/bin/python --llama-cpp /path/vendor/llama.cpp
 """
@@ -172,6 +173,10 @@ class Server:
 
     def __enter__(self) -> Server:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.args.threads)}
+        if self.name == "moelane" and self.args.moelane_threads:  # its own choice: serve's default unless given
+            env.pop("OMP_NUM_THREADS")
+            if self.args.moelane_threads != "default":
+                env["OMP_NUM_THREADS"] = self.args.moelane_threads
         self.log = open(self.log_path, "wb")  # closed in __exit__
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         try:
@@ -211,7 +216,10 @@ def main() -> None:
     p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="compute threads of each server (default 2)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2)")
+    p.add_argument("--moelane-threads", default="default",
+                   help="moelane's compute threads: 'default' (serve's own: every core but one), or N; "
+                   "empty: the same as --threads")  # fmt: skip
     p.add_argument("--drafter", default="none", help="moelane serve --drafter (default none)")
     p.add_argument("--moelane-arg", action="append", default=[], help="extra argument for moelane serve")
     p.add_argument("--llama-python", help="python with llama-cpp-python[server] (omit: moelane only)")

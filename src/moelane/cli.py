@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from moelane.errors import MoelaneError
+from moelane.errors import InputError, MoelaneError
 
 log = logging.getLogger("moelane")
 
@@ -49,6 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="eviction policy of the expert pool (with --expert-memory)")  # fmt: skip
     p.add_argument("--default-tier", choices=("native", "int8", "int4"), default="native",
                    help="precision of experts fetched on a miss (native: the checkpoint's own)")  # fmt: skip
+    p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
+                   "core but one for serve, which leaves one to the HTTP server; OMP_NUM_THREADS if set)")  # fmt: skip
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -90,6 +92,10 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
 
     import moelane
 
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise InputError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     factory = provider_factory(args)
     lm = moelane.load(args.model, dtype, provider=factory, compile=compile, progress=True)  # type: ignore[arg-type]

@@ -149,6 +149,16 @@ def test_prompt_longer_than_context(folder: Path, capsys: pytest.CaptureFixture[
     assert "does not fit" in cli_error(["run", "--model", str(folder), long_prompt], capsys)
 
 
+def test_threads_option(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--threads must be at least 1" in cli_error(["run", "--model", str(folder), "--threads", "0", "hi"], capsys)
+    before = torch.get_num_threads()
+    try:
+        assert main(["run", "--model", str(folder), "--threads", "1", "--max-tokens", "2", "hi"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 # ---- generation ------------------------------------------------------------------------------------------------
 
 
