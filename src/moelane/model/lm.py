@@ -115,7 +115,7 @@ class LM:
         whole = isinstance(self.provider, ResidentProvider)
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
         # a 115M model's decode here. Tensor shapes (the cache capacity) and the provider are still guarded.
-        skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        skip: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._compiled = torch.compile(self._decode_step, fullgraph=whole, dynamic=False, options=skip)
 
     def warm_up(self, n_prompt: int, max_tokens: int) -> None:
