@@ -61,7 +61,10 @@ def grouped(x: torch.Tensor, flat: torch.Tensor, k: int, w13: torch.Tensor, w2: 
 
     Pairs are sorted by slot and each slot's rows padded to whole tiles (zero rows), so every slot's group is a matrix
     of TILE-multiple rows: `torch._grouped_mm` computes each group as `linear` would (tested bit for bit), in one call
-    instead of a Python loop over the slots used."""
+    instead of a Python loop over the slots used. Only the range of slots in use is passed (a view), since the grouped
+    product visits every group, empty ones too: a big pager pool has hundreds of slots."""
+    lo, hi = int(flat.min()), int(flat.max())
+    flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
     n_slots = w13.shape[0]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_slots)
