@@ -165,25 +165,6 @@ class Batch:
     positions: torch.Tensor
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """Causal attention of one stream's n query rows over its whole cache.
-
-    q [n, Hq, D]; k [Hkv, C, D]; v [Hkv, C, Dv]; positions [n]. Keys past a row's position are masked, so stale
-    entries beyond the stream's length (rolled-back drafts) never count. With a sliding `window`, a row sees only
-    the `window` keys ending at its own position.
-    """
-    if torch.compiler.is_compiling():
-        return attend_fused(q, k, v, positions, scale, window)
-    return attend_batched([q], [k], [v], [positions], scale, window)[0]
-
-
 def attend_batched(
     qs: list[torch.Tensor],
     ks: list[torch.Tensor],
@@ -192,10 +173,14 @@ def attend_batched(
     scale: float,
     window: int | None = None,
 ) -> list[torch.Tensor]:
-    """`attend` for B streams at once, whose caches have one capacity and whose rows pad to the same tile count.
+    """Causal attention of B streams' query rows, each over its own whole cache; the caches have one capacity and the
+    streams' rows pad to the same tile count.
 
-    Each stream's query heads, padded to whole tiles, meet its own K/V in one batched matrix product over B x Hkv
-    matrices of the same shapes as alone, so a stream's numbers do not depend on B (tested bit for bit)."""
+    qs[i] [n_i, Hq, D]; ks[i] [Hkv, C, D]; vs[i] [Hkv, C, Dv]; positions[i] [n_i]. Keys past a row's position are
+    masked, so stale entries beyond a stream's length (rolled-back drafts) never count. With a sliding `window`, a
+    row sees only the `window` keys ending at its own position. Each stream's query heads, padded to whole tiles, meet
+    its own K/V in one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers
+    do not depend on B (tested bit for bit). Returns [n_i, Hq, Dv] per stream."""
     b, n_heads = len(qs), qs[0].shape[1]
     n_kv, capacity, d = ks[0].shape
     n8 = -(-qs[0].shape[0] // TILE) * TILE
@@ -217,31 +202,6 @@ def attend_batched(
     out = torch.matmul(probs.view(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
     out = out.view(b, n_heads, n8, -1)  # [B, Hq, n8, Dv]
     return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
-
-
-def attend_fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """`attend` as the compiler should see it: broadcast products and sums that it fuses into a few loops. At decode
-    sizes a BLAS call per head group costs more in thread wake-ups than in arithmetic (about 50 us each here, two a
-    layer). Same shapes and masking as `attend`; the compiled path is not bit-identical to eager anyway."""
-    n, n_heads, d = q.shape
-    n_kv, capacity = k.shape[0], k.shape[1]
-    qg = q.view(n, n_kv, n_heads // n_kv, d)  # [n, Hkv, g, D]
-    scores = ((qg[:, :, :, None, :] * k[None, :, None, :, :]).sum(-1) * scale).float()  # [n, Hkv, g, C]
-    key_pos = torch.arange(capacity, device=q.device)
-    mask = key_pos[None, :] <= positions[:, None]  # [n, C]
-    if window is not None:
-        mask = mask & (key_pos[None, :] > positions[:, None] - window)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
-    out = (probs[..., None] * v[None, :, None, :, :]).sum(-2)  # [n, Hkv, g, Dv]
-    return out.reshape(n, n_heads, -1)
 
 
 class Attention(nn.Module):
@@ -316,16 +276,13 @@ def attend_streams(
         qs.append(q[first : first + n])
         poss.append(pos)
         groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
-    if len(qs) == 1 or torch.compiler.is_compiling():
-        outs = [attend(qi, kc, vc, pos, scale, window) for qi, (kc, vc), pos in zip(qs, kvs, poss, strict=True)]
-        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     out: list[torch.Tensor] = [q[:0]] * len(qs)
     for members in groups.values():
         results = attend_batched([qs[i] for i in members], [kvs[i][0] for i in members], [kvs[i][1] for i in members],
                                  [poss[i] for i in members], scale, window)  # fmt: skip
         for i, r in zip(members, results, strict=True):
             out[i] = r
-    return torch.cat(out, dim=0)
+    return torch.cat(out, dim=0) if len(out) > 1 else out[0]
 
 
 class MLP(nn.Module):
