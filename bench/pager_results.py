@@ -33,7 +33,8 @@ FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 DOC = ROOT / "docs" / "pager-results.md"
 BEGIN, END = "<!-- BEGIN GENERATED (bench/pager_results.py) -->", "<!-- END GENERATED -->"
 POLICIES = ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard", "planner:nowarm",
-            "planner:score", "planner:score:hard", "planner:score:nowarm", "belady")  # fmt: skip
+            "planner:score", "planner:score:hard", "planner:score:nowarm", "lru+ahead", "planner+ahead",
+            "planner:hard+ahead", "planner:score+ahead", "belady")  # fmt: skip
 FRACTIONS = (0.2, 0.25, 0.35, 0.5, 0.75)
 SOURCE = {"prefill_union": "66%", "decode_recency": "58%", "prefill_tail": "47%", "stable": "1.4%",
           "freq_top_k": "2.8%", "last_1": "41%", "last_2": "51%", "last_4": "59%"}  # fmt: skip
@@ -61,10 +62,14 @@ def coverage_table(report: dict[str, Any]) -> list[str]:
     lines = ["| set | coverage (ours) | size (ours, experts) | source |", "|---|---|---|---|"]
     for name, v in cov.items():
         lines.append(f"| {name} | {pct(v['coverage'])} | {v['size']:.1f} | {SOURCE.get(name, '-')} |")
-    p = report["overall"]["predictors"]
-    lines += ["", "| predictor | repeat recall | delta recall | schedulable coverage |", "|---|---|---|---|",
-              f"| co-occurrence (noisy-OR, top-k extra per layer) | {pct(p['repeat_recall'])} | "
-              f"{pct(p['delta_recall'])} | {pct(p['schedulable_coverage'])} |"]  # fmt: skip
+    lines += ["", "| predictor | recall (layers >= 1) | repeat recall | delta recall | schedulable coverage |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    names = {"predictors": "co-occurrence (noisy-OR, top-k extra per layer)", "lookahead": "next-layer look-ahead"}
+    for key, name in names.items():
+        if (p := report["overall"].get(key)) is not None:
+            recall = pct(p["recall"]) if "recall" in p else "-"
+            lines.append(f"| {name} | {recall} | {pct(p['repeat_recall'])} | {pct(p['delta_recall'])} | "
+                         f"{pct(p['schedulable_coverage'])} |")  # fmt: skip
     return lines
 
 
@@ -82,6 +87,8 @@ def policy_table(trace: Trace, cost: CostModel) -> tuple[list[str], dict[tuple[s
              "|---" * (len(FRACTIONS) + 1) + "|"]  # fmt: skip
     floor = max_step_size(trace)
     for spec in POLICIES:
+        if spec.endswith("+ahead") and trace.lookahead is None:
+            continue
         cells = []
         for f in FRACTIONS:
             if round(f * m) < floor:  # a step must fit whole
@@ -149,60 +156,6 @@ def phase_shift_trace(model: Trace) -> Trace:
     return synth_trace(cfg)
 
 
-def lookahead(model: str | None, n_prompts: int = 3, max_tokens: int = 48) -> dict[str, float]:
-    """Next-layer look-ahead measured on the live model: hooks capture each MoE block's input on decode passes."""
-    import moelane
-    from moelane.model.sampling import SamplingParams
-    from moelane.pager.predict import lookahead_stats
-
-    lm = moelane.load(model)
-    blocks = [m for m in lm.model.modules() if hasattr(m, "gate") and hasattr(m, "top_k")]
-    gates = [b.gate.weight.detach().float().numpy() for b in blocks]
-    pending: list[Any] = [None] * len(blocks)
-    hidden: list[list[Any]] = [[] for _ in blocks]
-    routed: list[Any] = []
-
-    def hook_for(i: int) -> Any:
-        def hook(module: Any, args: tuple[Any, ...]) -> None:
-            pending[i] = args[0].detach().float().numpy()
-
-        return hook
-
-    class Observer:
-        def observe(self, record: Any) -> None:
-            if record.phase == "decode":
-                routed.append(record.expert_ids[:, 0, :].numpy())
-                for i, x in enumerate(pending):
-                    hidden[i].append(x[0])
-
-    handles = [b.register_forward_pre_hook(hook_for(i)) for i, b in enumerate(blocks)]
-    lm.observers.append(Observer())
-    prompts = [json.loads(x)["prompt"] for x in (FIXTURES / "prompts.jsonl").read_text().splitlines()[:n_prompts]]
-    totals: dict[str, float] = {}
-    n = 0
-    for prompt in prompts:
-        for h in hidden:
-            h.clear()
-        routed.clear()
-        ids = lm.tokenizer.encode(prompt)
-        sum(1 for _ in lm.generate_ids(ids, max_tokens, SamplingParams(), prefill_chunk=64, stop_ids=frozenset()))
-        stats = lookahead_stats([np.stack(h) for h in hidden], gates, np.stack(routed))
-        for key in ("recall", "repeat_recall", "delta_recall", "schedulable_coverage"):
-            totals[key] = totals.get(key, 0.0) + stats[key] * stats["n_tokens"]
-        n += stats["n_tokens"]
-    for handle in handles:
-        handle.remove()
-    return {k: v / max(1, n) for k, v in totals.items()}
-
-
-def lookahead_table(model: str | None) -> list[str]:
-    s = lookahead(model)
-    return ["| predictor | recall (layers >= 1) | repeat recall | delta recall | schedulable coverage |",
-            "|---|---|---|---|---|",
-            f"| next-layer look-ahead | {pct(s['recall'])} | {pct(s['repeat_recall'])} | {pct(s['delta_recall'])} | "
-            f"{pct(s['schedulable_coverage'])} |"]  # fmt: skip
-
-
 def write_doc(sections: list[str]) -> None:
     text = DOC.read_text() if DOC.exists() else f"# Pager results\n\n{BEGIN}\n{END}\n"
     a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
@@ -214,7 +167,6 @@ def main() -> None:
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--trace", default=str(FIXTURES / "default.trc"))
-    ap.add_argument("--no-lookahead", action="store_true", help="skip the live-model look-ahead measurement")
     a = ap.parse_args()
     if a.record:
         record(a.model, Path(a.trace))
@@ -234,9 +186,6 @@ def main() -> None:
     traces = {"default model": trace, "synthetic, phase shift every 96 tokens": shift}
     sections = [meta, "", "### Coverage", "", *coverage_table(report), "", "### Policies by pool size", "", *table,
                 "", warm_title, "", *warm_table(results), "", bandit_title, "", *bandit_table(traces)]  # fmt: skip
-    if not a.no_lookahead:
-        sections += ["", "### Next-layer look-ahead (live model, decode tokens of 3 prompts)", "",
-                     *lookahead_table(a.model)]  # fmt: skip
     write_doc(sections)
     for (spec, f), r in results.items():
         print(json.dumps({"git": git_rev(), "trace": a.trace, "policy": spec, "fraction": f, **r.to_dict()}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +30,15 @@ def random_trace(rng: np.random.Generator, n_layers: int, n_experts: int, top_k:
     return trace_from_segments(header, segs)
 
 
+def with_lookahead(trace: Trace, rng: np.random.Generator, accuracy: float = 0.7) -> Trace:
+    """`trace` carrying a noisy look-ahead: per token and layer l+1, each routed expert kept with probability
+    `accuracy`, else replaced by a random expert (a prediction may then name an expert twice, as real ones cannot)."""
+    nxt = trace.expert_ids[:, 1:].astype(np.int64)
+    noise = rng.integers(0, trace.header.n_experts, nxt.shape)
+    ahead = np.where(rng.random(nxt.shape) < accuracy, nxt, noise).astype(trace.expert_ids.dtype)
+    return dataclasses.replace(trace, lookahead=ahead)
+
+
 def steps_of(trace: Trace) -> list[tuple[list[int], bool]]:
     out = []
     for seg in trace.segments():
@@ -41,14 +51,17 @@ def steps_of(trace: Trace) -> list[tuple[list[int], bool]]:
 Key = Callable[[int], tuple[float, ...]]
 
 
-def reference_replay(trace: Trace, capacity: int, policy: str, decay: float = 0.5) -> dict[str, int]:
-    """Plain-Python pool: per step, evict min key among residents the step does not need."""
+def reference_replay(
+    trace: Trace, capacity: int, policy: str, decay: float = 0.5, ahead: bool = False
+) -> dict[str, int]:
+    """Plain-Python pool: per step, evict min key among residents the step does not need. `ahead`: after each decode
+    step of layer l, load the look-ahead's experts for layer l+1 the same way (sparing layer l's and their own)."""
     e = trace.header.n_experts
     resident: set[int] = set()
     last: dict[int, int] = {}
     count: dict[int, int] = {}
     score: dict[int, float] = {}
-    hits = {"prefill": 0, "decode": 0}
+    hits = {"prefill": 0, "decode": 0, "prefetched": 0}
     step = 0
     for seg in trace.segments():
         phase = "decode" if is_decode(seg) else "prefill"
@@ -65,7 +78,7 @@ def reference_replay(trace: Trace, capacity: int, policy: str, decay: float = 0.
                 if policy == "lru":
                     return (last[y], -y)
                 if policy == "lfu":
-                    return (count[y], last[y], -y)
+                    return (count.get(y, 0), last[y], -y)
                 return (score.get(y, 0.0), last[y], -y)
 
             while len(resident) + len(miss) > capacity:
@@ -78,4 +91,15 @@ def reference_replay(trace: Trace, capacity: int, policy: str, decay: float = 0.
                 for x in set(flat[i, layer].tolist()):
                     score[x] = score.get(x, 0.0) + decay ** (t - 1 - i)
             step += 1
+            if ahead and phase == "decode" and layer + 1 < flat.shape[1]:
+                assert seg.lookahead is not None
+                want = {int(x) + (layer + 1) * e for x in seg.lookahead[:, layer].reshape(-1)}
+                early = [x for x in sorted(want) if x not in resident]
+                keep = set(need) | want
+                while early and len(resident) + len(early) > capacity:
+                    resident.remove(min((y for y in resident if y not in keep), key=key))
+                resident.update(early)
+                hits["prefetched"] += len(early)
+                for x in early:
+                    last[x] = step
     return hits

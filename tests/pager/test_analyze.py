@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -5,7 +7,7 @@ from moelane.pager.analyze import analyze
 from moelane.pager.predict import CooccurrencePredictor
 from moelane.pager.trace import Segment, TraceHeader, trace_from_segments
 
-from .helpers import small_trace
+from .helpers import small_trace, with_lookahead
 
 
 def hand_trace() -> object:
@@ -67,20 +69,15 @@ def test_cooccurrence_learns_a_deterministic_transition() -> None:
     assert pred.predict(np.array([[4, 0]]), 3)[0].tolist()[:2] in ([2, 3], [3, 2])
 
 
-def test_lookahead_stats_scores_a_perfect_and_a_useless_router() -> None:
-    from moelane.pager.predict import lookahead_stats
-
-    rng = np.random.default_rng(0)
-    n_tokens, n_layers, n_experts, k = 6, 3, 8, 2
-    routed = np.stack(
-        [np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_layers)]) for _ in range(n_tokens)]
-    )
-    gates = [np.eye(n_experts) for _ in range(n_layers)]
-    hidden = [np.zeros((n_tokens, n_experts)) for _ in range(n_layers)]
-    for t in range(n_tokens):
-        for layer in range(n_layers - 1):
-            hidden[layer][t, routed[t, layer + 1]] = 1.0  # layer l's state points at layer l+1's experts
-    perfect = lookahead_stats(hidden, gates, routed)
-    assert perfect["recall"] == 1.0 and perfect["n_tokens"] == n_tokens - 1
-    useless = lookahead_stats(hidden, [-g for g in gates], routed)
-    assert useless["recall"] == 0.0
+def test_lookahead_scores_a_perfect_and_a_useless_prediction() -> None:
+    t = small_trace(5, decode_tokens=30)
+    perfect = analyze(with_lookahead(t, np.random.default_rng(0), accuracy=1.0))["overall"]["lookahead"]
+    plain = analyze(t)["overall"]
+    assert "lookahead" not in plain
+    assert perfect["recall"] == 1.0 and perfect["repeat_recall"] == plain["predictors"]["repeat_recall"]
+    h = t.header
+    nxt = t.expert_ids[:, 1:].reshape(-1, h.top_k)
+    wrong = np.array([[e for e in range(h.n_experts) if e not in row][: h.top_k] for row in nxt.tolist()])
+    useless = dataclasses.replace(t, lookahead=wrong.reshape(nxt.shape[0] // (h.n_layers - 1), -1, h.top_k))
+    assert analyze(useless)["overall"]["lookahead"]["recall"] == 0.0
+    assert analyze(useless)["overall"]["lookahead"]["delta_recall"] == 0.0

@@ -79,7 +79,7 @@ def test_recorder_writes_one_segment_per_pass(tmp_path: Path) -> None:
     lm = FakeLM()
     path = tmp_path / "r.trc"
     passes = [torch.randint(0, 6, (2, 5, 2)), torch.randint(0, 6, (2, 1, 2))]
-    with open_recorder(path, lm) as rec:
+    with open_recorder(path, lm, lookahead=False) as rec:  # a fake with no model to hook
         rec.stream = 7
         lm.forward(passes[0], "prefill")
         lm.forward(passes[1], "decode")

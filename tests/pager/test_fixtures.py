@@ -24,7 +24,8 @@ def test_default_model_fixture_reads_and_replays() -> None:
     assert report["overall"]["n_requests"] == 12
     slots = t.header.n_total // 4
     best = replay(t, Belady(), slots)
-    for spec in ("lru", "planner", "planner:hard"):
+    assert t.lookahead is not None and t.lookahead.shape == (t.n_tokens, t.header.n_layers - 1, t.header.top_k)
+    for spec in ("lru", "planner", "planner:hard", "planner+ahead"):
         r = replay(t, make_policy(spec), slots)
-        # the planner's warm start prefetches: compare everything fetched (bytes), which no policy can push below MIN
+        # warm start and look-ahead prefetch: compare everything fetched (bytes), which no policy can push below MIN
         assert r.decode.bytes + r.prefill.bytes >= best.decode.bytes + best.prefill.bytes

@@ -6,11 +6,11 @@ import pytest
 from moelane.errors import MoelaneError
 from moelane.pager.belady import Belady
 from moelane.pager.policies import EMA, LFU, LRU, PlannerPolicy, RecentK, make_policy
-from moelane.pager.replay import CostModel, Simulator, replay
+from moelane.pager.replay import CostModel, PhaseStats, Simulator, replay
 from moelane.pager.sweep import lru_sweep
 from moelane.pager.trace import Trace
 
-from .helpers import random_trace, reference_replay, small_trace, steps_of
+from .helpers import random_trace, reference_replay, small_trace, steps_of, with_lookahead
 
 
 def same_result(a: dict[str, object], b: dict[str, object]) -> None:
@@ -171,3 +171,58 @@ def test_belady_fetches_least_of_every_policy_on_synthetic_traces() -> None:
         best = fetched_bytes(t, Belady(), cap)
         for spec in ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:hard", "planner:score"):
             assert fetched_bytes(t, make_policy(spec), cap) >= best, spec
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("capacity", [8, 11, 16])
+def test_lookahead_prefetch_matches_reference(seed: int, capacity: int) -> None:
+    t = with_lookahead(small_trace(seed, decode_tokens=40), np.random.default_rng(seed))
+    for spec, name in (("lru+ahead", "lru"), ("lfu+ahead", "lfu")):
+        r = replay(t, make_policy(spec), capacity)
+        ref = reference_replay(t, capacity, name, ahead=True)
+        assert (r.prefill.hits, r.decode.hits, r.decode.prefetched) == (
+            ref["prefill"],
+            ref["decode"],
+            ref["prefetched"],
+        )
+        assert r.decode.prefetch_hits <= r.decode.prefetched and r.policy == spec
+
+
+def test_a_perfect_lookahead_leaves_only_layer_zero_to_miss() -> None:
+    t = small_trace(2, decode_tokens=40)
+    perfect = with_lookahead(t, np.random.default_rng(0), accuracy=1.0)
+    h = t.header
+    r = replay(perfect, make_policy("lru+ahead"), 3 * h.top_k)  # room for a step and the next layer's prediction
+    layer0 = replay(t, make_policy("lru"), 3 * h.top_k)
+    assert r.decode.misses <= layer0.decode.misses
+    steps = [ids for ids, decode in steps_of(t) if decode]
+    n_layer0 = sum(len(ids) for i, ids in enumerate(steps) if i % h.n_layers == 0)
+    assert r.decode.misses <= n_layer0  # every layer >= 1 was loaded before it ran
+    assert r.decode.prefetch_hits == r.decode.prefetched
+
+
+def test_planner_with_lookahead_never_exceeds_budget_and_beats_demand_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = with_lookahead(small_trace(4, decode_tokens=80), np.random.default_rng(4), accuracy=0.8)
+    budget = 10 * t.header.expert_bytes
+    used: list[int] = []
+    prefetch = Simulator.prefetch
+
+    def spy(self: Simulator, ids: np.ndarray, protect: np.ndarray, phase: PhaseStats) -> float:
+        stall = prefetch(self, ids, protect, phase)
+        used.append(self.used)
+        return stall
+
+    monkeypatch.setattr(Simulator, "prefetch", spy)
+    lru = replay(t, make_policy("lru"), budget, "bytes").decode.hit_rate
+    for spec in ("planner+ahead", "planner:hard+ahead", "planner:score+ahead"):
+        used.clear()
+        r = replay(t, make_policy(spec), budget, "bytes")
+        assert used and max(used) <= budget
+        assert r.decode.hit_rate > lru and r.decode.prefetched > 0
+
+
+def test_lookahead_policies_need_a_trace_that_carries_it() -> None:
+    with pytest.raises(MoelaneError, match="does not carry"):
+        replay(small_trace(0), make_policy("planner+ahead"), 10)
+    with pytest.raises(MoelaneError, match="belady"):
+        make_policy("belady+ahead")

@@ -7,7 +7,7 @@ import pytest
 from moelane.pager.synth import SynthConfig, synth_trace
 from moelane.pager.trace import TraceError, TraceHeader, TraceWriter, read_trace, write_trace
 
-from .helpers import small_trace
+from .helpers import small_trace, with_lookahead
 
 
 def test_roundtrip_keeps_ids_phases_streams_and_weights(tmp_path: Path) -> None:
@@ -20,6 +20,24 @@ def test_roundtrip_keeps_ids_phases_streams_and_weights(tmp_path: Path) -> None:
     assert r.seg_phase == t.seg_phase
     assert np.array_equal(r.stream_ids, t.stream_ids)
     assert np.abs(r.weights - t.weights).max() <= 0.5 / 255 * t.weights.max() + 1e-6
+
+
+def test_roundtrip_keeps_the_lookahead_and_drops_it_when_a_segment_lacks_it(tmp_path: Path) -> None:
+    t = with_lookahead(small_trace(), np.random.default_rng(0))
+    write_trace(tmp_path / "t.trc", t)
+    r = read_trace(tmp_path / "t.trc")
+    assert r.lookahead is not None and t.lookahead is not None
+    assert np.array_equal(r.lookahead, t.lookahead) and np.array_equal(r.expert_ids, t.expert_ids)
+    assert np.abs(r.weights - t.weights).max() <= 0.5 / 255 * t.weights.max() + 1e-6
+    with TraceWriter(tmp_path / "m.trc", t.header) as w:
+        for s in range(t.n_segments):
+            seg = t.segment(s)
+            w.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids, seg.lookahead if s else None)
+    mixed = read_trace(tmp_path / "m.trc")
+    assert mixed.lookahead is None and mixed.segment(1).lookahead is None
+    assert np.array_equal(mixed.expert_ids, t.expert_ids)
+    with TraceWriter(tmp_path / "bad.trc", t.header) as w, pytest.raises(ValueError, match="lookahead"):
+        w.write_segment(t.expert_ids[:1], None, "decode", None, t.expert_ids[:1])  # L layers, not L - 1
 
 
 def test_many_experts_use_wide_ids(tmp_path: Path) -> None:

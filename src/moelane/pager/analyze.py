@@ -5,7 +5,9 @@ prefill union, prefill tail (last prefill segment), decode recency (all earlier 
 last 1 / 2 / 4 tokens (prefill tokens included), stable (routed in every prefill segment), a frequency top-K (the
 K = L * top_k experts most routed in the prefill) and two hindsight oracles: the best static set of K experts and of
 the prefill union's size (the decode's own most-routed experts). Sizes are reported with every set (mean size for
-the sets that move). Plus per-layer expert usage and the predictors of predict.py.
+the sets that move). Plus per-layer expert usage and the predictors of predict.py: the co-occurrence predictor, and
+the next-layer look-ahead when the trace carries its predictions (`recall`: share of layers >= 1's routed experts
+it named; layer 0 has no layer before it and is scored on repeat only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ ORACLES = ("oracle_k", "oracle_union")
 class _Request:
     prefill_segments: list[IntArray] = field(default_factory=list)  # distinct flat ids per prefill segment
     tokens: list[tuple[IntArray, bool]] = field(default_factory=list)  # (expert ids [L, K], is decode)
+    ahead: list[IntArray] = field(default_factory=list)  # look-ahead [L-1, K] per token, when the trace has it
 
 
 def _split_requests(trace: Trace) -> dict[int, _Request]:
@@ -42,6 +45,8 @@ def _split_requests(trace: Trace) -> dict[int, _Request]:
             if not row_decode:
                 req.prefill_segments.append(np.unique(token_flat_ids(rows, e)))
             req.tokens.extend((r, row_decode) for r in rows)
+            if seg.lookahead is not None:
+                req.ahead.extend(seg.lookahead[seg.stream_ids == sid].astype(np.int64))
     return dict(reqs)
 
 
@@ -112,6 +117,21 @@ def _predictors(trace: Trace, reqs: dict[int, _Request], n_extra: int) -> dict[i
     return out
 
 
+def _lookahead(reqs: dict[int, _Request], top_k: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    for sid, req in reqs.items():
+        pairs, guesses, hit, total = [], [], 0, 0
+        for (prev, _), (cur, dec), ahead in zip(req.tokens, req.tokens[1:], req.ahead[1:], strict=False):
+            if not dec:
+                continue
+            pairs.append((prev, cur))
+            guesses.append(np.concatenate([np.full((1, top_k), -1, np.int64), ahead]))
+            hit += sum(np.intersect1d(a, c).size for a, c in zip(ahead, cur[1:], strict=True))
+            total += int(cur[1:].size)
+        out[sid] = predictor_stats(pairs, guesses) | {"recall": hit / total if total else 0.0}
+    return out
+
+
 def _summarise(cov: dict[str, list[float]], size: dict[str, float]) -> dict[str, dict[str, float]]:
     return {k: {"coverage": float(np.mean(v)) if v else 0.0, "size": size.get(k, 0.0)} for k, v in cov.items()}
 
@@ -139,6 +159,7 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
     """The full report as plain data (what `trace analyze --json` prints)."""
     reqs = _split_requests(trace)
     preds = _predictors(trace, reqs, n_extra or trace.header.top_k)
+    ahead = _lookahead(reqs, trace.header.top_k) if trace.lookahead is not None else None
     requests: list[dict[str, Any]] = []
     all_cov: dict[str, list[float]] = defaultdict(list)
     all_size: dict[str, list[float]] = defaultdict(list)
@@ -153,6 +174,7 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
                 "n_decode_tokens": n_dec,
                 "coverage": _summarise(cov, size),
                 "predictors": preds[sid],
+                **({"lookahead": ahead[sid]} if ahead is not None else {}),
             }
         )
         for k, v in cov.items():
@@ -160,10 +182,12 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
         for k, s in size.items():
             all_size[k].extend([s] * n_dec)
     n_total = sum(r["n_decode_tokens"] for r in requests)
-    pred_overall = {
-        k: float(sum(r["predictors"][k] * r["predictors"]["n_tokens"] for r in requests) / max(1, n_total))
-        for k in ("repeat_recall", "delta_recall", "schedulable_coverage")
-    }
+
+    def overall(key: str, fields: tuple[str, ...]) -> dict[str, float]:
+        return {k: float(sum(r[key][k] * r[key]["n_tokens"] for r in requests) / max(1, n_total)) for k in fields}
+
+    pred_fields = ("repeat_recall", "delta_recall", "schedulable_coverage")
+    pred_overall = overall("predictors", pred_fields)
     return {
         "header": trace.header.to_dict(),
         "overall": {
@@ -171,6 +195,7 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
             "n_decode_tokens": n_total,
             "coverage": _summarise(dict(all_cov), {k: float(np.mean(v)) for k, v in all_size.items()}),
             "predictors": pred_overall,
+            **({"lookahead": overall("lookahead", (*pred_fields, "recall"))} if ahead is not None else {}),
         },
         "requests": requests,
         "layers": layer_usage(trace),

@@ -22,6 +22,7 @@ from moelane.pager.trace import Trace, read_trace
 
 log = logging.getLogger(__name__)
 SWEEP_POLICIES = ("lru", "lfu", "recent-k", "belady", "ema:0.85", "bandit", "planner", "planner:hard", "planner:score")
+AHEAD_POLICIES = ("lru+ahead", "planner+ahead", "planner:score+ahead")  # swept too when the trace has the look-ahead
 
 
 def add_parser(subparsers: Any) -> None:
@@ -47,7 +48,10 @@ def add_parser(subparsers: Any) -> None:
     rp = sub.add_parser("replay", help="replay residency policies over a trace")
     rp.add_argument("file")
     rp.add_argument(
-        "--policy", action="append", help="lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:hard][:nowarm]"
+        "--policy",
+        action="append",
+        help="lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:score][:hard][:nowarm]; append +ahead to "
+        "prefetch the look-ahead's predictions (traces recorded with it); repeat the flag for several",
     )
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int)
@@ -133,11 +137,12 @@ def format_analysis(report: dict[str, Any]) -> str:
     ]
     for name, v in o["coverage"].items():
         lines.append(f"{name:<16}{v['coverage']:>10.1%}{v['size']:>10.1f}")
-    p = o["predictors"]
-    lines.append(
-        f"co-occurrence predictor: repeat recall {p['repeat_recall']:.1%}, delta recall {p['delta_recall']:.1%}, "
-        f"schedulable coverage {p['schedulable_coverage']:.1%}"
-    )
+    for name, key in (("co-occurrence", "predictors"), ("look-ahead", "lookahead")):
+        if (p := o.get(key)) is not None:
+            lines.append(
+                f"{name} predictor: repeat recall {p['repeat_recall']:.1%}, delta recall {p['delta_recall']:.1%}, "
+                f"schedulable coverage {p['schedulable_coverage']:.1%}"
+            )
     for r in report["requests"]:
         c = r["coverage"]
         lines.append(
@@ -165,7 +170,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise InputError(str(e)) from None
     if args.sweep:
-        rows = sweep(trace, list(args.policy or SWEEP_POLICIES), default_capacities(trace), cost)
+        default = SWEEP_POLICIES + (AHEAD_POLICIES if trace.lookahead is not None else ())
+        rows = sweep(trace, list(args.policy or default), default_capacities(trace), cost)
     else:
         capacity, unit = _capacity(args, trace)
         specs = args.policy or ["planner"]
@@ -183,12 +189,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = f"{'policy':<16}{'pool':>8}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}{'stall ms':>10}{'tok/s':>8}"
+    head = f"{'policy':<22}{'pool':>8}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}{'stall ms':>10}{'tok/s':>8}"
     out = [head]
     for r in rows:
         n = max(1, r["decode"]["n_tokens"])
         out.append(
-            f"{r['policy']:<16}{r['capacity']:>8}{r['decode_hit_rate']:>10.1%}{r['prefill']['hit_rate']:>10.1%}"
+            f"{r['policy']:<22}{r['capacity']:>8}{r['decode_hit_rate']:>10.1%}{r['prefill']['hit_rate']:>10.1%}"
             f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}"
             f"{r['tok_s_aggregate']:>8.1f}"
         )

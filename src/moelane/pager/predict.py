@@ -5,8 +5,8 @@
   (1 - c[a -> b] / n[a]), learned online from the trace so far (no look at the future); it names the `n_extra`
   most likely experts per layer outside the previous token's set.
 - Next-layer look-ahead (apply layer l+1's router to the hidden state entering layer l's MoE block, as
-  mixtral-offloading does) needs hidden states and router weights, which traces do not carry: `lookahead_stats` takes
-  them recorded separately (bench/pager_results.py hooks the default model); trace analysis skips it.
+  mixtral-offloading does) needs hidden states, which traces do not carry: the recorder writes its predictions into
+  the trace instead (recorder.py), and analyze.py scores them with `predictor_stats`.
 
 Measures per decode token t with experts D_t: repeat recall = |D_t & D_{t-1}| / |D_t|; delta recall = share of
 D_t - D_{t-1} the predictor named; schedulable coverage = |D_t & (D_{t-1} | predicted)| / |D_t|.
@@ -66,27 +66,3 @@ def predictor_stats(pairs: list[tuple[IntArray, IntArray]], pred: list[IntArray]
         "delta_recall": new_hit / new if new else 1.0,
         "schedulable_coverage": (rep + new_hit) / total,
     }
-
-
-def lookahead_stats(hidden: list[FloatArray], gates: list[FloatArray], routed: IntArray) -> dict[str, Any]:
-    """Next-layer look-ahead on a run of consecutive decode tokens of one stream.
-
-    hidden[l]: [T, H] input of MoE layer l's block per token; gates[l]: [E, H] router weights; routed: [T, L, K].
-    Layer l >= 1 is predicted from layer l-1's hidden state: top-K of `hidden[l-1] @ gates[l].T`. Token 0 only serves
-    as the previous token of token 1. Recall = share of routed experts predicted.
-    """
-    n_tokens, n_layers, k = routed.shape
-    pairs, guesses, hit, total = [], [], 0, 0
-    for t in range(1, n_tokens):
-        pred = np.full((n_layers, k), -1, np.int64)
-        for layer in range(1, n_layers):
-            logits = gates[layer] @ hidden[layer - 1][t]
-            pred[layer] = np.argsort(-logits, kind="stable")[:k]
-            hit += len(set(pred[layer].tolist()) & set(routed[t, layer].tolist()))
-            total += k
-        # layer 0 has no previous layer: score it on repeat only
-        pairs.append((routed[t - 1], routed[t]))
-        guesses.append(pred)
-    out = predictor_stats(pairs, guesses)
-    out["recall"] = hit / total if total else 0.0
-    return out

@@ -250,6 +250,17 @@ class Attachment:
         self.listeners.clear()
 
 
+def next_gates(lm: Any, layers: list[int]) -> dict[int, tuple[int, torch.Tensor, int]]:
+    """Per MoE layer, the next MoE layer's (index, router weight, top-k), where that router is a plain linear gate."""
+    gates = {}
+    for layer, nxt in itertools.pairwise(layers):
+        block = lm.model.model.layers[nxt].mlp
+        gate, k = getattr(block, "gate", None), getattr(block, "top_k", None)
+        if isinstance(gate, torch.nn.Linear) and isinstance(k, int):
+            gates[layer] = (nxt, gate.weight, k)
+    return gates
+
+
 def attach(
     lm: Any, store: PrefetchTarget, lookahead: bool = True, cooc: bool = True, planner: bool = False
 ) -> Attachment:
@@ -263,11 +274,7 @@ def attach(
     for block in blocks.values():
         out.hooks.append(block.register_forward_hook(lambda module, args, output: store.release()))
     if lookahead:
-        gates = {}
-        for layer, nxt in itertools.pairwise(store.layers):
-            gate, k = getattr(blocks[nxt], "gate", None), getattr(blocks[nxt], "top_k", None)
-            if isinstance(gate, torch.nn.Linear) and isinstance(k, int):
-                gates[layer] = (nxt, gate.weight, k)
+        gates = next_gates(lm, store.layers)
         ahead = LookAhead(store, gates)
         for layer in gates:
             out.hooks.append(

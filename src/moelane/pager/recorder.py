@@ -1,5 +1,6 @@
 """Recording routing traces from a live model: `TraceRecorder` is a `RoutingObserver` that writes each forward
-pass's routing as one trace segment. Torch stays here; trace.py is numpy only.
+pass's routing as one trace segment, with the next-layer look-ahead's predictions when a `LookAheadTap` is hooked to
+the model (as `open_recorder` does). Torch stays here; trace.py is numpy only.
 
 Bytes per expert: tier 0 is the checkpoint's own tensors (sum of the expert's `TensorRef.nbytes`); int8 and int4
 tiers are estimates for group-wise quantisation with one 2-byte scale per 64 weights, until the store (issue 5)
@@ -15,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
 
+from moelane.pager.prefetch import next_gates
 from moelane.pager.trace import TraceHeader, TraceWriter
 
 
@@ -37,12 +42,47 @@ def header_from_lm(lm: Any, model: str = "") -> TraceHeader:
     )
 
 
+class LookAheadTap:
+    """Forward pre-hooks that apply layer l+1's router to the input of layer l's MoE block (SPEC 2.8), as the live
+    store's look-ahead does, and keep each pass's per-token top-K for the trace. `take()` returns them as
+    [T, L-1, K] and clears them; None when the model's routers are not plain linear gates (no prediction made)."""
+
+    def __init__(self, lm: Any) -> None:
+        layers = list(lm.moe_layers)
+        self.gates = next_gates(lm, layers)
+        self.complete = len(layers) > 1 and len(self.gates) == len(layers) - 1
+        self._order = {layer: i for i, layer in enumerate(layers[:-1])}
+        self._rows: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        if self.complete:
+            for layer in self.gates:
+                block = lm.model.model.layers[layer].mlp
+                hook = block.register_forward_pre_hook(lambda m, args, layer=layer: self._see(layer, args[0]))
+                self._hooks.append(hook)
+
+    def _see(self, layer: int, x: torch.Tensor) -> None:
+        _, weight, k = self.gates[layer]
+        self._rows[self._order[layer]] = torch.topk(F.linear(x, weight), k, dim=-1).indices.detach().cpu()
+
+    def take(self) -> npt.NDArray[Any] | None:
+        rows, self._rows = self._rows, {}
+        if not self.complete or len(rows) != len(self._order):
+            return None
+        return torch.stack([rows[i] for i in range(len(self._order))], dim=1).numpy()  # [T, L-1, K]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
 class TraceRecorder:
     """Writes one segment per observed forward pass. `stream` overrides the record's stream ids (e.g. one id per
-    request when the engine runs requests one at a time)."""
+    request when the engine runs requests one at a time). With a `tap`, each segment carries the look-ahead."""
 
-    def __init__(self, writer: TraceWriter) -> None:
+    def __init__(self, writer: TraceWriter, tap: LookAheadTap | None = None) -> None:
         self.writer = writer
+        self.tap = tap
         self.stream: int | None = None
         self.n_segments = 0
 
@@ -54,17 +94,24 @@ class TraceRecorder:
             streams = np.full(n_tokens, self.stream or 0, np.int64)
         else:
             streams = np.asarray(record.stream_ids, np.int64)
-        self.writer.write_segment(ids, weights, record.phase, streams)
+        ahead = self.tap.take() if self.tap is not None else None
+        if ahead is not None and ahead.shape[0] != n_tokens:
+            ahead = None  # the pass's hooks and its routing record disagree (should not happen): record without it
+        self.writer.write_segment(ids, weights, record.phase, streams, ahead)
         self.n_segments += 1
 
 
 @contextmanager
-def open_recorder(path: str | Path, lm: Any, model: str = "") -> Iterator[TraceRecorder]:
-    """Record every forward pass of `lm` to `path` while the block runs (for `moelane run --trace FILE`)."""
+def open_recorder(path: str | Path, lm: Any, model: str = "", lookahead: bool = True) -> Iterator[TraceRecorder]:
+    """Record every forward pass of `lm` to `path` while the block runs (for `moelane run --trace FILE`), with the
+    look-ahead's predictions unless `lookahead` is False or the model's routers do not allow it."""
+    tap = LookAheadTap(lm) if lookahead else None
     with TraceWriter(path, header_from_lm(lm, model)) as writer:
-        recorder = TraceRecorder(writer)
+        recorder = TraceRecorder(writer, tap if tap is not None and tap.complete else None)
         lm.observers.append(recorder)
         try:
             yield recorder
         finally:
             lm.observers.remove(recorder)
+            if tap is not None:
+                tap.remove()

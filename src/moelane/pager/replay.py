@@ -7,6 +7,13 @@ it was loaded at). On a step, missing experts are fetched as one batch; if they 
 does not need (and that are not hard-pinned) are evicted in the policy's order. Hit rate counts distinct experts per
 step. Cost model: a step with misses stalls `latency + miss_bytes / bandwidth`; a token takes `stall + compute_floor`.
 
+Look-ahead prefetch (a policy named `...+ahead`, on traces that carry the look-ahead): in a decode segment, once
+layer l's experts are resident, the experts the look-ahead predicts for layer l+1 are loaded early as one batch
+(evicting in the policy's order, never layer l's experts or hard pins), as the live store does. That load overlaps
+layer l's compute
+(`compute_floor / L`); only the excess stalls. Its bytes count with the rest; `prefetched` / `prefetch_hits` count
+the experts it loaded and those a step then used.
+
 A segment is "decode" when labelled so, or when unlabelled ("unknown"/"mixed") and one token long; else "prefill".
 Decode tokens of LRU-ordered policies are simulated a whole token at a time (vectorised over layers) when that provably
 equals the step-by-step result (no victim outranks an expert a later layer of the same token reuses); otherwise, and
@@ -57,6 +64,8 @@ class PhaseStats:
     bytes: int = 0
     stall_s: float = 0.0
     n_tokens: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
 
     @property
     def misses(self) -> int:
@@ -75,6 +84,8 @@ class PhaseStats:
             "bytes": self.bytes,
             "stall_s": self.stall_s,
             "n_tokens": self.n_tokens,
+            "prefetched": self.prefetched,
+            "prefetch_hits": self.prefetch_hits,
         }
 
 
@@ -132,6 +143,7 @@ class Policy:
 
     name = "policy"
     lru_keyed = False
+    lookahead = False  # prefetch the look-ahead's predictions (traces that carry them)
 
     def bind(self, sim: Simulator) -> None:
         self.sim = sim
@@ -169,6 +181,7 @@ class Simulator:
         self.last = np.full(m, -1, np.int64)  # step of last access
         self.bias = np.zeros(m, np.int64)  # LRU key credit in steps (pins, bias mode)
         self.hard = np.zeros(m, bool)  # never evicted (pins, hard mode)
+        self.fresh = np.zeros(m, bool)  # loaded by a prefetch and not accessed since
         self.used = 0
         self.step = 0
         self.stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
@@ -212,12 +225,15 @@ class Simulator:
         n = int(np.searchsorted(np.cumsum(self.units[ordered]), over)) + 1
         return ordered[:n]
 
-    def _admit(self, miss: IntArray, protect: IntArray) -> tuple[IntArray, int]:
-        """Evict as needed and make `miss` resident; returns (victims, real bytes moved)."""
+    def _admit(self, miss: IntArray, protect: IntArray, early: bool = False) -> tuple[IntArray, int] | None:
+        """Evict as needed and make `miss` resident; returns (victims, real bytes moved). An `early` load (prefetch)
+        never evicts hard pins and returns None when it does not fit."""
         need = self.tier_units[self.load_tier[miss]]
         over = self.used + int(need.sum()) - self.capacity
-        victims = self._victims(over, protect) if over > 0 else np.zeros(0, np.int64)
+        victims = self._victims(over, protect, allow_hard=not early) if over > 0 else np.zeros(0, np.int64)
         if victims is None:
+            if early:
+                return None
             raise MoelaneError(
                 f"pool of {self.capacity} {self.unit} too small: a step needs more than fits beside its pins"
             )
@@ -231,6 +247,7 @@ class Simulator:
         self.used -= int(self.units[victims].sum())
         self.resident[victims] = False
         self.units[victims] = 0
+        self.fresh[victims] = False
 
     # --- running ---
     def run_step(self, ids: IntArray, phase: PhaseStats) -> float:
@@ -238,14 +255,34 @@ class Simulator:
         miss = ids[~hit]
         stall = 0.0
         if miss.size:
-            _, moved = self._admit(miss, ids)
+            admitted = self._admit(miss, ids)
+            assert admitted is not None
+            moved = admitted[1]
             phase.bytes += moved
             stall = self.cost.stall(moved, 1)
         phase.accesses += ids.size
         phase.hits += int(hit.sum())
+        phase.prefetch_hits += int(self.fresh[ids].sum())
+        self.fresh[ids] = False
         self.last[ids] = self.step
         self.step += 1
         return stall
+
+    def prefetch(self, ids: IntArray, protect: IntArray, phase: PhaseStats) -> float:
+        """Load `ids` early, while the current layer computes; returns the stall beyond that layer's compute."""
+        miss = ids[~self.resident[ids]]
+        if not miss.size:
+            return 0.0
+        admitted = self._admit(miss, np.concatenate([protect, ids]), early=True)
+        if admitted is None:
+            return 0.0
+        moved = admitted[1]
+        phase.bytes += moved
+        phase.prefetched += int(miss.size)
+        self.fresh[miss] = True
+        self.last[miss] = self.step
+        overlap = self.cost.compute_floor / self.header.n_layers
+        return max(0.0, self.cost.stall(moved, 1) - overlap)
 
     def _token_fast(self, flat: IntArray, phase: PhaseStats) -> float | None:
         """Whole decode token at once (LRU-keyed policies), exactly as step by step; None: run the steps."""
@@ -278,14 +315,19 @@ class Simulator:
         decode = is_decode(seg)
         phase = self.stats["decode" if decode else "prefill"]
         self.policy.begin_segment(seg, flat, decode)
+        ahead = None
+        if self.policy.lookahead and decode and seg.lookahead is not None:
+            ahead = token_flat_ids(seg.lookahead, self.header.n_experts) + self.header.n_experts  # layers 1..L-1
         stall = None
-        if decode and self.policy.lru_keyed and flat.shape[0] == 1:
+        if decode and self.policy.lru_keyed and flat.shape[0] == 1 and ahead is None:
             stall = self._token_fast(flat, phase)
         if stall is None:
             stall = 0.0
             for layer, ids in enumerate(layer_steps(flat)):
                 stall += self.run_step(ids, phase)
                 self.policy.on_step(ids, layer, flat)
+                if ahead is not None and layer < ahead.shape[1]:
+                    stall += self.prefetch(np.unique(ahead[:, layer]), ids, phase)
         if decode:
             stall += self.pending_stall
             self.pending_stall = 0.0
@@ -320,7 +362,9 @@ class Simulator:
         want = ids[np.cumsum(held) <= self.capacity - int(self.units[stuck].sum())]
         miss = want[~self.resident[want]]
         if miss.size:
-            _, moved = self._admit(miss, want)
+            admitted = self._admit(miss, want)
+            assert admitted is not None
+            moved = admitted[1]
             self.warm_bytes += moved
             self.stats["decode"].bytes += moved
             self.pending_stall += self.cost.stall(moved, 1)
@@ -333,6 +377,11 @@ def replay(
 ) -> ReplayResult:
     """Run `policy` over `trace` with a pool of `capacity` slots or bytes."""
     cost = cost or CostModel()
+    if policy.lookahead and trace.lookahead is None:
+        raise MoelaneError(
+            f"policy {policy.name} prefetches the look-ahead, but this trace does not carry it "
+            "(record it with `moelane trace record`, whose traces do where the model's routers allow)"
+        )
     sim = Simulator(trace.header, capacity, unit, policy, cost)
     policy.prepare(trace)
     decode_pos: dict[int, int] = {}

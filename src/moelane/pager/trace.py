@@ -1,9 +1,11 @@
 """Routing traces: a compact, streamed file of segment records (SPEC 2.1; layout in docs/trace-format.md).
 
 A trace is a file header (model shape, bytes per expert at each precision tier) followed by one record per segment
-(forward pass). Each record is self-delimiting and checksummed and is flushed when written, so a trace cut short by a
-crash reads back to its last whole segment. In memory a trace is a few numpy arrays indexed by token, with segment
-boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments, L MoE layers, K top-k.
+(forward pass), which may also carry the next-layer look-ahead's predictions (SPEC 2.8) so that replay can prefetch
+as the live store does. Each record is self-delimiting and checksummed and is flushed when written, so a trace cut
+short by a crash reads back to its last whole segment. In memory a trace is a few numpy arrays indexed by token, with
+segment boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments, L MoE layers,
+K top-k.
 """
 
 from __future__ import annotations
@@ -93,13 +95,16 @@ class TraceHeader:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Segment:
-    """One forward pass. expert_ids [T, L, K], weights [T, L, K] or None, stream_ids [T]."""
+    """One forward pass. expert_ids [T, L, K], weights [T, L, K] or None, stream_ids [T]. lookahead [T, L-1, K] or
+    None: per token, layer l+1's router applied to the input of layer l's MoE block (its top-K), i.e. the experts the
+    live store prefetches for layer l+1 while layer l computes."""
 
     index: int
     phase: str
     expert_ids: npt.NDArray[Any]
     stream_ids: IntArray
     weights: npt.NDArray[np.float32] | None = None
+    lookahead: npt.NDArray[Any] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -123,7 +128,8 @@ def token_flat_ids(expert_ids: npt.NDArray[Any], n_experts: int) -> IntArray:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Trace:
-    """A whole trace in memory. expert_ids/weights [N, L, K]; seg_offsets [S+1]; stream_ids [N]."""
+    """A whole trace in memory. expert_ids/weights [N, L, K]; seg_offsets [S+1]; stream_ids [N]; lookahead
+    [N, L-1, K], kept only when every segment carries it (else None)."""
 
     header: TraceHeader
     expert_ids: npt.NDArray[Any]
@@ -132,6 +138,7 @@ class Trace:
     seg_index: IntArray
     seg_phase: tuple[str, ...]
     stream_ids: IntArray
+    lookahead: npt.NDArray[Any] | None = None
 
     @property
     def n_segments(self) -> int:
@@ -149,6 +156,7 @@ class Trace:
             expert_ids=self.expert_ids[a:b],
             stream_ids=self.stream_ids[a:b],
             weights=self.weights[a:b],
+            lookahead=None if self.lookahead is None else self.lookahead[a:b],
         )
 
     def segments(self) -> Iterator[Segment]:
@@ -184,8 +192,9 @@ class TraceWriter:
         weights: npt.NDArray[Any] | None,
         phase: str,
         stream_ids: npt.NDArray[Any] | None = None,
+        lookahead: npt.NDArray[Any] | None = None,
     ) -> int:
-        """Append one segment ([T, L, K] ids and gate weights); returns its index."""
+        """Append one segment ([T, L, K] ids and gate weights, optional [T, L-1, K] look-ahead); returns its index."""
         h = self.header
         ids = np.asarray(expert_ids)
         if ids.ndim != 3 or ids.shape[1:] != (h.n_layers, h.top_k):
@@ -193,12 +202,21 @@ class TraceWriter:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         n_tokens = ids.shape[0]
+        extra = b""
+        if lookahead is not None:
+            ahead = np.asarray(lookahead)
+            if ahead.shape != (n_tokens, h.n_layers - 1, h.top_k):
+                raise ValueError(f"lookahead must be [{n_tokens}, {h.n_layers - 1}, {h.top_k}], got {ahead.shape}")
+            extra = ahead.astype(h.id_dtype()).tobytes()
         w = np.zeros(ids.shape, np.float32) if weights is None else np.asarray(weights, np.float32)
         scale = float(max(float(np.abs(w).max(initial=0.0)), 1e-30))
         q = np.clip(np.rint(w / scale * 255.0), 0, 255).astype(np.uint8)
         sids = np.zeros(n_tokens, np.int64) if stream_ids is None else np.asarray(stream_ids, np.int64)
-        meta = json.dumps({"phase": phase, "scale": scale, "streams": _encode_streams(sids)}).encode()
-        payload = zlib.compress(ids.astype(h.id_dtype()).tobytes() + q.tobytes(), self._level)
+        body: dict[str, Any] = {"phase": phase, "scale": scale, "streams": _encode_streams(sids)}
+        if lookahead is not None:
+            body["lookahead"] = True
+        meta = json.dumps(body).encode()
+        payload = zlib.compress(ids.astype(h.id_dtype()).tobytes() + q.tobytes() + extra, self._level)
         index = self._next_index
         crc = zlib.crc32(payload, zlib.crc32(meta))
         self._f.write(SEG_STRUCT.pack(SEG_MAGIC, index, n_tokens, len(meta), len(payload), crc) + meta + payload)
@@ -262,11 +280,17 @@ def iter_segments(path: str | Path) -> tuple[TraceHeader, Iterator[Segment]]:
                 m = json.loads(meta)
                 raw = zlib.decompress(payload)
                 n_ids = n_tokens * shape_tail[0] * shape_tail[1]
+                id_bytes = n_ids * np.dtype(id_dtype).itemsize
                 ids = np.frombuffer(raw, id_dtype, count=n_ids).reshape(n_tokens, *shape_tail)
-                q = np.frombuffer(raw, np.uint8, offset=n_ids * np.dtype(id_dtype).itemsize)
+                q = np.frombuffer(raw, np.uint8, count=n_ids, offset=id_bytes)
                 w = (q.astype(np.float32) * np.float32(m["scale"] / 255.0)).reshape(ids.shape)
                 sids = np.concatenate([np.full(c, s, np.int64) for s, c in m["streams"]] or [np.zeros(0, np.int64)])
-                yield Segment(index=index, phase=m["phase"], expert_ids=ids, stream_ids=sids, weights=w)
+                ahead = None
+                if m.get("lookahead"):
+                    ahead_shape = (n_tokens, shape_tail[0] - 1, shape_tail[1])
+                    count = n_tokens * (shape_tail[0] - 1) * shape_tail[1]
+                    ahead = np.frombuffer(raw, id_dtype, count=count, offset=id_bytes + n_ids).reshape(ahead_shape)
+                yield Segment(index, m["phase"], ids, sids, w, ahead)
 
     return header, gen()
 
@@ -295,10 +319,15 @@ def trace_from_segments(header: TraceHeader, segs: list[Segment]) -> Trace:
         seg_index=np.array([s.index for s in segs], np.int64),
         seg_phase=tuple(s.phase for s in segs),
         stream_ids=np.concatenate([s.stream_ids for s in segs]) if segs else np.zeros(0, np.int64),
+        lookahead=(
+            np.concatenate([s.lookahead for s in segs if s.lookahead is not None])
+            if segs and all(s.lookahead is not None for s in segs)
+            else None
+        ),
     )
 
 
 def write_trace(path: str | Path, trace: Trace) -> None:
     with TraceWriter(path, trace.header) as w:
         for seg in trace.segments():
-            w.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids)
+            w.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids, seg.lookahead)
