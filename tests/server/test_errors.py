@@ -40,6 +40,9 @@ CASES = [
     ("unknown model", "/v1/completions", {**GOOD, "model": "gpt-17"}, 404, "does not exist"),
     ("temperature negative", "/v1/completions", {**GOOD, "temperature": -1}, 400, "temperature"),
     ("top_p zero", "/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("temperature a boolean", "/v1/completions", {**GOOD, "temperature": True}, 400, "temperature"),
+    ("top_p a string", "/v1/completions", {**GOOD, "top_p": "0.5"}, 400, "top_p"),
+    ("stream a number", "/v1/completions", {**GOOD, "stream": 1}, 400, "stream"),
     ("n > 1", "/v1/completions", {**GOOD, "n": 2}, 400, "n"),
     ("stop wrong type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
     ("too many stops", "/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop"),
@@ -56,7 +59,7 @@ CASES = [
 def test_bad_request_gets_clear_4xx(url: str, path: str, body: Any, status: int, needle: str) -> None:
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     for stream in (False, True):
-        if isinstance(body, dict) and stream:
+        if isinstance(body, dict) and stream and "stream" not in body:
             kwargs = {"json": {**body, "stream": True}}
         r = httpx.post(f"{url}{path}", timeout=30, headers={"content-type": "application/json"}, **kwargs)  # type: ignore[arg-type]
         assert r.status_code == status, r.text

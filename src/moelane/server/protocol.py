@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 Stop = str | list[str] | None
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -28,12 +28,13 @@ class SamplingFields(BaseModel):
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Strict: a JSON number only (ints included); true, "1" and the like are errors, as the schema says.
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)
     seed: StrictInt | None = None
     stop: Stop = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is served")
     user: str | None = None
@@ -52,7 +53,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False
+    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
