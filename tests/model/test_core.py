@@ -270,6 +270,30 @@ def test_stop_filter_never_leaks_past_a_stop() -> None:
     assert "".join([g.push("a ST"), g.push("ar"), g.flush()]) == "a STar"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype, threads: int) -> None:
+    """silu and sigmoid of a block of rows are bit-identical alone and among any number of other rows, across the
+    sizes where PyTorch's kernels leave a scalar tail or split the range between threads (on AVX-512 plain F.silu
+    differed in the last bit at some of these sizes)."""
+    from moelane.model.layers import pointwise, silu_mul
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        width = 80  # with 64 rows of 80, plain F.silu differed from itself alone at every n_other here on AVX-512
+        rows = torch.randn(64, width, generator=gen).to(dtype), torch.randn(64, width, generator=gen).to(dtype)
+        alone = silu_mul(*rows), pointwise(torch.sigmoid, rows[0])
+        for n_other in (1, 5, 8, 13, 55, 1371, 2731):
+            others = [torch.randn(n_other, width, generator=gen).to(dtype) for _ in rows]
+            g, u = (torch.cat([o, r]) for o, r in zip(others, rows, strict=True))
+            assert torch.equal(silu_mul(g, u)[n_other:], alone[0]), n_other
+            assert torch.equal(pointwise(torch.sigmoid, g)[n_other:], alone[1]), n_other
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype) -> None:
     """The eager dispatch's grouped products give each (token, expert) pair the bits of `expert_mlp` on that expert's

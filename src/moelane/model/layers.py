@@ -2,7 +2,8 @@
 
 Batch invariance (docs/batch-invariance.md): a row's numbers must not depend on which other rows share the pass.
 Every projection goes through `linear`, which pads the rows to whole tiles of `TILE` so each row always meets the same
-matrix kernel; attention runs per stream over that stream's whole static cache (a fixed reduction length), with the
+matrix kernel; transcendental elementwise functions go through `pointwise`, which keeps every element on the
+vectorised path; attention runs per stream over that stream's whole static cache (a fixed reduction length), with the
 stream's query rows padded to a tile as well. Nothing here takes a Python scalar from a tensor, so a decode step
 compiles whole.
 
@@ -12,6 +13,7 @@ Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,12 @@ from torch import nn
 from moelane.model.cache import KVCache
 
 TILE = 8
+# PyTorch's CPU elementwise kernels run two vectors at a time and finish the last `numel % (2 x lanes)` elements with
+# scalar code, whose exp (silu, sigmoid) can differ from the vectorised one in the last bit; above GRAIN elements the
+# range is split evenly across threads, each part with its own tail. 64 elements are two AVX-512 vectors of bf16 (and
+# four of fp32).
+VECTOR_BLOCK = 64
+GRAIN = 32768  # at::internal::GRAIN_SIZE
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -41,6 +49,33 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return y if b is None else y + b
     n = x.shape[0]
     return F.linear(pad_rows(x), w, b)[:n]
+
+
+def whole_vectors(n: int) -> int:
+    """The smallest size >= n that every thread's part of an elementwise kernel covers with whole vector blocks."""
+    threads, size = torch.get_num_threads(), n
+    while True:
+        parts = max(1, min(threads, -(-size // GRAIN)))
+        padded = -(-size // (VECTOR_BLOCK * parts)) * VECTOR_BLOCK * parts
+        if padded == size:
+            return size
+        size = padded
+
+
+def pointwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """`fn(*xs)` for an elementwise `fn` of same-shaped tensors, batch-invariant: computed on flat copies padded to
+    `whole_vectors`, so no element lands in a scalar tail, whose position would depend on the other rows of the pass
+    (measured: silu differed in the last bit on AVX-512 without this). Under torch.compile, plain `fn(*xs)`."""
+    if torch.compiler.is_compiling():
+        return fn(*xs)
+    shape, n = xs[0].shape, xs[0].numel()
+    extra = whole_vectors(n) - n
+    return fn(*(F.pad(x.reshape(-1), (0, extra)) for x in xs))[:n].view(shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's `silu(gate) * up`, batch-invariant."""
+    return pointwise(lambda g, u: F.silu(g) * u, gate, up)
 
 
 class RMSNorm(nn.Module):
@@ -301,5 +336,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
-        h = F.silu(gate) * linear(x, self.up_proj.weight, self.up_proj.bias)
+        h = silu_mul(gate, linear(x, self.up_proj.weight, self.up_proj.bias))
         return linear(h, self.down_proj.weight, self.down_proj.bias)

@@ -15,9 +15,8 @@ Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert w
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from moelane.model.layers import TILE, linear
+from moelane.model.layers import TILE, linear, silu_mul
 from moelane.model.provider import ExpertProvider
 
 
@@ -33,7 +32,7 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU on rows x [n, H]; w13 [2I, H], w2 [H, I]."""
     gate, up = linear(x, w13).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, w2)
+    return linear(silu_mul(gate, up), w2)
 
 
 def dispatch(
@@ -80,7 +79,7 @@ def grouped(x: torch.Tensor, flat: torch.Tensor, k: int, w13: torch.Tensor, w2: 
     xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]
     offs = ends.to(torch.int32)
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    out = torch._grouped_mm(silu_mul(gate, up), w2.transpose(1, 2), offs=offs)
     y = x.new_empty(order.numel(), x.shape[1])
     y[order] = out[dest]
     return y

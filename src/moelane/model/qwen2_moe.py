@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get, is_moe_layer, sliding_windows
-from moelane.model.layers import MLP, Attention, Rope, linear, rope_parameters
+from moelane.model.layers import MLP, Attention, Rope, linear, pointwise, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
 from moelane.model.provider import ExpertProvider
 
@@ -36,7 +36,8 @@ class SharedExpertMoe(nn.Module):
         weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)  # [T, K]
         routing.append((ids, weights))
         routed = run_experts(x, layer, ids, weights, provider)
-        shared: torch.Tensor = torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        gate = pointwise(torch.sigmoid, linear(x, self.shared_expert_gate.weight))
+        shared: torch.Tensor = gate * self.shared_expert(x)
         return routed + shared
 
 
