@@ -70,6 +70,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                    help="compile the decode step with torch.compile: decode runs several times faster after a "
                    f"warm-up of 10-40 s (graphs are cached for later runs); auto: on for --max-tokens >= "
                    f"{COMPILE_PAYS_TOKENS} with all experts resident, where the warm-up pays (default)")  # fmt: skip
+    p.add_argument("--eager", dest="compile", action="store_const", const="off",
+                   help="run every pass eagerly, never compiled (for debugging; same as --compile off)")  # fmt: skip
     p.add_argument("--trace", metavar="FILE", help="record the routing trace of this run to FILE")
     p.add_argument("--stats", action="store_true", help="print the expert pager's statistics to stderr")
     p.set_defaults(func=cmd_run)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moelane
-from moelane.cli import main
+from moelane.cli import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams, sample
@@ -157,6 +157,13 @@ def test_threads_option(folder: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_eager_flag_turns_compilation_off() -> None:
+    parse = build_parser().parse_args
+    assert parse(["run", "hi"]).compile == "auto"
+    assert parse(["run", "--eager", "hi"]).compile == "off"
+    assert parse(["run", "--compile", "on", "--eager", "hi"]).compile == "off"
 
 
 # ---- generation ------------------------------------------------------------------------------------------------
