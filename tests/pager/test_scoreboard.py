@@ -80,3 +80,24 @@ def test_bandit_prefers_frequency_on_a_stable_hot_set_and_recency_after_shifts()
         tok = (base + rng.choice(8, 6, replace=False)) % n_ids
         shifting.observe(tok[None].astype(np.int64), budget)
     assert shifting.best_decay <= 0.6
+
+
+def test_bandit_thresholds_from_candidates_equal_a_full_partition() -> None:
+    """The bandit finds each arm's n-th largest score among its last top set and the ids routed since; rewards must
+    equal those from partitioning every score, through segments of mixed length, ties and budget changes."""
+    rng = np.random.default_rng(4)
+    n_ids = 96
+    bandit, reference = DecayBandit(n_ids), DecayBandit(n_ids)
+    budget = 20
+    for step in range(400):
+        if step % 97 == 0:
+            budget = int(rng.integers(1, n_ids + 4))
+        n_tokens = 1 if step % 5 else int(rng.integers(2, 9))
+        hot = rng.integers(0, 4) * 8  # a moving hot region, so sets change and scores tie often
+        tokens = np.stack([np.sort(rng.choice(np.arange(hot, hot + 24), 6, replace=False)) for _ in range(n_tokens)])
+        wanted = np.unique(tokens)
+        expected = top_hit_fraction(reference.boards.scores, budget, wanted)
+        bandit.observe(tokens.astype(np.int64), budget)
+        reference.boards.fold(tokens.astype(np.int64))
+        assert np.array_equal(bandit.last_hits, expected), step
+        assert np.array_equal(bandit.boards.scores, reference.boards.scores)

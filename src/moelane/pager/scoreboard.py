@@ -68,15 +68,19 @@ class Scoreboards:
         return np.asarray(live[order][:n], np.int64)
 
 
-def top_hit_fraction(scores: ScoreArray, n: int, wanted: IntArray) -> FloatArray:
+def top_hit_fraction(
+    scores: ScoreArray, n: int, wanted: IntArray, thr: npt.NDArray[np.floating] | None = None
+) -> FloatArray:
     """Per arm: fraction of `wanted` (distinct flat ids) inside that arm's top-n set (score desc, id asc, zero
-    scores never predicted, as in `Scoreboards.top`). scores [A, M] -> [A]."""
+    scores never predicted, as in `Scoreboards.top`). scores [A, M] -> [A]. `thr`: each arm's n-th largest score,
+    when the caller knows it (else it is found here)."""
     n_arms, n_ids = scores.shape
     if wanted.size == 0:
         return np.ones(n_arms, np.float64)
     if n >= n_ids:
         return np.ones(n_arms, np.float64)
-    thr = np.partition(scores, n_ids - n, axis=1)[:, n_ids - n]  # n-th largest per arm
+    if thr is None:
+        thr = np.partition(scores, n_ids - n, axis=1)[:, n_ids - n]  # n-th largest per arm
     sw = scores[:, wanted]
     inside = (sw > thr[:, None]) & (sw > 0.0)
     tied = (sw == thr[:, None]) & (sw > 0.0)
@@ -99,6 +103,10 @@ class DecayBandit:
         self.reward_rate = reward_rate
         self.rewards: FloatArray = np.zeros(len(decays), np.float64)
         self.last_hits: FloatArray = np.zeros(len(decays), np.float64)
+        # Per arm the candidate set of `_thresholds` (for budget `_top_n`) and the ids folded in since.
+        self._top_n = 0
+        self._member = np.ones((len(decays), n_ids), np.bool_)
+        self._since: list[IntArray] = []
 
     @property
     def best_arm(self) -> int:
@@ -111,7 +119,36 @@ class DecayBandit:
     def observe(self, token_ids: IntArray, budget: int) -> None:
         """Reward every arm on this segment (from its state before it), then fold the segment in."""
         wanted = np.unique(token_ids) if token_ids.shape[0] > 1 else token_ids[0]  # one token's ids are distinct
-        self.last_hits = top_hit_fraction(self.boards.scores, budget, wanted)
+        thr = self._thresholds(budget) if wanted.size else None
+        self.last_hits = top_hit_fraction(self.boards.scores, budget, wanted, thr)
         r = self.reward_rate
         self.rewards = (1.0 - r) * self.rewards + r * self.last_hits
         self.boards.fold(token_ids)
+        self._since.append(token_ids.reshape(-1))
+
+    def _thresholds(self, n: int) -> npt.NDArray[np.float32] | None:
+        """Each arm's n-th largest score, found among few candidates instead of all M ids.
+
+        Per arm a set S is kept with every id outside it at or below every id inside, and outside ids all 0 while S
+        has fewer than n. A fold multiplies an arm's scores by one factor (order kept, rounding monotone) and adds
+        only to the ids it routes, so that still holds for S plus the ids routed since: the n-th largest lies among
+        them (n + a segment's ids, against M). S is then cut to the ids at or above the n-th largest that score
+        above 0. The first call, or a new n, looks at every id."""
+        scores = self.boards.scores
+        n_arms, n_ids = scores.shape
+        if n >= n_ids:
+            return None
+        if self._top_n != n:
+            self._member[:] = True
+        else:
+            for ids in self._since:
+                self._member[:, ids] = True
+        thr = np.zeros(n_arms, np.float32)
+        for a in range(n_arms):
+            cand = np.flatnonzero(self._member[a])
+            vals = scores[a, cand]
+            if vals.size >= n:
+                thr[a] = np.partition(vals, vals.size - n)[vals.size - n]
+            self._member[a, cand[(vals < thr[a]) | (vals <= 0.0)]] = False
+        self._top_n, self._since = n, []
+        return thr
