@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import struct
@@ -302,6 +303,26 @@ def test_pointwise_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype, thre
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_dispatch_equals_dispatch(dtype: torch.dtype) -> None:
+    """Resident experts first, the late ones after `wait()`: the same bits as all at once; `wait` runs between."""
+    from moelane.model.moe import dispatch, dispatch_staged
+
+    gen = torch.Generator().manual_seed(1)
+    n_slots, hidden, width, k = 7, 32, 16, 4
+    w13 = torch.randn(n_slots, 2 * width, hidden, generator=gen).to(dtype)
+    w2 = torch.randn(n_slots, hidden, width, generator=gen).to(dtype)
+    for n_tokens in (1, 5, 19):
+        x = torch.randn(n_tokens, hidden, generator=gen).to(dtype)
+        slots = torch.stack([torch.randperm(n_slots, generator=gen)[:k] for _ in range(n_tokens)])
+        weights = torch.rand(n_tokens, k, generator=gen)
+        for pending in (slots == 2, slots >= 0, torch.rand(n_tokens, k, generator=gen) < 0.4):
+            calls: list[int] = []
+            got = dispatch_staged(x, slots, pending, weights, w13, w2, functools.partial(calls.append, 1))
+            assert calls == [1]
+            assert torch.equal(got, dispatch(x, slots, weights, w13, w2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype) -> None:
     """The eager dispatch's grouped products give each (token, expert) pair the bits of `expert_mlp` on that expert's
     rows alone: the tile rule holds through `torch._grouped_mm`, for empty, partial and multi-tile groups."""
@@ -314,7 +335,7 @@ def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype) -> None
     for n_tokens in (1, 3, 11, 40):
         x = torch.randn(n_tokens, hidden, generator=gen).to(dtype)
         flat = torch.stack([torch.randperm(n_slots - 1, generator=gen)[:k] for _ in range(n_tokens)]).reshape(-1)
-        y = grouped(x, flat, k, w13, w2)
+        y = grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2)
         for slot in range(n_slots):
             pairs = (flat == slot).nonzero().reshape(-1)
             if len(pairs):

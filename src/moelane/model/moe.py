@@ -1,7 +1,9 @@
 """Router and expert dispatch: route first, then ask the provider for the experts' pool slots, then compute.
 
 The block never loads an expert: `provider.slots(layer, ids)` makes the routed experts resident and names their pool
-slots, `provider.weights(layer)` hands over the pool tensors, and the block gathers by slot.
+slots, `provider.weights(layer)` hands over the pool tensors, and the block gathers by slot. A provider with
+`slots_staged` (the pager's store) names the slots before the misses have loaded; eager dispatch then computes the
+resident experts first and waits only before the late ones (`dispatch_staged`), so a miss's read overlaps compute.
 
 Two dispatch paths give bit-identical rows (both run every (token, expert) pair through `linear`, whose tile padding
 makes a row's result independent of the other rows in its tile):
@@ -13,6 +15,8 @@ Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert w
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -50,18 +54,22 @@ def dispatch(
         ]
         y = torch.cat(ys, dim=0)
     else:
-        y = grouped(x, flat, k, w13, w2)
+        y = grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2)
     # Weighted sum over k in a fixed order: the same for every row, whatever the batch.
     return (y.view(n_tokens, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
-def grouped(x: torch.Tensor, flat: torch.Tensor, k: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """Every (token, expert) pair's expert output, rows [T * K] in pair order, in two grouped matrix products.
+def grouped(
+    x: torch.Tensor, rows_of: torch.Tensor, flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order, in two grouped matrix
+    products.
 
     Pairs are sorted by slot and each slot's rows padded to whole tiles (zero rows), so every slot's group is a matrix
     of TILE-multiple rows: `torch._grouped_mm` computes each group as `linear` would (tested bit for bit), in one call
     instead of a Python loop over the slots used. Only the range of slots in use is passed (a view), since the grouped
-    product visits every group, empty ones too: a big pager pool has hundreds of slots."""
+    product visits every group, empty ones too: a big pager pool has hundreds of slots. A pair's result does not
+    depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late ones)."""
     lo, hi = int(flat.min()), int(flat.max())
     flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
     n_slots = w13.shape[0]
@@ -75,7 +83,7 @@ def grouped(x: torch.Tensor, flat: torch.Tensor, k: int, w13: torch.Tensor, w2: 
     dest = starts[sorted_slots] + torch.arange(order.numel()) - firsts[sorted_slots]  # padded row of each sorted pair
     n_rows = int(ends[-1])
     rows = torch.full((n_rows,), x.shape[0], dtype=torch.long)  # pads read the zero row appended to x
-    rows[dest] = order // k
+    rows[dest] = rows_of[order]
     xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]
     offs = ends.to(torch.int32)
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
@@ -85,9 +93,41 @@ def grouped(x: torch.Tensor, flat: torch.Tensor, k: int, w13: torch.Tensor, w2: 
     return y
 
 
+def dispatch_staged(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    pending: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    wait: Callable[[], None],
+) -> torch.Tensor:
+    """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
+    `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
+    n_tokens, k = slots.shape
+    flat, late = slots.reshape(-1), pending.reshape(-1)
+    pairs = torch.arange(flat.numel())
+    y = x.new_empty(flat.numel(), x.shape[1])
+    early = pairs[~late]
+    if early.numel():
+        y[early] = grouped(x, early // k, flat[early], w13, w2)
+    wait()
+    late_pairs = pairs[late]
+    if late_pairs.numel():
+        y[late_pairs] = grouped(x, late_pairs // k, flat[late_pairs], w13, w2)
+    return (y.view(n_tokens, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+
 def run_experts(
     x: torch.Tensor, layer: int, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
 ) -> torch.Tensor:
-    slots = provider.slots(layer, ids)
+    staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
+    if staged is None:
+        slots = provider.slots(layer, ids)
+        w13, w2 = provider.weights(layer)
+        return dispatch(x, slots, weights, w13, w2)
+    slots, pending, wait = staged(layer, ids)
     w13, w2 = provider.weights(layer)
-    return dispatch(x, slots, weights, w13, w2)
+    if pending is None:
+        return dispatch(x, slots, weights, w13, w2)
+    return dispatch_staged(x, slots, pending, weights, w13, w2, wait)

@@ -7,7 +7,9 @@ pool slots; the block gathers weights by slot. Model code never knows where an e
 - `ResidentProvider` holds every expert: the slot of expert e is e, so `slots` is the identity and the decode step
   compiles whole with no graph break.
 - The pager's store implements the same protocol with a smaller pool; its `slots` call (make these experts resident,
-  return their slots) is the one place where compiled code may hand back to Python.
+  return their slots) is the one place where compiled code may hand back to Python. It also has `slots_staged`
+  (optional in the protocol): the slots at once, a mask of the pairs whose experts are still loading, and a `wait`
+  to call before computing those, so eager dispatch computes the resident experts while the misses load.
 
 Routing decisions reach observers (the trace recorder, the planner) after each forward pass as a `RoutingRecord`, so
 the hot path itself carries no callbacks.

@@ -8,6 +8,8 @@ indices. Resident bytes = occupied slots x slot bytes <= S x slot bytes <= budge
 `slots(layer, ids)` (the only per-layer Python on the hot path): under one lock it leases the routed experts' slots,
 picks victims for the misses as one batch (`victims`), marks them loading; outside the lock the misses are read in
 parallel (storage.py) and decoded straight into their slots; it then waits for its own and any in-flight loads.
+`slots_staged` (what eager MoE dispatch calls) returns before that wait, with the pairs still loading marked, so the
+resident experts compute while the misses load; the stall counted is only the time then spent waiting.
 At tier 0 a slot holds exactly `read_expert(handle, dtype)`, so greedy tokens equal the all-resident run bitwise.
 
 Leases (why a slot being computed on is never overwritten): every slot handed out by `slots` is leased by the calling
@@ -50,6 +52,12 @@ from moelane.pager.storage import Storage
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec, parse_tier
 
 POLICIES = ("planner", "lru", "lfu")
+
+
+def _nothing() -> None:
+    """The wait of a call whose experts were all resident."""
+
+
 Key = int  # flat expert id: layer index * E + expert
 
 
@@ -119,6 +127,20 @@ class ExpertStore:
         return self.w13, self.w2
 
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        slots, _, wait = self._route(layer, expert_ids, staged=False)
+        wait()
+        return slots
+
+    def slots_staged(
+        self, layer: int, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], None]]:
+        """`slots` without waiting for the misses: they load on the I/O threads while the caller computes the
+        resident experts. -> (slots, pending [same shape] bool or None if none, wait)."""
+        return self._route(layer, expert_ids, staged=True)
+
+    def _route(
+        self, layer: int, expert_ids: torch.Tensor, staged: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], None]]:
         li = self._index[layer]
         base = li * self.n_experts
         flat = expert_ids.reshape(-1).numpy()
@@ -131,23 +153,27 @@ class ExpertStore:
                 counts[k] = counts.get(k, 0) + 1
         start = time.perf_counter()
         slots, jobs, waits = self._acquire(keys, phase)
-        if waits:
-            self._finish(jobs, waits)
-            with self._cond:
-                for stats in self._targets():
-                    stats.phase(phase).stall_s += time.perf_counter() - start
+        self._start_loads(jobs, inline_last=not staged)
         if self.listeners:
             routed = keys.tolist()
             for listener in self.listeners:
                 listener.routed(li, routed)
         lut = np.zeros(self.n_experts, np.int64)
         lut[keys - base] = slots
-        return torch.from_numpy(lut[flat]).view(expert_ids.shape)
+        out = torch.from_numpy(lut[flat]).view(expert_ids.shape)
+        if not waits:
+            return out, None, _nothing
+        pending = torch.from_numpy(np.isin(lut[flat], [slot for slot, _ in waits])).view(expert_ids.shape)
+        since = None if staged else start  # staged: only the wait itself stalls
+        return out, pending, functools.partial(self._wait, [fut for _, fut in waits], phase, since)
 
     # ---- slot decisions (under the lock) -------------------------------------------------------------------------
 
-    def _acquire(self, keys: IntArray, phase: str) -> tuple[IntArray, list[tuple[int, Key]], list[Future[None]]]:
-        """Lease every routed expert's slot, admitting the misses as one batch. -> (slots, loads to run, waits)."""
+    def _acquire(
+        self, keys: IntArray, phase: str
+    ) -> tuple[IntArray, list[tuple[int, Key]], list[tuple[int, Future[None]]]]:
+        """Lease every routed expert's slot, admitting the misses as one batch.
+        -> (slots, loads to run, (slot, load) pairs to wait for)."""
         thread, t = threading.current_thread(), self.table
         with self._cond:
             self._release_locked(thread)
@@ -179,9 +205,10 @@ class ExpertStore:
                 for src in sources[sources > 0].tolist():
                     self.stats.source(self.sources[src - 1]).used += 1
                 t.source[present] = 0
-            waits = [self._futures[s] for s in present[t.state[present] == LOADING].tolist()] if self._futures else []
+            loading = present[t.state[present] == LOADING].tolist() if self._futures else []
+            waits = [(s, self._futures[s]) for s in loading]
             jobs = [(self._assign_locked(s, int(k), 0), int(k)) for k, s in zip(missing, victims, strict=True)]
-            waits += [self._futures[slot] for slot, _ in jobs]
+            waits += [(slot, self._futures[slot]) for slot, _ in jobs]
             slots = t.touch(keys)
             self._leases[thread] = slots
             return slots, jobs, waits
@@ -213,19 +240,26 @@ class ExpertStore:
 
     # ---- loads (outside the lock) --------------------------------------------------------------------------------
 
-    def _finish(self, jobs: list[tuple[int, Key]], waits: list[Future[None]]) -> None:
-        """Run this call's misses (all but the last on the I/O threads, the last here) and wait for every load."""
+    def _start_loads(self, jobs: list[tuple[int, Key]], inline_last: bool) -> None:
+        """Run this call's misses on the I/O threads (the last one here when `inline_last`: the caller waits anyway)."""
         targets = self._targets()
-        for slot, key in jobs[:-1]:
+        for slot, key in jobs[:-1] if inline_last else jobs:
             self._pool.submit(0, functools.partial(self._load, slot, key, targets))
-        if jobs:
+        if jobs and inline_last:
             self._load(*jobs[-1], targets)
+
+    def _wait(self, futures: list[Future[None]], phase: str, start: float | None) -> None:
+        """Wait for a call's loads; the stall counted runs from `start` (default: now)."""
+        start = time.perf_counter() if start is None else start
         try:
-            for fut in waits:
+            for fut in futures:
                 fut.result()
         except BaseException:
             self.release()
             raise
+        with self._cond:
+            for stats in self._targets():
+                stats.phase(phase).stall_s += time.perf_counter() - start
 
     def _load(self, slot: int, key: Key, targets: list[PagerStats]) -> None:
         """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
