@@ -28,7 +28,7 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import DTYPES, ExpertHandle, TensorRef
-from moelane.pager.tiers import TIER_NAMES, ExpertCodec
+from moelane.pager.tiers import TIER_NAMES, ExpertCodec, row_blocks
 
 log = logging.getLogger(__name__)
 TIER_FILE_VERSION = 2  # bump whenever the blob layout changes (2: adaptive group size)
@@ -111,12 +111,22 @@ def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor
         parts[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
         pos += ref.nbytes
     if "gate_up" in parts:
-        w13_out.copy_(parts["gate_up"])
+        copy_blocks(w13_out, parts["gate_up"])
     else:
         width = parts["gate"].shape[0]
-        w13_out[:width].copy_(parts["gate"])
-        w13_out[width:].copy_(parts["up"])
-    w2_out.copy_(parts["down"])
+        copy_blocks(w13_out[:width], parts["gate"])
+        copy_blocks(w13_out[width:], parts["up"])
+    copy_blocks(w2_out, parts["down"])
+
+
+def copy_blocks(out: torch.Tensor, src: torch.Tensor) -> None:
+    """`out.copy_(src)` for 2-D tensors, in `row_blocks` (see there why)."""
+    for block in row_blocks(*out.shape):
+        out[block].copy_(src[block])
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t[block]).all()) for block in row_blocks(*t.shape))
 
 
 def shard_fingerprint(handles: dict[int, list[ExpertHandle]]) -> list[list[object]]:
@@ -276,7 +286,7 @@ class Storage:
             decode_native(handle, buf, w13, w2)
         else:
             source.codec.decode_into(buf, w13, w2)
-        if self.check_finite and not (bool(torch.isfinite(w13).all()) and bool(torch.isfinite(w2).all())):
+        if self.check_finite and not (all_finite(w13) and all_finite(w2)):
             where = handle.tensors["down"].path if source is None else source.path
             raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {where} (corrupt file?)")
         return level, buf.numel()
