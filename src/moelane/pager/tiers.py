@@ -32,6 +32,7 @@ def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
 
+
 TIER_NAMES = ("native", "int8", "int4")
 TIER_ALIASES = {"0": 0, "native": 0, "tier0": 0, "1": 1, "int8": 1, "2": 2, "int4": 2}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +55,27 @@ def build(args: argparse.Namespace) -> Any:
     from moelane.server.generation import Limits
 
     if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
-        # Compute threads spin while they wait; on every core they starve the HTTP thread (measured on 2 cores:
-        # 1 thread served one client at 65 tok/s, 2 threads at 27).
+        # Leave a core to the HTTP thread (measured on 2 cores, before model loading moved off the main thread:
+        # 1 compute thread served one client at 65 tok/s, 2 threads at 27).
         args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
-    lm = load_model(args)
-    if hasattr(lm.provider, "attach"):
-        lm.provider.attach(lm)
-    max_rows = 256
-    if hasattr(lm.provider, "max_rows"):
-        max_rows = max(args.max_streams, min(max_rows, lm.provider.max_rows(lm.args.num_experts_per_tok)))
-    guard = {"auto": None, "on": True, "off": False}[args.guard]
-    config = EngineConfig(drafter=args.drafter, guard=guard, max_streams=args.max_streams,
-                          max_depth=args.max_depth, max_rows=max_rows)  # fmt: skip
-    engine = Engine(lm, config)
+
+    def make() -> tuple[Any, Engine]:
+        lm = load_model(args)
+        if hasattr(lm.provider, "attach"):
+            lm.provider.attach(lm)
+        max_rows = 256
+        if hasattr(lm.provider, "max_rows"):
+            max_rows = max(args.max_streams, min(max_rows, lm.provider.max_rows(lm.args.num_experts_per_tok)))
+        guard = {"auto": None, "on": True, "off": False}[args.guard]
+        config = EngineConfig(drafter=args.drafter, guard=guard, max_streams=args.max_streams,
+                              max_depth=args.max_depth, max_rows=max_rows)  # fmt: skip
+        return lm, Engine(lm, config)
+
+    # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
+    # while it lives, and with more teams' threads than cores libgomp barely spins: every parallel op of the engine
+    # thread then waits on a futex (measured ~3x slower here). So they run on a thread that ends when they are done.
+    with ThreadPoolExecutor(1, thread_name_prefix="moelane-load") as loader:
+        lm, engine = loader.submit(make).result()
     cost_of, pager_stats = pager_hooks(lm)
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
