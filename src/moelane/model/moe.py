@@ -23,8 +23,6 @@ import torch
 from moelane.model.layers import TILE, linear, silu_mul
 from moelane.model.provider import ExpertProvider
 
-GATHER_BYTES = 8 << 20  # at most this many bytes of used experts are copied together (see `grouped`)
-
 
 def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k; renormalise them to sum 1 when `norm`. -> (weights, ids) [T, K]."""
@@ -69,19 +67,11 @@ def grouped(
 
     Pairs are sorted by slot and each slot's rows padded to whole tiles (zero rows), so every slot's group is a matrix
     of TILE-multiple rows: `torch._grouped_mm` computes each group as `linear` would (tested bit for bit), in one call
-    instead of a Python loop over the slots used. The grouped product visits every group, empty ones too, so it gets
-    only the range of slots in use (a view), or, where that range is mostly empty and the experts are small, copies of
-    just the used experts (a pager pool spreads a layer's experts over hundreds of slots). A pair's result does not
+    instead of a Python loop over the slots used. Only the range of slots in use is passed (a view), since the grouped
+    product visits every group, empty ones too (~2 us each here): a big pager pool has hundreds of slots. A pair's result does not
     depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late ones)."""
     lo, hi = int(flat.min()), int(flat.max())
-    used = torch.unique(flat)  # sorted
-    n_used, expert_bytes = used.numel(), (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    if hi - lo + 1 > 2 * n_used and n_used * expert_bytes <= GATHER_BYTES:
-        # Mostly empty groups in the range (a pager pool spreads a layer's experts over all its slots): small
-        # experts are cheaper to copy together than to visit ~2 us per empty group; big ones are not copied.
-        flat, w13, w2 = torch.searchsorted(used, flat), w13.index_select(0, used), w2.index_select(0, used)
-    else:
-        flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
+    flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
     n_slots = w13.shape[0]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_slots)
