@@ -2,6 +2,7 @@
 copy-heavy prompts (repeat or edit a given text) and on open generation; all in one run, with the ratios the issue
 asks for and a token-identity check of every reply against plain mode.
 
+With `--repeat N` every cell runs N times (all cells of a round before the next round) and the summary gives medians.
 Each cell is a fresh `Engine` on one loaded model: N streams, each with a different prompt, greedy, `--tokens`
 tokens each (no EOS stop, so every cell does the same work), timed from the first submit to idle. Prints one JSON
 line per cell and a summary line.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--warm", action="store_true", help="put a batch of other prompts through each engine first")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over all cells (modes alternated); medians reported")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -116,26 +119,29 @@ def main() -> None:
                "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm}  # fmt: skip
     print(json.dumps({"event": "setting", **setting}), flush=True)
     counts = [int(x) for x in args.streams.split(",")]
-    results: dict[tuple[str, int, str], float] = {}
+    samples: dict[tuple[str, int, str], list[float]] = {}
     mismatches = 0
     run_cell(lm, draft, dict(drafter="none"), prompts(lm.tokenizer, "open", 1), 8)  # warm up
-    for workload in args.workloads.split(","):
-        batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
-        warm = {n: prompts(lm.tokenizer, workload, 2 * n)[n:] if args.warm else None for n in counts}
-        for n in counts:
-            plain_replies = None
-            for mode in args.modes.split(","):
-                config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
-                cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n])
-                replies = cell.pop("replies")
-                if plain_replies is None:
-                    plain_replies = replies
-                same = replies == plain_replies
-                mismatches += not same
-                results[(workload, n, mode)] = cell["tok_s"]
-                print(json.dumps({"event": "cell", "workload": workload, "streams": n, "mode": mode,
-                                  "same_replies": same, **cell}), flush=True)  # fmt: skip
-    print(json.dumps({"event": "summary", **setting, "mismatches": mismatches, **ratios(results, counts)}), flush=True)
+    for r in range(args.repeat):
+        for workload in args.workloads.split(","):
+            batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
+            warm = {n: prompts(lm.tokenizer, workload, 2 * n)[n:] if args.warm else None for n in counts}
+            for n in counts:
+                plain_replies = None
+                for mode in args.modes.split(","):
+                    config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
+                    cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n])
+                    replies = cell.pop("replies")
+                    if plain_replies is None:
+                        plain_replies = replies
+                    same = replies == plain_replies
+                    mismatches += not same
+                    samples.setdefault((workload, n, mode), []).append(cell["tok_s"])
+                    print(json.dumps({"event": "cell", "round": r, "workload": workload, "streams": n, "mode": mode,
+                                      "same_replies": same, **cell}), flush=True)  # fmt: skip
+    results = {k: statistics.median(v) for k, v in samples.items()}
+    print(json.dumps({"event": "summary", **setting, "repeat": args.repeat, "mismatches": mismatches,
+                      **ratios(results, counts)}), flush=True)  # fmt: skip
 
 
 def ratios(results: dict[tuple[str, int, str], float], counts: list[int]) -> dict[str, Any]:

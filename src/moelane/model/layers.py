@@ -233,12 +233,13 @@ def attend_batched(
     # Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention in bf16.
     scores = (torch.matmul(qg, keys) * scale).float().view(b, n_heads, n_pad, capacity)  # [B, Hq, n_pad, C]
     key_pos = torch.arange(capacity, device=qh.device)
-    row_pos = torch.stack([F.pad(p, (0, n_pad - p.shape[0]), value=-1) for p in positions])  # [B, n_pad]
+    # Pad rows see every key, so no row is all -inf and softmax needs no NaN clean-up (their output is dropped).
+    row_pos = torch.stack([F.pad(p, (0, n_pad - p.shape[0]), value=capacity - 1) for p in positions])  # [B, n_pad]
     mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_pad, C]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs.view(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
     out = out.view(b, n_heads, n_pad, -1)  # [B, Hq, n_pad, Dv]
     return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
