@@ -219,7 +219,7 @@ def attend_batched(
     stream."""
     b, n_heads = len(qs), qs[0].shape[1]
     n_kv, capacity, d = ks[0].shape
-    n_pad = max(q.shape[0] for q in qs)
+    n_pad = n_real = max(q.shape[0] for q in qs)
     if not torch.compiler.is_compiling():
         # Whole tiles keep eager rows batch-invariant. The compiled decode step is not bit-identical to eager anyway
         # (see `linear`), and padding its one row to a tile made both products TILE times the work: 16% of a step.
@@ -230,17 +230,24 @@ def attend_batched(
     # Query heads sharing a KV head are stacked as rows, so K/V are never copied per head.
     qg = qh.reshape(b * n_kv, -1, d)  # [B * Hkv, group * n_pad, D]
     keys = k.reshape(b * n_kv, capacity, d).transpose(1, 2)
-    # Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention in bf16.
-    scores = (torch.matmul(qg, keys) * scale).float().view(b, n_heads, n_pad, capacity)  # [B, Hq, n_pad, C]
+    # Only the first n_real rows of any stream are real: the masking and the softmax (row by row, so the other rows
+    # change no bits) see just those; the pad rows' probabilities are zeros for the second product, which needs the
+    # whole tile again. Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention
+    # in bf16.
+    scores = torch.matmul(qg, keys).view(b, n_heads, n_pad, capacity)[:, :, :n_real]
+    scores = (scores * scale).float()  # [B, Hq, n_real, C]
     key_pos = torch.arange(capacity, device=qh.device)
-    # Pad rows see every key, so no row is all -inf and softmax needs no NaN clean-up (their output is dropped).
-    row_pos = torch.stack([F.pad(p, (0, n_pad - p.shape[0]), value=capacity - 1) for p in positions])  # [B, n_pad]
-    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_pad, C]
+    # Rows past a stream's own see every key, so no row is all -inf and softmax needs no NaN clean-up (their output
+    # is dropped).
+    row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=capacity - 1) for p in positions])  # [B, n_real]
+    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_real, C]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs.view(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
+    if n_real < n_pad:
+        probs = F.pad(probs, (0, 0, 0, n_pad - n_real))  # [B, Hq, n_pad, C]
+    out = torch.matmul(probs.reshape(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
     out = out.view(b, n_heads, n_pad, -1)  # [B, Hq, n_pad, Dv]
     return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
 
