@@ -68,8 +68,9 @@ def grouped(
     Pairs are sorted by slot and each slot's rows padded to whole tiles (zero rows), so every slot's group is a matrix
     of TILE-multiple rows: `torch._grouped_mm` computes each group as `linear` would (tested bit for bit), in one call
     instead of a Python loop over the slots used. Only the range of slots in use is passed (a view), since the grouped
-    product visits every group, empty ones too (~2 us each here): a big pager pool has hundreds of slots. A pair's result does not
-    depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late ones)."""
+    product visits every group, empty ones too (~2 us each here): a big pager pool has hundreds of slots. A pair's
+    result does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the
+    late ones)."""
     lo, hi = int(flat.min()), int(flat.max())
     flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
     n_slots = w13.shape[0]
