@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import moelane
+import moelane.pager.store as store_module
+from moelane.model import moe
 from moelane.model.provider import ResidentProvider
 from moelane.pager.memory import MemorySpec, parse_memory
 from moelane.pager.plan import Plan
@@ -46,8 +48,16 @@ def store_of(lm: moelane.LM, n_slots: int, **kw: object) -> ExpertStore:
 # ---- identity with the all-resident run ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("share", ["100%", "50%", "20%"])
-def test_greedy_tokens_identical_at_every_budget(wide: Path, reference: Reference, share: str) -> None:
+@pytest.mark.parametrize(("share", "staged"), [("100%", False), ("50%", False), ("20%", False), ("20%", True)])
+def test_greedy_tokens_identical_at_every_budget(
+    wide: Path, reference: Reference, share: str, staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`staged`: misses load on the I/O threads while the resident experts compute (what experts of >= 1 MiB do)."""
+    n_staged = []
+    if staged:
+        monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
+        plain = moe.dispatch_staged
+        monkeypatch.setattr(moe, "dispatch_staged", lambda *a: n_staged.append(1) or plain(*a))
     lm = moelane.load(wide, provider=store_factory(share, None, "planner", "native"))
     store = lm.provider
     assert isinstance(store, ExpertStore)
@@ -59,6 +69,7 @@ def test_greedy_tokens_identical_at_every_budget(wide: Path, reference: Referenc
         store.live_planner.wait()
         assert store.live_planner.n_segments > 0 and store.live_planner.n_plans > 0 and store.plan is not None
         store.check_invariants()
+        assert bool(n_staged) == staged
         totals = store.stats.totals()
         assert totals.misses > 0 and (share == "100%") == (store.stats.evictions == 0)
         # every resident slot holds exactly what the resident provider holds

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import moelane
+import moelane.pager.store as store_module
 from moelane.pager.store import ExpertStore, store_factory
 from tests.helpers import random_model
 
@@ -28,8 +29,15 @@ def prompts() -> list[list[int]]:
     return [[(7 * i + 13 * j) % 290 + 3 for j in range(6 + i)] for i in range(N_STREAMS)]
 
 
-@pytest.mark.parametrize("predictors", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_eight_streams_at_ten_percent(deep: Path, predictors: bool) -> None:
+@pytest.mark.parametrize(
+    ("predictors", "staged"), [pytest.param(False, False, marks=pytest.mark.slow), (True, False), (True, True)]
+)
+def test_eight_streams_at_ten_percent(
+    deep: Path, predictors: bool, staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`staged`: misses load on the I/O threads while the resident experts compute (what experts of >= 1 MiB do)."""
+    if staged:
+        monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
     resident = moelane.load(deep)
     want = [list(resident.generate_ids(p, 10)) for p in prompts()]
     lm = moelane.load(deep, provider=store_factory("10%", None, "planner", "native"))
