@@ -55,8 +55,14 @@ def dispatch(
         y = torch.cat(ys, dim=0)
     else:
         y = grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2)
-    # Weighted sum over k in a fixed order: the same for every row, whatever the batch.
-    return (y.view(n_tokens, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+    return weighted_sum(y, weights)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over k of weights[t, k] * y[t * K + k], in a fixed order: the same for every row, whatever the batch.
+    y [T * K, H] in pair order; weights [T, K]."""
+    n_tokens, k = weights.shape
+    return (y.view(n_tokens, k, -1) * weights.to(y.dtype)[..., None]).sum(dim=1)
 
 
 def grouped(
@@ -105,7 +111,7 @@ def dispatch_staged(
 ) -> torch.Tensor:
     """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
     `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
-    n_tokens, k = slots.shape
+    k = slots.shape[1]
     flat, late = slots.reshape(-1), pending.reshape(-1)
     pairs = torch.arange(flat.numel())
     y = x.new_empty(flat.numel(), x.shape[1])
@@ -116,19 +122,15 @@ def dispatch_staged(
     late_pairs = pairs[late]
     if late_pairs.numel():
         y[late_pairs] = grouped(x, late_pairs // k, flat[late_pairs], w13, w2)
-    return (y.view(n_tokens, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+    return weighted_sum(y, weights)
 
 
 def run_experts(
     x: torch.Tensor, layer: int, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
 ) -> torch.Tensor:
     staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
-    if staged is None:
-        slots = provider.slots(layer, ids)
-        w13, w2 = provider.weights(layer)
-        return dispatch(x, slots, weights, w13, w2)
-    slots, pending, wait = staged(layer, ids)
+    slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
     w13, w2 = provider.weights(layer)
-    if pending is None:
+    if pending is None or wait is None:
         return dispatch(x, slots, weights, w13, w2)
     return dispatch_staged(x, slots, pending, weights, w13, w2, wait)

@@ -132,20 +132,20 @@ class ExpertStore:
         return self.w13, self.w2
 
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        slots, _, wait = self._route(layer, expert_ids, staged=False)
-        wait()
-        return slots
+        return self._route(layer, expert_ids, staged=False)[0]
 
     def slots_staged(
         self, layer: int, expert_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], None]]:
-        """`slots` without waiting for the misses: they load on the I/O threads while the caller computes the
-        resident experts. -> (slots, pending [same shape] bool or None if none, wait)."""
+        """`slots` without waiting for the misses of experts of SMALL_EXPERT_BYTES or more: they load on the I/O
+        threads while the caller computes the resident experts. -> (slots, pending [same shape] bool or None if
+        nothing is loading, wait)."""
         return self._route(layer, expert_ids, staged=True)
 
     def _route(
         self, layer: int, expert_ids: torch.Tensor, staged: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], None]]:
+        """Route one layer call; unless `staged` (and the experts big enough), wait for its loads before returning."""
         li = self._index[layer]
         base = li * self.n_experts
         flat = expert_ids.reshape(-1).numpy()
@@ -158,11 +158,9 @@ class ExpertStore:
                 counts[k] = counts.get(k, 0) + 1
         start = time.perf_counter()
         slots, jobs, waits = self._acquire(keys, phase)
-        if self.slot_bytes < SMALL_EXPERT_BYTES:
-            staged = False  # nothing worth hiding: read them here, one after another
-            self._start_loads(jobs, n_here=len(jobs))
-        else:
-            self._start_loads(jobs, n_here=0 if staged else 1)
+        small = self.slot_bytes < SMALL_EXPERT_BYTES
+        staged = staged and not small  # small experts: nothing worth hiding, they are read here one after another
+        self._start_loads(jobs, n_here=len(jobs) if small else 0 if staged else 1)
         if self.listeners:
             routed = keys.tolist()
             for listener in self.listeners:
@@ -172,9 +170,12 @@ class ExpertStore:
         out = torch.from_numpy(lut[flat]).view(expert_ids.shape)
         if not waits:
             return out, None, _nothing
+        futures = [fut for _, fut in waits]
+        if not staged:
+            self._wait(futures, phase, start)
+            return out, None, _nothing
         pending = torch.from_numpy(np.isin(lut[flat], [slot for slot, _ in waits])).view(expert_ids.shape)
-        since = None if staged else start  # staged: only the wait itself stalls
-        return out, pending, functools.partial(self._wait, [fut for _, fut in waits], phase, since)
+        return out, pending, functools.partial(self._wait, futures, phase, None)  # only the wait itself stalls
 
     # ---- slot decisions (under the lock) -------------------------------------------------------------------------
 
