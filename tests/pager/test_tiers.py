@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import moelane
-from moelane.pager.storage import ExpertReadError, ShardFiles, TierFile, decode_native, read_native, tier_dir
+from moelane.pager.storage import (
+    ExpertReadError,
+    ShardFiles,
+    TierFile,
+    all_finite,
+    decode_native,
+    read_native,
+    tier_dir,
+)
 from moelane.pager.store import ExpertStore, store_factory
 from moelane.pager.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
@@ -139,3 +147,17 @@ def test_store_serves_every_expert_at_a_lower_tier(folder: Path, tmp_path: Path,
     (level_tier,) = store.stats.bytes_read
     assert level_tier == ("disk", tier)
     store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_reads_the_exponent_bits_of_every_float_dtype(dtype: torch.dtype) -> None:
+    w = torch.randn(48, 40).to(dtype)
+    w[0, 0] = torch.finfo(dtype).max  # large but finite
+    w[1, 1] = torch.finfo(dtype).tiny / 4  # subnormal
+    w[2, 2] = -0.0
+    assert all_finite(w) == bool(torch.isfinite(w).all())
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        v = w.clone()
+        v[47, 39] = bad
+        assert not all_finite(v)
+        assert all_finite(v[:47])
