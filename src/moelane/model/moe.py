@@ -7,8 +7,8 @@ resident experts first and waits only before the late ones (`dispatch_staged`), 
 
 Two dispatch paths give bit-identical rows (both run every (token, expert) pair through `linear`, whose tile padding
 makes a row's result independent of the other rows in its tile):
-- eager: sort the pairs by slot (`bincount` first), pad each slot's rows to whole tiles, and compute all slots in two
-  grouped matrix products (`torch._grouped_mm`), which compute each group as `linear` would;
+- eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
+  would (one grouped product over the slots' range, or one product per used slot where they are sparse);
 - compiled: one fixed-shape step per (token, expert) pair, no Python scalar from a tensor, so decode compiles whole.
 
 Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width.
@@ -68,36 +68,48 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def grouped(
     x: torch.Tensor, rows_of: torch.Tensor, flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order, in two grouped matrix
-    products.
+    """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order.
 
-    Pairs are sorted by slot and each slot's rows padded to whole tiles (zero rows), so every slot's group is a matrix
-    of TILE-multiple rows: `torch._grouped_mm` computes each group as `linear` would (tested bit for bit), in one call
-    instead of a Python loop over the slots used. Only the range of slots in use is passed (a view), since the grouped
-    product visits every group, empty ones too (~2 us each here): a big pager pool has hundreds of slots. A pair's
-    result does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the
-    late ones)."""
-    lo, hi = int(flat.min()), int(flat.max())
-    flat, w13, w2 = flat - lo, w13[lo : hi + 1], w2[lo : hi + 1]
-    n_slots = w13.shape[0]
+    Pairs are sorted by slot and each used slot's rows padded to whole tiles (zero rows), so every slot's group is a
+    matrix of TILE-multiple rows that meets its expert in one matrix product, as `linear` would compute it (tested bit
+    for bit). Where the used slots are dense in their range, one `torch._grouped_mm` over the range computes them
+    all; it visits empty groups too (~2 us each here), so sparse slots (a decode step's few experts in a big pager
+    pool) are computed one slot at a time instead. A pair's result does not depend on the other pairs, so pairs can
+    be computed in parts (resident experts first, then the late ones)."""
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_slots)
+    slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
     padded = (counts + TILE - 1) // TILE * TILE
     ends = padded.cumsum(0)
-    starts = ends - padded  # first padded row of each slot's group
-    firsts = counts.cumsum(0) - counts  # first sorted pair of each slot
-    sorted_slots = flat[order]
-    dest = starts[sorted_slots] + torch.arange(order.numel()) - firsts[sorted_slots]  # padded row of each sorted pair
-    n_rows = int(ends[-1])
-    rows = torch.full((n_rows,), x.shape[0], dtype=torch.long)  # pads read the zero row appended to x
+    shift = ends - padded - (counts.cumsum(0) - counts)  # first padded row minus first sorted pair, per used slot
+    dest = shift.repeat_interleave(counts) + torch.arange(order.numel())  # padded row of each sorted pair
+    bounds, used = ends.tolist(), slots.tolist()
+    rows = torch.full((bounds[-1],), x.shape[0], dtype=torch.long)  # pads read the zero row appended to x
     rows[dest] = rows_of[order]
     xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]
-    offs = ends.to(torch.int32)
-    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    out = torch._grouped_mm(silu_mul(gate, up), w2.transpose(1, 2), offs=offs)
+    lo, hi = used[0], used[-1]
+    if 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
+        sizes = torch.zeros(hi - lo + 1, dtype=torch.long)
+        sizes[slots - lo] = padded
+        offs = sizes.cumsum(0).to(torch.int32)
+        w13, w2 = w13[lo : hi + 1].transpose(1, 2), w2[lo : hi + 1].transpose(1, 2)
+        gate, up = torch._grouped_mm(xs, w13, offs=offs).chunk(2, dim=-1)
+        out = torch._grouped_mm(silu_mul(gate, up), w2, offs=offs)
+    else:
+        gate, up = per_slot(xs, w13.transpose(1, 2), used, bounds).chunk(2, dim=-1)
+        out = per_slot(silu_mul(gate, up), w2.transpose(1, 2), used, bounds)
     y = x.new_empty(order.numel(), x.shape[1])
     y[order] = out[dest]
     return y
+
+
+def per_slot(xs: torch.Tensor, wt: torch.Tensor, used: list[int], bounds: list[int]) -> torch.Tensor:
+    """Rows bounds[g-1]:bounds[g] of xs times wt[used[g]], for each used slot g. wt [S, in, out] (transposed)."""
+    out = xs.new_empty(xs.shape[0], wt.shape[2])
+    first = 0
+    for slot, end in zip(used, bounds, strict=True):
+        torch.mm(xs[first:end], wt[slot], out=out[first:end])
+        first = end
+    return out
 
 
 def dispatch_staged(
