@@ -23,7 +23,7 @@ def solo_decode(
             break
         out.append(token)
         if i + 1 < max_tokens:
-            logits = target.forward([Rows(cache, [token], position)])[0][-1]
+            logits = target.forward([Rows(cache, [token], position, decode=True)])[0][-1]
         position += 1
     return out
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import moelane
+from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
@@ -110,3 +111,33 @@ def test_shipped_model_replies_equal_solo_decode(shipped, shipped_cases, drafter
         pytest.skip("no shipped draft model")
     for n_streams in (1, 2, 4, 8, 16):
         check_identity(lm, draft, shipped_cases, SHIPPED_TOKENS, drafter=drafter, guard=guard, max_streams=n_streams)
+
+
+def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: Path) -> None:
+    """With the decode step compiled, each stream's decode rows run through it (one graph for every cache capacity)
+    and prompt rows share eager passes: replies equal the compiled `generate_ids` alone, at one stream and at four
+    with prompts prefilled in chunks beside decoding streams. Drafting is refused: its rows could not match."""
+    lm = moelane.load(tiny[0].folder, compile=True)
+    calls = []
+    step = lm._compiled
+    assert step is not None
+    lm._compiled = lambda *a: calls.append(1) or step(*a)
+    lengths = [16 + 300 * (i == 1) for i in range(6)]  # one stream's cache has another capacity: the same graph
+    cases = [(p, list(lm.generate_ids(p, n, params_of(i))))
+             for i, (p, n) in enumerate(zip(prompts(6, lm.vocab_size), lengths, strict=True))]  # fmt: skip
+    n_solo = len(calls)
+    assert n_solo > 0
+    for config in (dict(max_streams=1), dict(max_streams=4, prefill_chunk=5)):
+        engine = Engine(lm, EngineConfig(**config))
+        streams = [engine.submit(p, n, *_sampling(i)) for i, ((p, _), n) in enumerate(zip(cases, lengths, strict=True))]
+        engine.run_until_idle()
+        for i, (stream, (_, expected)) in enumerate(zip(streams, cases, strict=True)):
+            assert stream.token_ids == expected, f"prompt {i} with {config}"
+    assert len(calls) > 2 * n_solo - len(cases)
+    with pytest.raises(InputError, match="drafter 'none'"):
+        Engine(lm, EngineConfig(drafter="copy"))
+
+
+def _sampling(i: int) -> tuple[float, float, int, int | None]:
+    sp = params_of(i)
+    return sp.temperature, sp.top_p, sp.top_k, sp.seed

@@ -96,6 +96,9 @@ class Engine:
         """`draft`: the draft model for drafter "model" (default: the shipped one). `recall_store`: a store to share
         with other engines (default: a new one)."""
         self.target, self.config = target, config or EngineConfig()
+        if getattr(target, "compiled", False) and self.config.drafter != "none":
+            raise InputError("a compiled model decodes one row per stream, so its drafts could not be verified in the "
+                             "same bits as a decode alone: use drafter 'none' or an eager model")  # fmt: skip
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
         self.guard = Guard() if self.config.guard_on else None

@@ -37,7 +37,9 @@ class Window:
         return self.lane.n_fed + len(self.feed) == len(self.lane.tokens)
 
     def rows(self) -> Rows:
-        return Rows(self.lane.cache, self.feed + self.drafts, self.lane.n_fed, self.lane.id)
+        lane = self.lane
+        decode = not self.drafts and len(self.feed) == 1 and lane.n_fed >= lane.n_prompt  # a generated token, alone
+        return Rows(lane.cache, self.feed + self.drafts, lane.n_fed, lane.id, decode)
 
 
 def choose(lanes: Sequence[Lane], max_streams: int, max_rows: int, prefill_chunk: int) -> list[tuple[Lane, int]]:

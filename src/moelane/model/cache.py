@@ -21,6 +21,14 @@ class KVCache:
         self.capacity = capacity
         self.k = {i: torch.zeros(h, capacity, dk, dtype=dtype, device=device) for i, (h, dk, _) in shapes.items()}
         self.v = {i: torch.zeros(h, capacity, dv, dtype=dtype, device=device) for i, (h, _, dv) in shapes.items()}
+        self._dynamic = False
+
+    def mark_dynamic(self) -> None:
+        """Let a compiled step take this cache's capacity as a symbol: one graph serves every capacity."""
+        if not self._dynamic:
+            for t in (*self.k.values(), *self.v.values()):
+                torch._dynamo.mark_dynamic(t, 1)
+            self._dynamic = True
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +52,9 @@ class Rows:
     token_ids: list[int]
     start: int
     stream_id: int = 0
+    # A generated token fed to read the next one (one row, prompt all fed): a compiled model runs it through its
+    # compiled decode step, as `LM.step` does, so the row has the same bits in a shared round as in a decode alone.
+    decode: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -53,3 +64,5 @@ class Rows:
                 f"rows at positions {self.start}..{self.start + len(self.token_ids) - 1} "
                 f"do not fit a cache of {self.cache.capacity}"
             )
+        if self.decode and len(self.token_ids) != 1:
+            raise ValueError(f"decode rows are one token, got {len(self.token_ids)}")

@@ -239,7 +239,10 @@ def attend_batched(
     key_pos = torch.arange(capacity, device=qh.device)
     # Rows past a stream's own see every key, so no row is all -inf and softmax needs no NaN clean-up (their output
     # is dropped).
-    row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=capacity - 1) for p in positions])  # [B, n_real]
+    if b == 1:  # (no padding, and no fill value from the capacity, which would pin a compiled step to it)
+        row_pos = positions[0][None]  # [1, n_real]
+    else:
+        row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=capacity - 1) for p in positions])
     mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_real, C]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
@@ -316,13 +319,16 @@ def attend_streams(
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend: streams whose caches share a capacity and whose rows
     pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
-    groups: dict[tuple[int, int], list[int]] = {}
     kvs, qs, poss = [], [], []
-    for i, ((first, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
+    for (first, n), cache in zip(batch.spans, batch.caches, strict=True):
         pos = batch.positions[first : first + n]
         kvs.append(cache.write(layer, pos, k[first : first + n], v[first : first + n]))
         qs.append(q[first : first + n])
         poss.append(pos)
+    if len(qs) == 1:  # no grouping key read, so a compiled step keeps the cache capacity symbolic
+        return attend_batched(qs, [kvs[0][0]], [kvs[0][1]], poss, scale, window)[0]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
         groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
     out: list[torch.Tensor] = [q[:0]] * len(qs)
     for members in groups.values():
@@ -330,7 +336,7 @@ def attend_streams(
                                  [poss[i] for i in members], scale, window)  # fmt: skip
         for i, r in zip(members, results, strict=True):
             out[i] = r
-    return torch.cat(out, dim=0) if len(out) > 1 else out[0]
+    return torch.cat(out, dim=0)
 
 
 class MLP(nn.Module):

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 
 log = logging.getLogger(__name__)
-CACHE_BUCKET = 256  # KV capacities are rounded up to this, so compiled steps see few shapes
+CACHE_BUCKET = 256  # KV capacities are rounded up to this, so streams' caches often share one (batched attention)
 
 
 class LM:
@@ -61,7 +61,7 @@ class LM:
         return KVCache(self.model.cache_shapes(), capacity, self.dtype)
 
     def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
-        """A cache for a prompt and its reply, rounded up to a bucket (so compiled steps see few shapes)."""
+        """A cache for a prompt and its reply, rounded up to a bucket (so streams often share a capacity)."""
         need = n_prompt + max_tokens
         if n_prompt >= self.max_context:
             raise InputError(f"prompt of {n_prompt} tokens does not fit the model's context of {self.max_context}")
@@ -71,7 +71,10 @@ class LM:
     @torch.no_grad()
     def forward(self, rows: list[Rows], phase: str | None = None, last_only: bool = False) -> list[torch.Tensor]:
         """One pass over several streams' rows -> logits [n_i, vocab] per stream (only the last row's if
-        `last_only`)."""
+        `last_only`). With the decode step compiled, `decode` rows run through it one stream at a time (exactly
+        as a one-stream decode does) and the other rows share one eager pass."""
+        if self.compiled and any(r.decode for r in rows):
+            return self._forward_split(rows, phase, last_only)
         tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
@@ -89,6 +92,17 @@ class LM:
             picked = hidden[torch.tensor([f + n - 1 for f, n in spans])]
             return list(torch.split(self.model.logits(picked), 1))
         return list(torch.split(self.model.logits(hidden), [n for _, n in spans]))
+
+    def _forward_split(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        rest = [i for i, r in enumerate(rows) if not r.decode]
+        if rest:
+            for i, logits in zip(rest, self.forward([rows[i] for i in rest], phase, last_only), strict=True):
+                out[i] = logits
+        for i, r in enumerate(rows):
+            if r.decode:
+                out[i] = self.step(r.token_ids[0], r.start, r.cache)[None]
+        return cast(list[torch.Tensor], out)
 
     def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
         if phase is None:
@@ -110,16 +124,23 @@ class LM:
     # ---- one stream ---------------------------------------------------------------------------------------------
 
     def enable_compile(self) -> None:
-        """Compile the one-token decode step whole (fullgraph); the first step of each cache size pays the compile."""
+        """Compile the one-token decode step whole (fullgraph). The cache capacity is a symbol of the graph, so the
+        first step pays the compile once for every cache size."""
         # All experts resident: one graph. A pager's store hands back to Python at its residency check.
         whole = isinstance(self.provider, ResidentProvider)
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
-        # a 115M model's decode here. Tensor shapes (the cache capacity) and the provider are still guarded.
+        # a 115M model's decode here. Tensor shapes and the provider are still guarded.
         skip: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # Static shapes, except the cache dimension `KVCache.mark_dynamic` marks.
         self._compiled = torch.compile(self._decode_step, fullgraph=whole, dynamic=False, options=skip)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether one-token decode steps run compiled (enabled, and no routing observer needs the eager pass)."""
+        return self._compiled is not None and not self.observers
+
     def warm_up(self, n_prompt: int, max_tokens: int) -> None:
-        """Compile the decode step for the cache size a request of this shape uses, before anything is timed."""
+        """Compile the decode step (one graph for every cache size) before anything is timed."""
         if self._compiled is not None:
             self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
 
@@ -132,6 +153,7 @@ class LM:
     def step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
         """Feed one token at `position`; logits [vocab] for the next. Compiled when enabled and nobody observes."""
         if self._compiled is not None and not self.observers:
+            cache.mark_dynamic()
             return self._compiled(torch.tensor([token]), torch.tensor([position]), cache)
         return self.forward([Rows(cache, [token], position)], phase="decode")[0][0]
 

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from moelane.errors import InputError
+
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the folder's name)")
-    p.add_argument("--drafter", choices=DRAFTERS, default="recall",
-                   help="how the engine drafts tokens to verify (default recall)")  # fmt: skip
+    p.add_argument("--drafter", choices=("auto", *DRAFTERS), default="auto",
+                   help="how the engine drafts tokens to verify (default auto: none with a compiled decode step, "
+                   "recall without)")  # fmt: skip
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="run each stream's decode rows through the compiled decode step (several times faster "
+                   "per stream; prompt rows still share eager passes; no drafting). Compiles once at start-up, "
+                   "10-40 s, cached for later starts. auto: on when every expert is resident and --drafter is auto "
+                   "or none (default)")  # fmt: skip
+    p.add_argument("--eager", dest="compile", action="store_const", const="off",
+                   help="never compile (same as --compile off)")  # fmt: skip
     p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
                    help="shared guard that turns drafting off where it does not pay (auto: engine's)")  # fmt: skip
     p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16)")
@@ -59,15 +69,21 @@ def build(args: argparse.Namespace) -> Any:
         # 1 compute thread served one client at 65 tok/s, 2 threads at 27).
         args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
+    compile = wants_compile(args)
+    drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
+
     def make() -> tuple[Any, Engine]:
-        lm = load_model(args)
+        lm = load_model(args, compile=compile)
+        if compile:
+            log.warning("compiling the decode step (10-40 s the first time; later starts use the cache)...")
+            lm.warm_up(1, 1)
         if hasattr(lm.provider, "attach"):
             lm.provider.attach(lm)
         max_rows = 256
         if hasattr(lm.provider, "max_rows"):
             max_rows = max(args.max_streams, min(max_rows, lm.provider.max_rows(lm.args.num_experts_per_tok)))
         guard = {"auto": None, "on": True, "off": False}[args.guard]
-        config = EngineConfig(drafter=args.drafter, guard=guard, max_streams=args.max_streams,
+        config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams,
                               max_depth=args.max_depth, max_rows=max_rows)  # fmt: skip
         return lm, Engine(lm, config)
 
@@ -81,6 +97,17 @@ def build(args: argparse.Namespace) -> Any:
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
     return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
                       pager_stats=pager_stats)  # fmt: skip
+
+
+def wants_compile(args: argparse.Namespace) -> bool:
+    from moelane.cli import all_resident
+
+    if args.compile == "on" and args.drafter not in ("auto", "none"):
+        raise InputError(f"--compile on decodes one row per stream and cannot verify drafts: use --drafter none "
+                         f"(or auto), or --compile off for --drafter {args.drafter}")  # fmt: skip
+    if args.compile == "auto":
+        return all_resident(args) and args.drafter in ("auto", "none")
+    return bool(args.compile == "on")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
