@@ -4,7 +4,6 @@ occurrence in the whole reply) however tokens group into rounds, and the engine 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 def run(engine: FakeEngine, tok: Tokenizer, stops: tuple[str, ...], max_tokens: int = 200,
         limits: Limits | None = None) -> tuple[str, Generation]:  # fmt: skip
-    gen = Generation(engine, tok, GenerationParams((1, 2), max_tokens, stops=stops), ThreadPoolExecutor(2),
+    gen = Generation(engine, tok, GenerationParams((1, 2), max_tokens, stops=stops),
                      limits or Limits())  # fmt: skip
 
     async def collect() -> str:

@@ -9,9 +9,11 @@ any other thread may read, iterate, wait or cancel. `finish_reason` is None whil
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
@@ -24,6 +26,7 @@ class Stream:
         self._finish_reason: str | None = None
         self._cancel_requested = False
         self._changed = threading.Condition()
+        self._listeners: list[Callable[[list[int] | None], None]] = []
 
     def __repr__(self) -> str:
         return f"Stream(id={self.id}, n_tokens={len(self._tokens)}, finish_reason={self._finish_reason!r})"
@@ -74,15 +77,41 @@ class Stream:
             if finished and not fresh:
                 return
 
+    def subscribe(self, listener: Callable[[list[int] | None], None]) -> None:
+        """Call `listener(tokens)` with the tokens committed so far and then with each commit's, in order, and
+        `listener(None)` once the stream has finished. It runs on the engine thread, under the stream's lock: it must
+        be quick and must not block (hand the tokens on, as `loop.call_soon_threadsafe` does); what it raises is
+        logged, never passed to the engine. No thread waits per stream."""
+        with self._changed:
+            self._listeners.append(listener)
+            if self._tokens:
+                _call(listener, list(self._tokens))
+            if self._finish_reason is not None:
+                _call(listener, None)
+
     # engine side
     def _append(self, token_ids: list[int]) -> None:
         with self._changed:
             self._tokens.extend(token_ids)
             self._changed.notify_all()
+            if token_ids:
+                for listener in self._listeners:
+                    _call(listener, list(token_ids))
 
     def _finish(self, reason: str) -> None:
         assert reason in FINISH_REASONS, reason
         with self._changed:
             if self._finish_reason is None:
                 self._finish_reason = reason
+                for listener in self._listeners:
+                    _call(listener, None)
             self._changed.notify_all()
+
+
+def _call(listener: Callable[[list[int] | None], None], tokens: list[int] | None) -> None:
+    try:
+        listener(tokens)
+    except RuntimeError:  # the listener's event loop has closed (the server stopped first)
+        pass
+    except Exception:  # a listener's bug must not stop the engine
+        log.exception("a stream listener failed")

@@ -16,7 +16,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -80,7 +79,6 @@ class ServerState:
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
         self.metrics = ServerMetrics(engine, pager_stats)
-        self.executor = ThreadPoolExecutor(self.capacity, thread_name_prefix="moelane-bridge")
         self.in_flight = 0
         self.stopping = False
         self.live: set[Generation] = set()
@@ -155,7 +153,7 @@ class ServerState:
         self.admit()
         gen: Generation | None = None
         try:
-            gen = Generation(self.engine, self.lm.tokenizer, params, self.executor, self.limits, self.cost_of)
+            gen = Generation(self.engine, self.lm.tokenizer, params, self.limits, self.cost_of)
             gen.submit()
             self.live.add(gen)
         except BaseException:
@@ -291,7 +289,6 @@ def create_app(
             state.shutdown()
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, engine.stop)
-            state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
     app.state.moelane = state

@@ -1,6 +1,7 @@
 """One request's run on the lanes engine, seen from the event loop: submit, bridge committed tokens from the engine
-thread into asyncio, turn them into text cut at stop strings, and cancel the engine stream when the request ends
-early (stop string, client gone, timeout, server stopping).
+thread into asyncio (a `Stream.subscribe` listener that hands each commit to the loop; no thread waits per
+request), turn them into text cut at stop strings, and cancel the engine stream when the request ends early (stop
+string, client gone, timeout, server stopping).
 
 Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
 cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
@@ -10,10 +11,8 @@ never touches asyncio objects except through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +37,7 @@ class StreamLike(Protocol):
 
     def cancel(self) -> None: ...
 
-    def __iter__(self) -> Any: ...
+    def subscribe(self, listener: Callable[[list[int] | None], None]) -> None: ...
 
 
 class EngineLike(Protocol):
@@ -99,11 +98,10 @@ class Generation:
         engine: EngineLike,
         tokenizer: Tokenizer,
         params: GenerationParams,
-        executor: Executor,
         limits: Limits,
         cost_of: Callable[[Any], PagerCost] | None = None,
     ) -> None:
-        self.engine, self.params, self.executor, self.limits = engine, params, executor, limits
+        self.engine, self.params, self.limits = engine, params, limits
         self._tokenizer = tokenizer
         self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
         self._ids: list[int] = []
@@ -134,7 +132,11 @@ class Generation:
         stream = self.stream
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
-        pump = loop.run_in_executor(self.executor, _pump, stream, loop, queue)
+
+        def hand_over(tokens: list[int] | None) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, tokens)
+
+        stream.subscribe(hand_over)
         deadline = time.monotonic() + self.limits.request_s
         try:
             while True:
@@ -153,8 +155,6 @@ class Generation:
             self.finish_reason = _finish(stream.finish_reason)
         finally:
             stream.cancel()  # no-op once finished; frees the slot at the next round otherwise
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pump)
 
     async def _next(self, queue: asyncio.Queue[list[int] | None], deadline: float) -> list[int] | None:
         """The committed tokens waiting in the queue (all of them, so one round's tokens travel together)."""
@@ -194,16 +194,6 @@ class Generation:
         rest = self._tokenizer.decode(self._ids)[self._n_chars :]
         text = self._stops.push(rest) if rest else ""
         return text + self._stops.flush()
-
-
-def _pump(stream: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[list[int] | None]) -> None:
-    """Engine side -> event loop, on an executor thread: each committed token as it commits, then END."""
-    try:
-        for token in stream:
-            loop.call_soon_threadsafe(queue.put_nowait, [token])
-    finally:
-        with contextlib.suppress(RuntimeError):  # the loop is closed when the server shut down first
-            loop.call_soon_threadsafe(queue.put_nowait, END)
 
 
 def _finish(engine_reason: str | None) -> str:
