@@ -39,8 +39,10 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [n, Hkv, D] at `positions` [n]; return the layer's whole buffers [Hkv, C, D]."""
         kc, vc = self.k[layer], self.v[layer]
-        kc.index_copy_(1, positions, k.transpose(0, 1).to(kc.dtype))
-        vc.index_copy_(1, positions, v.transpose(0, 1).to(vc.dtype))
+        if k.dtype != kc.dtype:
+            k, v = k.to(kc.dtype), v.to(vc.dtype)
+        kc.index_copy_(1, positions, k.transpose(0, 1))
+        vc.index_copy_(1, positions, v.transpose(0, 1))
         return kc, vc
 
 

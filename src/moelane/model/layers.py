@@ -217,8 +217,7 @@ def attend_batched(
     its own K/V in one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers
     do not depend on B (tested bit for bit; the compiled decode step does not pad). Returns [n_i, Hq, Dv] per
     stream."""
-    b, n_heads = len(qs), qs[0].shape[1]
-    n_kv, capacity, d = ks[0].shape
+    b = len(qs)
     n_pad = n_real = max(q.shape[0] for q in qs)
     if not torch.compiler.is_compiling():
         # Whole tiles keep eager rows batch-invariant. The compiled decode step is not bit-identical to eager anyway
@@ -227,6 +226,22 @@ def attend_batched(
     qh = torch.stack([F.pad(q.transpose(0, 1), (0, 0, 0, n_pad - q.shape[0])) for q in qs])  # [B, Hq, n_pad, D]
     k = ks[0][None] if b == 1 else torch.stack(ks)  # [B, Hkv, C, D]
     v = vs[0][None] if b == 1 else torch.stack(vs)
+    if b == 1:  # (no padding, and no fill value from the capacity, which would pin a compiled step to it)
+        row_pos = positions[0][None]  # [1, n_real]
+    else:  # rows past a stream's own see every key, so no row is all -inf (their output is dropped)
+        row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=k.shape[2] - 1) for p in positions])
+    out = attend_tiles(qh, k, v, row_pos, scale, window)
+    return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
+
+
+def attend_tiles(
+    qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """The batched products of `attend_batched`: qh [B, Hq, n_pad, D] (query rows padded to whole tiles), k/v
+    [B, Hkv, C, D/Dv], row_pos [B, n_real] (the real rows' positions) -> [B, Hq, n_pad, Dv]."""
+    b, n_heads, n_pad, d = qh.shape
+    n_kv, capacity = k.shape[1], k.shape[2]
+    n_real = row_pos.shape[1]
     # Query heads sharing a KV head are stacked as rows, so K/V are never copied per head.
     qg = qh.reshape(b * n_kv, -1, d)  # [B * Hkv, group * n_pad, D]
     keys = k.reshape(b * n_kv, capacity, d).transpose(1, 2)
@@ -237,12 +252,6 @@ def attend_batched(
     scores = torch.matmul(qg, keys).view(b, n_heads, n_pad, capacity)[:, :, :n_real]
     scores = (scores * scale).float()  # [B, Hq, n_real, C]
     key_pos = torch.arange(capacity, device=qh.device)
-    # Rows past a stream's own see every key, so no row is all -inf and softmax needs no NaN clean-up (their output
-    # is dropped).
-    if b == 1:  # (no padding, and no fill value from the capacity, which would pin a compiled step to it)
-        row_pos = positions[0][None]  # [1, n_real]
-    else:
-        row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=capacity - 1) for p in positions])
     mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_real, C]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
@@ -251,8 +260,7 @@ def attend_batched(
     if n_real < n_pad:
         probs = F.pad(probs, (0, 0, 0, n_pad - n_real))  # [B, Hq, n_pad, C]
     out = torch.matmul(probs.reshape(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
-    out = out.view(b, n_heads, n_pad, -1)  # [B, Hq, n_pad, Dv]
-    return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
+    return out.view(b, n_heads, n_pad, -1)
 
 
 class Attention(nn.Module):
@@ -327,6 +335,12 @@ def attend_streams(
         poss.append(pos)
     if len(qs) == 1:  # no grouping key read, so a compiled step keeps the cache capacity symbolic
         return attend_batched(qs, [kvs[0][0]], [kvs[0][1]], poss, scale, window)[0]
+    if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
+        b, n = len(qs), batch.spans[0][1]
+        qh = F.pad(q.reshape(b, n, *q.shape[1:]).transpose(1, 2), (0, 0, 0, -n % TILE))  # [B, Hq, n_pad, D]
+        k_all, v_all = torch.stack([kv[0] for kv in kvs]), torch.stack([kv[1] for kv in kvs])
+        tiles = attend_tiles(qh, k_all, v_all, batch.positions.view(b, n), scale, window)
+        return tiles[:, :, :n].transpose(1, 2).reshape(b * n, tiles.shape[1], tiles.shape[3])
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
         groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
@@ -337,6 +351,12 @@ def attend_streams(
         for i, r in zip(members, results, strict=True):
             out[i] = r
     return torch.cat(out, dim=0)
+
+
+def uniform(batch: Batch) -> bool:
+    """Whether every stream of the pass has the same row count and cache capacity (one attention group)."""
+    n, capacity = batch.spans[0][1], batch.caches[0].capacity
+    return all(m == n for _, m in batch.spans) and all(c.capacity == capacity for c in batch.caches)
 
 
 class MLP(nn.Module):
