@@ -1,6 +1,7 @@
 """Lanes engine throughput: aggregate tokens/s at 1, 2, 4, 8, 16 streams, plain / always-drafted / guarded, on
-copy-heavy prompts (repeat or edit a given text) and on open generation; all in one run, with the ratios the issue
-asks for and a token-identity check of every reply against plain mode.
+copy-heavy prompts (repeat, or repeat with a rename, a given standard library function: code is the shipped model's
+domain, and it copies code it was shown; prose it barely copies) and on open generation; all in one run, with the
+ratios the issue asks for and a token-identity check of every reply against plain mode.
 
 With `--repeat N` every cell runs N times (all cells of a round before the next round) and the summary gives medians.
 Each cell is a fresh `Engine` on one loaded model: N streams, each with a different prompt, greedy, `--tokens`
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import statistics
 import subprocess
@@ -45,14 +47,36 @@ def passages(n: int, chars: int = 500) -> list[str]:
     return out[:n]
 
 
+def functions(n: int, shortest: int = 300, longest: int = 900) -> list[str]:
+    """`n` different Python functions every install has: standard library sources, the shipped model's domain."""
+    out: list[str] = []
+    for name in MODULES * 4:
+        module = importlib.import_module(name)
+        for _, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != name:
+                continue
+            try:
+                source = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            if shortest <= len(source) <= longest and source not in out:
+                out.append(source)
+                break
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"found only {len(out)} standard library functions of {shortest}-{longest} characters")
+
+
 def prompts(tokenizer: Any, workload: str, n: int) -> list[list[int]]:
     texts = passages(n)
-    if workload == "copy":  # repeat (or edit) a given text: the reply is mostly in the prompt
-        made = [
-            f"{t}\n\nThe same text again, word for word:\n\n{t[:60]}" if i % 2 == 0
-            else f"{t}\n\nThe same text with every 'the' in capitals:\n\n{t[:60].replace('the', 'THE')}"
-            for i, t in enumerate(texts)
-        ]  # fmt: skip
+    if workload == "copy":  # repeat (or edit) a given function: the reply is mostly in the prompt
+        made = []
+        for i, source in enumerate(functions(n)):
+            first = source.splitlines()[0]
+            if i % 2 == 0:
+                made.append(f"{source}\n\n# The same function again:\n{first}\n")
+            else:
+                made.append(f"{source}\n\n# The same function, renamed:\n{first.replace('def ', 'def new_', 1)}\n")
     else:  # open generation: the first sentence of a passage and nothing to copy
         made = [t.split(". ")[0] + "." for t in texts]
     return [tokenizer.encode(m) for m in made]
