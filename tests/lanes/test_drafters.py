@@ -62,6 +62,15 @@ def test_copy_proposes_what_followed_and_falls_silent_after_misses() -> None:
     assert drafter.propose([lane], [3]) == [[7, 8, 9]]
 
 
+def test_copy_carries_a_repeating_tail_on_past_the_end() -> None:
+    """A match that overlaps the tail (a reply repeating a short period) proposes the repeat for the whole depth,
+    not just the tokens up to the end; a match far back is unchanged."""
+    loop = [5, 1, 2, 9, 9, 1, 2, 1, 2, 1, 2, 1, 2]  # ... 1 2 1 2: the tail matches itself two tokens back
+    assert CopyDrafter(min_match=6).propose([lane_of(loop)], [5]) == [[1, 2, 1, 2, 1]]
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert CopyDrafter(min_match=6).propose([lane_of([*text, 20, *text[:6]])], [8]) == [[7, 8, 9, 10, 20, 1, 2, 3]]
+
+
 def test_recall_store_is_bounded_and_shared_across_engines() -> None:
     store = RecallStore(max_tokens=100)
     for i in range(10):

@@ -2,7 +2,8 @@
 
 - `CopyDrafter` (context copy, prompt lookup): a 3-gram index over the stream's own prompt and reply; the longest
   backward match of the stream's tail (up to 64 tokens, newest occurrence first on ties, at least `min_match`)
-  proposes what followed it. After 4 held proposals with nothing accepted it goes silent for 16 rounds.
+  proposes what followed it; a match that overlaps the tail (a repeating reply) proposes the repeat on and on, not
+  just up to the end. After 4 held proposals with nothing accepted it goes silent for 16 rounds.
 - `RecallDrafter`: the same over a `RecallStore` of earlier requests' replies (with the end of their prompts), shared
   across requests and bounded in tokens; it also copies from the stream's own context and keeps the longer match.
 - `ModelDrafter`: a small model with the target's tokenizer, greedy, with its own per-stream caches; each draft
@@ -87,7 +88,7 @@ class CopyDrafter:
         found = longest_match(state.index, lane.tokens, lane.tokens, MAX_MATCH, exclude_end=len(lane.tokens))
         if found is None or found[1] < self.min_match:
             return []
-        return lane.tokens[found[0] : found[0] + depth]
+        return periodic(lane.tokens, found[0], depth)
 
     def prepare(self, lanes: Sequence[Lane]) -> None:
         for lane in lanes:
@@ -151,6 +152,13 @@ class RecallStore:
                 if found is not None and (best is None or found[1] > best[2]):
                     best = (seq, found[0], found[1])
         return best
+
+
+def periodic(tokens: list[int], start: int, depth: int) -> list[int]:
+    """The `depth` tokens that follow `tokens` if it goes on as it went on from `start`: what followed the match,
+    and where that runs into the end (a match overlapping the tail, as in a repeating reply) the same period again."""
+    period = len(tokens) - start
+    return [tokens[start + j % period] for j in range(depth)]
 
 
 class RecallDrafter(CopyDrafter):
