@@ -18,7 +18,7 @@ from moelane.errors import InputError, MoelaneError
 
 log = logging.getLogger("moelane")
 
-# Measured on the shipped model (2 cores): eager decode 100-110 tok/s, compiled 455, warm-up 10 s (cached) to 40 s
+# Measured on the shipped model (2 cores): eager decode 93-110 tok/s, compiled 480-550, warm-up 10 s (cached) to 40 s
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
 # Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
@@ -126,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)
     if compile:
-        print("compiling the decode step (first run of a shape takes a while; later runs use the cache)...",
+        print("compiling the decode step (the first run takes a while; later runs use the cache)...",
               file=sys.stderr, flush=True)  # fmt: skip
         lm.warm_up(len(prompt_ids), args.max_tokens)
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
