@@ -327,20 +327,18 @@ def attend_streams(
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend: streams whose caches share a capacity and whose rows
     pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
-    kvs, qs, poss = [], [], []
-    for (first, n), cache in zip(batch.spans, batch.caches, strict=True):
-        pos = batch.positions[first : first + n]
-        kvs.append(cache.write(layer, pos, k[first : first + n], v[first : first + n]))
-        qs.append(q[first : first + n])
-        poss.append(pos)
-    if len(qs) == 1:  # no grouping key read, so a compiled step keeps the cache capacity symbolic
-        return attend_batched(qs, [kvs[0][0]], [kvs[0][1]], poss, scale, window)[0]
+    kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
+           for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
+    if len(kvs) == 1:  # no grouping key read, so a compiled step keeps the cache capacity symbolic
+        return attend_batched([q], [kvs[0][0]], [kvs[0][1]], [batch.positions], scale, window)[0]
     if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
-        b, n = len(qs), batch.spans[0][1]
+        b, n = len(kvs), batch.spans[0][1]
         qh = F.pad(q.reshape(b, n, *q.shape[1:]).transpose(1, 2), (0, 0, 0, -n % TILE))  # [B, Hq, n_pad, D]
         k_all, v_all = torch.stack([kv[0] for kv in kvs]), torch.stack([kv[1] for kv in kvs])
         tiles = attend_tiles(qh, k_all, v_all, batch.positions.view(b, n), scale, window)
         return tiles[:, :, :n].transpose(1, 2).reshape(b * n, tiles.shape[1], tiles.shape[3])
+    qs = [q[first : first + n] for first, n in batch.spans]
+    poss = [batch.positions[first : first + n] for first, n in batch.spans]
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
         groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)

@@ -152,7 +152,8 @@ class LM:
     @torch.no_grad()
     def step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
         """Feed one token at `position`; logits [vocab] for the next. Compiled when enabled and nobody observes."""
-        if self._compiled is not None and not self.observers:
+        if self.compiled:
+            assert self._compiled is not None
             cache.mark_dynamic()
             return self._compiled(torch.tensor([token]), torch.tensor([position]), cache)
         return self.forward([Rows(cache, [token], position)], phase="decode")[0][0]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs element-wise work of at most this many elements unthreaded
+from moelane.model.layers import GRAIN  # torch runs element-wise work of at most this many elements unthreaded
 
 
 def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
