@@ -239,6 +239,20 @@ def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
     assert (compiled - eager).abs().max() < 1e-4
 
 
+def test_two_compiled_models_of_one_shape_keep_their_own_graphs(tmp_path: Path) -> None:
+    """Two models whose guarded tensors have the same shapes but whose code differs (a dense qwen3, a qwen3_moe),
+    compiled in one process: each decodes its own eager tokens. With one graph cache for both, the second ran the
+    first one's graph (KeyError: 'gate_proj')."""
+    prompt = list(range(10, 30))
+    qwen3 = dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True, sliding_window=20,
+                 max_window_layers=1)  # fmt: skip
+    for family, overrides in (("qwen3", qwen3), ("qwen3_moe", {})):
+        lm = moelane.load(random_model(family, tmp_path / family, **overrides))
+        eager = list(lm.generate_ids(prompt, 8))
+        lm.enable_compile()
+        assert list(lm.generate_ids(prompt, 8)) == eager, family
+
+
 # ---- sampling and stop strings ---------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -131,8 +132,12 @@ class LM:
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
         # a 115M model's decode here. Tensor shapes and the provider are still guarded.
         skip: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        # Static shapes, except the cache dimension `KVCache.mark_dynamic` marks.
-        self._compiled = torch.compile(self._decode_step, fullgraph=whole, dynamic=False, options=skip)
+        # Dynamo keeps its graphs on the code object, and with module guards skipped it cannot tell two LMs of the
+        # same tensor shapes apart (another family's graph was run: KeyError inside). So each LM compiles a copy of
+        # the step's code, which holds only its own graphs. Static shapes, except the cache dimension
+        # `KVCache.mark_dynamic` marks.
+        step = types.FunctionType(LM._decode_step.__code__.replace(), LM._decode_step.__globals__, "_decode_step")
+        self._compiled = torch.compile(types.MethodType(step, self), fullgraph=whole, dynamic=False, options=skip)
 
     @property
     def compiled(self) -> bool:
