@@ -43,7 +43,6 @@ from moelane.server.protocol import (
 from moelane.server.responses import DONE, Header
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
-DISCONNECT_POLL_S = 0.05
 SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
     "type": "object",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
@@ -183,20 +182,24 @@ class ServerState:
         async def join() -> str:
             return "".join([piece async for piece in gen.run()])
 
-        task = asyncio.ensure_future(join())
+        async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
+            with contextlib.suppress(Exception):  # a broken receive channel means the client is gone too
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+
+        task, watch = asyncio.ensure_future(join()), asyncio.ensure_future(gone())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    self.metrics.cancelled.inc()
-                    raise ClientGone("the client disconnected")
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            self.metrics.cancelled.inc()
+            raise ClientGone("the client disconnected")
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            for t in (task, watch):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(BaseException):
+                        await t
 
     async def _events(self, gen: Generation, header: Header, echo: str, include_usage: bool,
                       started: float) -> AsyncIterator[str]:  # fmt: skip
