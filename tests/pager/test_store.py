@@ -84,6 +84,36 @@ def test_greedy_tokens_identical_at_every_budget(
         store.close()
 
 
+@pytest.mark.parametrize(("dtype", "host"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "10%")])
+def test_every_read_path_fills_the_slots_exactly(
+    wide: Path, dtype: torch.dtype, host: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 over this fp32 checkpoint reads straight into the slots; bf16 converts through a reused per-thread
+    buffer; with a host cache, the stored forms are kept (and read back) as copies of their own."""
+    import moelane.pager.storage as storage_module
+
+    in_place: list[bool] = []
+    plain = storage_module.read_in_place
+    monkeypatch.setattr(storage_module, "read_in_place", lambda *a: in_place.append(plain(*a)) or in_place[-1])
+    ref = moelane.load(wide, dtype)
+    lm = moelane.load(wide, dtype, provider=store_factory("20%", host, "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    try:
+        assert list(lm.generate_ids(PROMPT, 12)) == list(ref.generate_ids(PROMPT, 12))
+        if dtype == torch.float32 and host is None:
+            assert in_place and all(in_place)
+        else:
+            assert not any(in_place)
+        for slot, key in enumerate(store.table.key.tolist()):
+            if key >= 0:
+                layer, expert = store.layers[key // store.n_experts], key % store.n_experts
+                assert torch.equal(store.w13[slot], ref.provider.weights(layer)[0][expert])
+                assert torch.equal(store.w2[slot], ref.provider.weights(layer)[1][expert])
+    finally:
+        store.close()
+
+
 def test_lru_and_lfu_are_identical_too(wide: Path, reference: Reference) -> None:
     for policy in ("lru", "lfu"):
         lm = moelane.load(wide, provider=store_factory("30%", "10%", policy, "0"))

@@ -23,7 +23,7 @@ from moelane.model.loader import (
     find_expert_handles,
     read_config,
     read_eos_ids,
-    read_tensor,
+    read_tensor_into,
     scan_checkpoint,
 )
 from moelane.model.provider import ExpertProvider, ResidentProvider
@@ -123,5 +123,5 @@ def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], d
     with torch.no_grad():
         for name, ref in refs.items():
             if name in own:
-                own[name].copy_(read_tensor(ref, dtype))
+                read_tensor_into(ref, own[name])
     model.eval()

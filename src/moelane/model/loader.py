@@ -162,16 +162,31 @@ def scan_checkpoint(folder: Path) -> dict[str, TensorRef]:
 
 
 def read_tensor(ref: TensorRef, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Read one tensor with a positioned read (no mmap of the file)."""
+    """Read one tensor with a positioned read (no mmap of the file), converted to `dtype` if given."""
+    buf = torch.empty(ref.nbytes, dtype=torch.uint8)
+    read_bytes(ref, buf)
+    t = buf.view(DTYPES[ref.dtype]).reshape(ref.shape)
+    return t if dtype is None else t.to(dtype)
+
+
+def read_tensor_into(ref: TensorRef, out: torch.Tensor) -> None:
+    """`out.copy_(tensor)`, reading straight into `out` when it already has the checkpoint's dtype and layout (no
+    buffer in between, so loading a model allocates nothing but its parameters)."""
+    if out.dtype == DTYPES[ref.dtype] and tuple(out.shape) == tuple(ref.shape) and out.is_contiguous():
+        read_bytes(ref, out.view(torch.uint8).reshape(-1))
+    else:
+        out.copy_(read_tensor(ref, out.dtype))
+
+
+def read_bytes(ref: TensorRef, out: torch.Tensor) -> None:
+    """The tensor's raw bytes into `out` (uint8, contiguous, `ref.nbytes` long)."""
     fd = os.open(ref.path, os.O_RDONLY)
     try:
-        data = os.pread(fd, ref.nbytes, ref.offset)
+        n = os.preadv(fd, [memoryview(out.numpy().data)], ref.offset)
     finally:
         os.close(fd)
-    if len(data) != ref.nbytes:
+    if n != ref.nbytes:
         raise ModelLoadError(f"short read of {ref.nbytes} bytes at offset {ref.offset} in {ref.path} (truncated?)")
-    t = torch.frombuffer(bytearray(data), dtype=DTYPES[ref.dtype]).reshape(ref.shape)
-    return t if dtype is None else t.to(dtype)
 
 
 def expert_tensors(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
