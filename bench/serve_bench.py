@@ -4,8 +4,9 @@ same prompts, in the same run (both servers up at once, measured in turn at each
 For each server and each client count (default 1, 4, 8, 16): every client sends `--requests` streamed greedy
 completions one after another; we measure aggregate completion tokens/s (all tokens / wall time), time to first
 token (request sent -> first text chunk) and inter-token latency (per request: (last chunk - first chunk) /
-(tokens - 1)), p50 and p99 over requests. Prints one JSON line per (server, clients) and a summary line with the
-ratios at 1 and 8 clients.
+(tokens - 1)), p50 and p99 over requests. Prints one JSON line per (server, clients, round) and a summary line:
+per client count, each server's median tok/s over the rounds (`--repeat`, the servers' order swapped each round),
+the ratio of the medians, and each round's ratio.
 
 llama.cpp needs the model as GGUF: pass `--gguf FILE`, or `--llama-cpp DIR` (the llama.cpp tree in the
 llama-cpp-python sdist, `vendor/llama.cpp`) to convert the model folder with its `convert_hf_to_gguf.py` (f32; a
@@ -197,17 +198,37 @@ class Server:
 
 def measure(servers: list[Server], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Both servers up at once (the idle one takes no CPU), measured in turn at each client count, so a change in
-    the machine's load during the run hits both alike."""
+    the machine's load during the run hits both alike; with `--repeat`, each round goes over every cell again with
+    the servers' order swapped."""
     rows = []
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.enter_context(server)
-        for n in args.clients:
-            for server in servers:
-                row = {"server": server.name, **asyncio.run(load(server.url, n, args.requests, args.max_tokens))}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        for rnd in range(args.repeat):
+            for n in args.clients:
+                for server in servers if rnd % 2 == 0 else servers[::-1]:
+                    result = asyncio.run(load(server.url, n, args.requests, args.max_tokens))
+                    row = {"server": server.name, "round": rnd, **result}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     return rows
+
+
+def summarize(results: list[dict[str, Any]], clients: list[int]) -> dict[str, Any]:
+    """Per client count: median tok/s of each server over the rounds, the ratio of medians, and the per-round
+    ratios (their spread says how much the machine moved during the run)."""
+    summary: dict[str, Any] = {"summary": True}
+    for n in clients:
+        ours = [r["tok_s"] for r in results if r["server"] == "moelane" and r["clients"] == n]
+        theirs = [r["tok_s"] for r in results if r["server"] != "moelane" and r["clients"] == n]
+        summary[f"moelane_tok_s_{n}"] = round(statistics.median(ours), 1)
+        if theirs:
+            summary[f"llama_tok_s_{n}"] = round(statistics.median(theirs), 1)
+            summary[f"tok_s_ratio_{n}"] = round(statistics.median(ours) / statistics.median(theirs), 2)
+            summary[f"round_ratios_{n}"] = [round(a / b, 2) for a, b in zip(ours, theirs, strict=True)]
+    ratios = [v for k, v in summary.items() if k.startswith("tok_s_ratio")]
+    summary["median_ratio"] = statistics.median(ratios) if ratios else None
+    return summary
 
 
 def main() -> None:
@@ -215,6 +236,9 @@ def main() -> None:
     p.add_argument("--model", help="model folder (default: the shipped default model)")
     p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over every (clients, server) cell, the servers' order swapped each round; the "
+                   "summary gives medians")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2)")
     p.add_argument("--moelane-threads", default="default",
@@ -236,14 +260,7 @@ def main() -> None:
             gguf = to_gguf(args, Path(tmp))
             servers.append(Server("llama_cpp.server", llama_command(args, args.port + 1, gguf), args.port + 1, args))
         results = measure(servers, args)
-    summary: dict[str, Any] = {"summary": True}
-    for n in args.clients:
-        ours = [r for r in results if r["server"] == "moelane" and r["clients"] == n]
-        theirs = [r for r in results if r["server"] != "moelane" and r["clients"] == n]
-        if ours and theirs:
-            summary[f"tok_s_ratio_{n}"] = round(ours[0]["tok_s"] / theirs[0]["tok_s"], 2)
-    summary["median_ratio"] = statistics.median([v for k, v in summary.items() if k.startswith("tok_s_ratio")] or [0])
-    print(json.dumps(summary), flush=True)
+    print(json.dumps(summarize(results, args.clients)), flush=True)
 
 
 if __name__ == "__main__":
