@@ -70,36 +70,44 @@ def grouped(
 ) -> torch.Tensor:
     """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order.
 
-    Pairs are sorted by slot and each used slot's rows padded to whole tiles (zero rows), so every slot's group is a
-    matrix of TILE-multiple rows that meets its expert in one matrix product, as `linear` would compute it (tested bit
-    for bit). Where the used slots are dense in their range, one `torch._grouped_mm` over the range computes them
-    all; it visits empty groups too (~2 us each here), so sparse slots (a decode step's few experts in a big pager
-    pool) are computed one slot at a time instead. A pair's result does not depend on the other pairs, so pairs can
-    be computed in parts (resident experts first, then the late ones)."""
-    order = torch.argsort(flat, stable=True)
-    slots, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    padded = (counts + TILE - 1) // TILE * TILE
-    ends = padded.cumsum(0)
-    shift = ends - padded - (counts.cumsum(0) - counts)  # first padded row minus first sorted pair, per used slot
-    dest = shift.repeat_interleave(counts) + torch.arange(order.numel())  # padded row of each sorted pair
-    bounds, used = ends.tolist(), slots.tolist()
-    rows = torch.full((bounds[-1],), x.shape[0], dtype=torch.long)  # pads read the zero row appended to x
-    rows[dest] = rows_of[order]
-    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]
+    Pairs are grouped by slot (in pair order within a slot) and each used slot's rows padded to whole tiles (zero
+    rows), so every slot's group is a matrix of TILE-multiple rows that meets its expert in one matrix product, as
+    `linear` would compute it (tested bit for bit). Where the used slots are dense in their range, one
+    `torch._grouped_mm` over the range computes them all; it visits empty groups too (~2 us each here), so sparse
+    slots (a decode step's few experts in a big pager pool) are computed one slot at a time instead. A pair's result
+    does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late
+    ones). The layout is worked out on Python lists: a pass has at most a few thousand pairs, and a dozen small
+    tensor ops cost more than that loop at decode sizes."""
+    pair_rows, pad_row = rows_of.tolist(), x.shape[0]  # pads read the zero row appended to x
+    by_slot: dict[int, list[int]] = {}
+    for p, slot in enumerate(flat.tolist()):
+        by_slot.setdefault(slot, []).append(p)
+    used = sorted(by_slot)
+    rows: list[int] = []
+    dest = [0] * len(pair_rows)  # padded row of each pair
+    bounds, sizes = [], []
+    for slot in used:
+        for p in by_slot[slot]:
+            dest[p] = len(rows)
+            rows.append(pair_rows[p])
+        n = len(by_slot[slot])
+        rows.extend([pad_row] * (-n % TILE))
+        sizes.append(n + -n % TILE)
+        bounds.append(len(rows))
+    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.tensor(rows)]
     lo, hi = used[0], used[-1]
     if 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
-        sizes = torch.zeros(hi - lo + 1, dtype=torch.long)
-        sizes[slots - lo] = padded
-        offs = sizes.cumsum(0).to(torch.int32)
+        per_group = [0] * (hi - lo + 1)
+        for slot, size in zip(used, sizes, strict=True):
+            per_group[slot - lo] = size
+        offs = torch.tensor(per_group).cumsum(0).to(torch.int32)
         w13, w2 = w13[lo : hi + 1].transpose(1, 2), w2[lo : hi + 1].transpose(1, 2)
         gate, up = torch._grouped_mm(xs, w13, offs=offs).chunk(2, dim=-1)
         out = torch._grouped_mm(silu_mul(gate, up), w2, offs=offs)
     else:
         gate, up = per_slot(xs, w13.transpose(1, 2), used, bounds).chunk(2, dim=-1)
         out = per_slot(silu_mul(gate, up), w2.transpose(1, 2), used, bounds)
-    y = x.new_empty(order.numel(), x.shape[1])
-    y[order] = out[dest]
-    return y
+    return out[torch.tensor(dest)]
 
 
 def per_slot(xs: torch.Tensor, wt: torch.Tensor, used: list[int], bounds: list[int]) -> torch.Tensor:
