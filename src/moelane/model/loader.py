@@ -172,7 +172,8 @@ def read_tensor(ref: TensorRef, dtype: torch.dtype | None = None) -> torch.Tenso
 def read_tensor_into(ref: TensorRef, out: torch.Tensor) -> None:
     """`out.copy_(tensor)`, reading straight into `out` when it already has the checkpoint's dtype and layout (no
     buffer in between, so loading a model allocates nothing but its parameters)."""
-    if out.dtype == DTYPES[ref.dtype] and tuple(out.shape) == tuple(ref.shape) and out.is_contiguous():
+    same = out.dtype == DTYPES[ref.dtype] and tuple(out.shape) == tuple(ref.shape)
+    if same and out.dim() > 0 and out.is_contiguous():
         read_bytes(ref, out.view(torch.uint8).reshape(-1))
     else:
         out.copy_(read_tensor(ref, out.dtype))

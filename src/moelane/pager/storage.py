@@ -321,10 +321,11 @@ class Storage:
             level = "disk"
             buf = read_native(self.files, handle) if source is None else source.read(handle)
             self.host.put(cache_key, buf)
-        if buf is not None and source is None:
-            decode_native(handle, buf, w13, w2)
-        elif buf is not None and source is not None:
-            source.codec.decode_into(buf, w13, w2)
+        if buf is not None:  # (None: read in place)
+            if source is None:
+                decode_native(handle, buf, w13, w2)
+            else:
+                source.codec.decode_into(buf, w13, w2)
         if self.check_finite and not (all_finite(w13) and all_finite(w2)):
             where = handle.tensors["down"].path if source is None else source.path
             raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {where} (corrupt file?)")
