@@ -1,7 +1,8 @@
 """Where a missing expert comes from: the model's own shards, a tier file of quantised experts, or host RAM.
 
 - `ShardFiles` keeps one read-only descriptor per shard and reads an expert's tensors with positioned reads
-  (`os.preadv` into a preallocated buffer; no mmap of the model, nothing loaded at start-up). Each read first checks
+  (`os.preadv` straight into the pool slot when the bytes already have its dtype and layout, else into a buffer;
+  no mmap of the model, nothing loaded at start-up). Each read first checks
   the file's size and mtime against those seen when it was opened, and a short read is an error: a shard truncated or
   rewritten while we run raises `ExpertReadError` naming the file and the expert, never yields wrong numbers.
 - `TierFile`: every expert of the model encoded at one quantised tier (tiers.py), at fixed offsets in one file beside
