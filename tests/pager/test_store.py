@@ -230,12 +230,16 @@ def test_statistics_count_every_access_and_byte(wide: Path) -> None:
     n_read = sum(store.stats.reads.values())
     assert n_read == total.misses + store.stats.source("warm").issued  # no predictors attached: warm start only
     assert sum(store.stats.bytes_read.values()) == n_read * expert_bytes
+    assert set(store.stats.read_s) == set(store.stats.reads) and min(store.stats.read_s.values()) > 0
+    speed = store.stats.load_speed("disk")
+    assert speed == store.stats.bytes_read[("disk", "native")] / store.stats.read_s[("disk", "native")]
+    assert store.stats.load_speed("tape") is None  # a level nothing was read from
     disk_before = store.stats.bytes_read[("disk", "native")]
     list(lm.generate_ids(PROMPT, 8))  # the host cache holds every expert now
     assert store.stats.bytes_read[("disk", "native")] == disk_before
     assert store.stats.bytes_read[("host", "native")] > 0
     text = format_stats(store)
-    assert "decode" in text and "read disk native" in text and "read host native" in text
+    assert "decode" in text and "read disk native" in text and "read host native" in text and "MB/s a thread" in text
     assert store.stats.to_dict()["total"]["misses"] == store.stats.totals().misses
     store.close()
 

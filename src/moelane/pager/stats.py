@@ -47,6 +47,7 @@ class PagerStats:
     by_phase: dict[str, PhaseCounts] = field(default_factory=dict)
     bytes_read: dict[tuple[str, str], int] = field(default_factory=dict)  # (level, tier name) -> bytes
     reads: dict[tuple[str, str], int] = field(default_factory=dict)  # (level, tier name) -> experts
+    read_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (level, tier name) -> seconds loading
     prefetch: dict[str, PrefetchCounts] = field(default_factory=dict)
     evictions: int = 0
 
@@ -60,9 +61,17 @@ class PagerStats:
             self.prefetch[name] = PrefetchCounts()
         return self.prefetch[name]
 
-    def add_read(self, level: str, tier: str, n_bytes: int) -> None:
+    def add_read(self, level: str, tier: str, n_bytes: int, seconds: float = 0.0) -> None:
+        """One expert loaded: its stored bytes, and the seconds the load took (read, decode, check) on its thread."""
         self.bytes_read[(level, tier)] = self.bytes_read.get((level, tier), 0) + n_bytes
         self.reads[(level, tier)] = self.reads.get((level, tier), 0) + 1
+        self.read_s[(level, tier)] = self.read_s.get((level, tier), 0.0) + seconds
+
+    def load_speed(self, level: str) -> float | None:
+        """Bytes per second of this level's loads, one thread's view (None before any timed load)."""
+        n = sum(b for (lv, _), b in self.bytes_read.items() if lv == level)
+        seconds = sum(t for (lv, _), t in self.read_s.items() if lv == level)
+        return n / seconds if seconds > 0 else None
 
     def totals(self) -> PhaseCounts:
         out = PhaseCounts()
@@ -85,6 +94,7 @@ class PagerStats:
             "by_phase": {name: counts(c) for name, c in sorted(self.by_phase.items())},
             "bytes_read": {f"{level}/{tier}": n for (level, tier), n in sorted(self.bytes_read.items())},
             "experts_read": {f"{level}/{tier}": n for (level, tier), n in sorted(self.reads.items())},
+            "read_s": {f"{level}/{tier}": t for (level, tier), t in sorted(self.read_s.items())},
             "prefetch": {name: asdict(p) for name, p in sorted(self.prefetch.items())},
             "evictions": self.evictions,
         }
@@ -99,7 +109,10 @@ def format_counts(stats: PagerStats, header: str) -> list[str]:
             f"hit rate {rate:6.1%}  stall {c.stall_s:8.3f} s"
         )
     for (level, tier), n in sorted(stats.bytes_read.items()):
-        lines.append(f"  read {level:<4} {tier:<6} {format_bytes(n):>12}  ({stats.reads[(level, tier)]} experts)")
+        seconds = stats.read_s.get((level, tier), 0.0)
+        speed = f", {n / seconds / 1e6:,.0f} MB/s a thread" if seconds > 0 else ""
+        lines.append(f"  read {level:<4} {tier:<6} {format_bytes(n):>12}  ({stats.reads[(level, tier)]} experts"
+                     f"{speed})")  # fmt: skip
     for name, p in sorted(stats.prefetch.items()):
         recall = f"recall {p.correct / p.routed:6.1%}  " if p.routed else ""
         lines.append(f"  prefetch {name:<9} {recall}issued {p.issued:>7}  used {p.used:>7}  wasted {p.wasted:>7}")

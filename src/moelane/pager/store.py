@@ -277,6 +277,7 @@ class ExpertStore:
         """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
         handle = self._handles[key // self.n_experts][key % self.n_experts]
         tier = int(self.table.tier[slot])
+        start = time.perf_counter()
         try:
             level, n_bytes = self.storage.load_into(handle, tier, self.w13[slot], self.w2[slot])
         except BaseException as e:
@@ -286,11 +287,12 @@ class ExpertStore:
                 self._cond.notify_all()
             fut.set_exception(e)
             return
+        seconds = time.perf_counter() - start
         with self._cond:
             fut = self._futures.pop(slot)
             self.table.state[slot] = READY
             for stats in targets:
-                stats.add_read(level, TIER_NAMES[tier], n_bytes)
+                stats.add_read(level, TIER_NAMES[tier], n_bytes, seconds)
             self._cond.notify_all()
         fut.set_result(None)
 
