@@ -172,18 +172,28 @@ def read_tensor(ref: TensorRef, dtype: torch.dtype | None = None) -> torch.Tenso
 def read_tensor_into(ref: TensorRef, out: torch.Tensor) -> None:
     """`out.copy_(tensor)`, reading straight into `out` when it already has the checkpoint's dtype and layout (no
     buffer in between, so loading a model allocates nothing but its parameters)."""
-    same = out.dtype == DTYPES[ref.dtype] and tuple(out.shape) == tuple(ref.shape)
-    if same and out.dim() > 0 and out.is_contiguous():
-        read_bytes(ref, out.view(torch.uint8).reshape(-1))
+    if fits_in_place(ref, out):
+        read_bytes(ref, out)
     else:
         out.copy_(read_tensor(ref, out.dtype))
 
 
+def fits_in_place(ref: TensorRef, out: torch.Tensor) -> bool:
+    """Whether the tensor's bytes, as stored, are exactly `out`'s (same dtype and shape, `out` contiguous)."""
+    same = out.dtype == DTYPES[ref.dtype] and tuple(out.shape) == tuple(ref.shape)
+    return same and out.dim() > 0 and out.is_contiguous()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor of at least one dimension, writable in place."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy().data)
+
+
 def read_bytes(ref: TensorRef, out: torch.Tensor) -> None:
-    """The tensor's raw bytes into `out` (uint8, contiguous, `ref.nbytes` long)."""
+    """The tensor's raw bytes into `out` (contiguous, `ref.nbytes` long)."""
     fd = os.open(ref.path, os.O_RDONLY)
     try:
-        n = os.preadv(fd, [memoryview(out.numpy().data)], ref.offset)
+        n = os.preadv(fd, [byte_view(out)], ref.offset)
     finally:
         os.close(fd)
     if n != ref.nbytes:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import DTYPES, ExpertHandle, TensorRef
+from moelane.model.loader import DTYPES, ExpertHandle, TensorRef, byte_view, fits_in_place
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec, row_blocks
 
 log = logging.getLogger(__name__)
@@ -106,38 +106,34 @@ def read_native(files: ShardFiles, handle: ExpertHandle, buf: torch.Tensor | Non
     return buf
 
 
+def slot_views(handle: ExpertHandle, w13_out: torch.Tensor, w2_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where each of the expert's checkpoint tensors goes in its pool slot: gate rows then up rows (or the fused
+    gate_up) in w13, down in w2."""
+    if "gate_up" in handle.tensors:
+        return {"gate_up": w13_out, "down": w2_out}
+    width = handle.tensors["gate"].shape[0]
+    return {"gate": w13_out[:width], "up": w13_out[width:], "down": w2_out}
+
+
 def read_in_place(files: ShardFiles, handle: ExpertHandle, w13_out: torch.Tensor, w2_out: torch.Tensor) -> bool:
     """Read an expert's checkpoint tensors straight into its pool slot views when the bytes are already the slot's
     (same dtype and layout): no buffer between the file and the pool, so a miss allocates nothing (large transient
     buffers, one per miss, fragmented the heap: ~100 MiB of peak RSS on a 2.4 GB model). -> False if not possible."""
-    parts = handle.tensors
-    if "gate_up" in parts:
-        targets = [(parts["gate_up"], w13_out), (parts["down"], w2_out)]
-    else:
-        width = parts["gate"].shape[0]
-        targets = [(parts["gate"], w13_out[:width]), (parts["up"], w13_out[width:]), (parts["down"], w2_out)]
-    for ref, out in targets:
-        if DTYPES[ref.dtype] != out.dtype or tuple(ref.shape) != tuple(out.shape) or not out.is_contiguous():
-            return False
-    for ref, out in targets:
-        files.read_into(ref, memoryview(out.view(torch.uint8).reshape(-1).numpy().data), expert_name(handle))
+    views = slot_views(handle, w13_out, w2_out)
+    if not all(fits_in_place(handle.tensors[name], out) for name, out in views.items()):
+        return False
+    for name, out in views.items():
+        files.read_into(handle.tensors[name], byte_view(out), expert_name(handle))
     return True
 
 
 def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
     """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does."""
-    parts: dict[str, torch.Tensor] = {}
+    views = slot_views(handle, w13_out, w2_out)
     pos = 0
     for name, ref in handle.tensors.items():
-        parts[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
+        copy_blocks(views[name], buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape))
         pos += ref.nbytes
-    if "gate_up" in parts:
-        copy_blocks(w13_out, parts["gate_up"])
-    else:
-        width = parts["gate"].shape[0]
-        copy_blocks(w13_out[:width], parts["gate"])
-        copy_blocks(w13_out[width:], parts["up"])
-    copy_blocks(w2_out, parts["down"])
 
 
 def copy_blocks(out: torch.Tensor, src: torch.Tensor) -> None:
