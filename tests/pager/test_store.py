@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,10 @@ def test_every_read_path_fills_the_slots_exactly(
     in_place: list[bool] = []
     plain = storage_module.read_in_place
     monkeypatch.setattr(storage_module, "read_in_place", lambda *a: in_place.append(plain(*a)) or in_place[-1])
+    buffers: list[int] = []  # the conversion buffer handed out for each load
+    scratch = storage_module.Storage._scratch
+    monkeypatch.setattr(storage_module.Storage, "_scratch",
+                        lambda self, n: buffers.append((b := scratch(self, n)).data_ptr()) or b)  # fmt: skip
     ref = moelane.load(wide, dtype)
     lm = moelane.load(wide, dtype, provider=store_factory("20%", host, "planner", "native"))
     store = lm.provider
@@ -102,9 +107,11 @@ def test_every_read_path_fills_the_slots_exactly(
     try:
         assert list(lm.generate_ids(PROMPT, 12)) == list(ref.generate_ids(PROMPT, 12))
         if dtype == torch.float32 and host is None:
-            assert in_place and all(in_place)
+            assert in_place and all(in_place) and not buffers
         else:
             assert not any(in_place)
+        if dtype == torch.bfloat16:  # one buffer per loading thread, reused for every later load on it
+            assert len(buffers) == len(in_place) and len(set(buffers)) <= threading.active_count() < len(buffers)
         for slot, key in enumerate(store.table.key.tolist()):
             if key >= 0:
                 layer, expert = store.layers[key // store.n_experts], key % store.n_experts
