@@ -18,7 +18,7 @@ def solo_decode(
     out: list[int] = []
     position = len(prompt)
     for i in range(max_tokens):
-        token = sample(logits, params, position)
+        token = sample(logits, params, position, out)
         if token in stop_ids:
             break
         out.append(token)

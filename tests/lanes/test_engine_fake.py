@@ -26,6 +26,11 @@ def make(drafter: str = "none", clock: FakeClock | None = None, **config: object
 
 
 def params_of(i: int) -> SamplingParams:
+    """Greedy, sampled, and each of them with logit bias and penalties (which make a token depend on the reply)."""
+    if i % 4 == 2:
+        return SamplingParams(logit_bias=((3, 1.5), (7, -100.0)), presence_penalty=0.8, frequency_penalty=0.6)
+    if i % 4 == 3:
+        return SamplingParams(temperature=0.9, seed=1000 + i, logit_bias=((5, 2.0),), frequency_penalty=1.2)
     return SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=20, seed=1000 + i)
 
 
@@ -39,7 +44,16 @@ def cases() -> list[tuple[list[int], SamplingParams, list[int]]]:
 
 def submit_all(engine: Engine, cases: list[tuple[list[int], SamplingParams, list[int]]]) -> list:
     return [
-        engine.submit(p, max_tokens=MAX_TOKENS, temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed)
+        engine.submit(
+            p,
+            max_tokens=MAX_TOKENS,
+            temperature=sp.temperature,
+            top_k=sp.top_k,
+            seed=sp.seed,
+            logit_bias=dict(sp.logit_bias),
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+        )
         for p, sp, _ in cases
     ]
 
@@ -157,6 +171,10 @@ def test_stop_tokens_cancel_and_errors() -> None:
         engine.submit([VOCAB], max_tokens=3)
     with pytest.raises(InputError):
         engine.submit([1], temperature=-1.0)
+    with pytest.raises(InputError, match="logit_bias token id"):
+        engine.submit([1], logit_bias={VOCAB: 1.0})
+    with pytest.raises(InputError, match="presence_penalty"):
+        engine.submit([1], presence_penalty=2.5)
 
 
 class PoisonedTarget(FakeTarget):

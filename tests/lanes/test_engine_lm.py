@@ -18,6 +18,10 @@ from tests.lanes.reference import prompts
 
 
 def params_of(i: int) -> SamplingParams:
+    if i % 6 == 5:  # sampled, with a bias and penalties: each token depends on the reply before it
+        return SamplingParams(temperature=0.8, seed=31 + i, logit_bias=((2, 2.0),), frequency_penalty=1.0)
+    if i % 4 == 3:
+        return SamplingParams(logit_bias=((2, 3.0), (5, -50.0)), presence_penalty=1.0, frequency_penalty=0.5)
     return SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, seed=31 + i)
 
 
@@ -26,7 +30,9 @@ def check_identity(lm: Any, draft: Any, cases: list[tuple[list[int], list[int]]]
     streams = []
     for i, (prompt, _) in enumerate(cases):
         sp = params_of(i)
-        streams.append(engine.submit(prompt, max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed))
+        streams.append(engine.submit(prompt, max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed,
+                                     logit_bias=dict(sp.logit_bias), presence_penalty=sp.presence_penalty,
+                                     frequency_penalty=sp.frequency_penalty))  # fmt: skip
     engine.run_until_idle()
     for i, (stream, (prompt, expected)) in enumerate(zip(streams, cases, strict=True)):
         assert stream.token_ids == expected, f"prompt {i} ({prompt}) with {config}"
@@ -129,7 +135,8 @@ def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: P
     assert n_solo > 0
     for config in (dict(max_streams=1), dict(max_streams=4, prefill_chunk=5)):
         engine = Engine(lm, EngineConfig(**config))
-        streams = [engine.submit(p, n, *_sampling(i)) for i, ((p, _), n) in enumerate(zip(cases, lengths, strict=True))]
+        pairs = enumerate(zip(cases, lengths, strict=True))
+        streams = [engine.submit(p, n, **_sampling(i)) for i, ((p, _), n) in pairs]
         engine.run_until_idle()
         for i, (stream, (_, expected)) in enumerate(zip(streams, cases, strict=True)):
             assert stream.token_ids == expected, f"prompt {i} with {config}"
@@ -138,6 +145,8 @@ def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: P
         Engine(lm, EngineConfig(drafter="copy"))
 
 
-def _sampling(i: int) -> tuple[float, float, int, int | None]:
+def _sampling(i: int) -> dict[str, Any]:
     sp = params_of(i)
-    return sp.temperature, sp.top_p, sp.top_k, sp.seed
+    return dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                logit_bias=dict(sp.logit_bias), presence_penalty=sp.presence_penalty,
+                frequency_penalty=sp.frequency_penalty)  # fmt: skip

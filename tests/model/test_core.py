@@ -15,7 +15,7 @@ import moelane
 from moelane.cli import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.model.cache import Rows
-from moelane.model.sampling import SamplingParams, sample
+from moelane.model.sampling import SamplingParams, adjusted, sample
 from moelane.model.tokenizer import StopFilter
 from tests.helpers import random_model
 
@@ -281,6 +281,36 @@ def test_top_k_and_top_p_cut_the_tail() -> None:
     top_p = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=1), p) for p in range(500)}
     assert top_p == {0}  # p(0) = 0.64 >= 0.5
     assert sample(logits, SamplingParams(), 0) == 0
+
+
+def test_logit_bias_and_penalties_adjust_as_openai_defines_them() -> None:
+    """Against a per-token loop: bias added; presence subtracted once for a token the reply holds, frequency once
+    per occurrence; tokens only in the prompt are not counted (the reply is what is passed)."""
+    torch.manual_seed(1)
+    logits = torch.randn(50)
+    reply = [4, 9, 4, 4, 17]
+    params = SamplingParams(logit_bias=((9, 2.5), (30, -100.0)), presence_penalty=0.7, frequency_penalty=0.4)
+    expected = logits.clone()
+    for token in range(50):
+        expected[token] += dict(params.logit_bias).get(token, 0.0)
+        n = reply.count(token)
+        expected[token] -= (0.7 if n else 0.0) + 0.4 * n
+    assert torch.allclose(adjusted(logits, params, reply), expected, atol=1e-6)
+    assert adjusted(logits, SamplingParams(), reply) is logits  # nothing asked: untouched
+    forced = SamplingParams(logit_bias=((11, 100.0),))
+    assert {sample(logits, forced, p, reply) for p in range(20)} == {11}
+    # A strong frequency penalty keeps greedy from repeating the last choice.
+    z = torch.zeros(6)
+    z[2] = 1.0
+    params = SamplingParams(frequency_penalty=2.0)
+    picks: list[int] = []
+    for p in range(6):
+        picks.append(sample(z, params, p, picks))
+    assert picks[0] == 2 and picks.count(2) == 1
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        SamplingParams(frequency_penalty=3.0)
+    with pytest.raises(ValueError, match="distinct"):
+        SamplingParams(logit_bias=((1, 1.0), (1, 2.0)))
 
 
 def test_stop_filter_never_leaks_past_a_stop() -> None:

@@ -97,6 +97,25 @@ def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
     assert a != c
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(client: openai.OpenAI, tiny_lm: Any) -> None:
+    """The openai client's logit_bias / presence_penalty / frequency_penalty give what the model gives with the same
+    adjustments (greedy and seeded, chat and completions), and a +100 bias forces its token."""
+    ids = tiny_lm.tokenizer.encode(PROMPT)
+    forced = ids[-1]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                  logit_bias={str(forced): 100})  # fmt: skip
+    assert tiny_lm.tokenizer.encode(r.choices[0].text) == [forced] * 5
+    sampling: dict[str, Any] = dict(logit_bias=((3, 4.0), (forced, -100.0)), presence_penalty=1.5,
+                                    frequency_penalty=0.5)  # fmt: skip
+    for temperature, seed in ((0.0, None), (0.9, 11)):
+        want = reference(tiny_lm, ids, 12, temperature=temperature, seed=seed, **sampling)
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=temperature, seed=seed,
+                                      logit_bias={"3": 4, str(forced): -100}, presence_penalty=1.5,
+                                      frequency_penalty=0.5)  # fmt: skip
+        assert r.choices[0].text == want
+        assert want != reference(tiny_lm, ids, 12, temperature=temperature, seed=seed)
+
+
 def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:
     ids = tiny_lm.tokenizer.encode(PROMPT)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0).choices[0].text

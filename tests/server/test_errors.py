@@ -51,6 +51,28 @@ CASES = [
     ("chat bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("chat unknown model", "/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
     ("chat huge max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, 400, "too large"),
+    ("penalty out of range", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("bias key not an id", "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "token ids"),
+    ("bias value too big", "/v1/completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("bias id out of range", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, 400, "out of range"),
+    ("logprobs", "/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs is not supported"),
+    ("best_of", "/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
+    ("suffix", "/v1/completions", {**GOOD, "suffix": "}"}, 400, "suffix is not supported"),
+    ("chat logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs is not supported"),
+    (
+        "chat json mode",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    (
+        "chat tools",
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
     ("unknown route", "/v1/embeddings", GOOD, 404, "Not Found"),
 ]
 
@@ -66,6 +88,17 @@ def test_bad_request_gets_clear_4xx(url: str, path: str, body: Any, status: int,
         error = r.json()["error"]
         assert needle.lower() in error["message"].lower(), error
         assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_off_states_of_unsupported_fields_are_accepted(url: str) -> None:
+    """Clients that send these fields in their off state (as many do by default) are served."""
+    off = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u"}
+    r = httpx.post(f"{url}/v1/completions", json={**GOOD, **off, "best_of": 1, "logprobs": None, "suffix": ""},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    chat = {**CHAT, **off, "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 200, r.text
 
 
 def test_wrong_method_and_good_request_still_served(url: str) -> None:

@@ -21,9 +21,9 @@ import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -142,15 +142,23 @@ class Engine:
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> Stream:
         """Queue a request; its tokens arrive on the returned `Stream` as rounds commit them. Ends at an EOS id or a
-        stop token (not part of the reply) or after `max_tokens` tokens."""
+        stop token (not part of the reply) or after `max_tokens` tokens. `logit_bias` and the penalties adjust the
+        logits as OpenAI's parameters of those names do (the penalties count the reply's tokens)."""
+        bias = tuple(sorted((logit_bias or {}).items()))
+        if bias and bias[-1][0] >= self.target.vocab_size:
+            raise InputError(f"logit_bias token id {bias[-1][0]} is out of range for a vocabulary of "
+                             f"{self.target.vocab_size}")  # fmt: skip
         try:
-            params = SamplingParams(temperature, top_p, top_k, seed)
+            params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
         except ValueError as e:
             raise InputError(str(e)) from None
         if not params.greedy and params.seed is None:
-            params = SamplingParams(temperature, top_p, top_k, secrets.randbits(62))
+            params = replace(params, seed=secrets.randbits(62))
         prompt = list(token_ids)
         if not prompt:
             raise InputError("empty prompt")

@@ -78,14 +78,13 @@ def verify(window: Window, logits: torch.Tensor) -> list[int]:
     if not window.commits:
         return []
     lane, first = window.lane, logits.shape[0] - 1 - len(window.drafts)
-    position = len(lane.tokens)
-    if lane.params.greedy:
-        model_ids: list[int] = logits[first:].argmax(-1).tolist()
-    else:
-        model_ids = []
-    out = []
+    params, position = lane.params, len(lane.tokens)
+    plain_argmax = params.greedy and not params.adjusts
+    model_ids: list[int] = logits[first:].argmax(-1).tolist() if plain_argmax else []
+    reply = lane.tokens[lane.n_prompt :] if params.adjusts else []
+    out: list[int] = []
     for j in range(len(window.drafts) + 1):
-        token = model_ids[j] if lane.params.greedy else sample(logits[first + j], lane.params, position + j)
+        token = model_ids[j] if plain_argmax else sample(logits[first + j], params, position + j, reply + out)
         out.append(token)
         if j == len(window.drafts) or window.drafts[j] != token:
             break

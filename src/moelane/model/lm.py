@@ -189,12 +189,13 @@ class LM:
             for start in range(0, len(prompt_ids), prefill_chunk):
                 chunk = prompt_ids[start : start + prefill_chunk]
                 logits = self.forward([Rows(cache, chunk, start)], phase="prefill", last_only=True)[0][0]
-        position = len(prompt_ids)
+        position, reply = len(prompt_ids), list[int]()
         for i in range(max_tokens):
-            token = sample(logits, params, position)
+            token = sample(logits, params, position, reply)
             if token in stop_ids:
                 return
             yield token
+            reply.append(token)
             if i + 1 < max_tokens:
                 logits = self.step(token, position, cache)
             position += 1

@@ -1,6 +1,8 @@
-"""Token choice as a pure function of (logits, settings, seed, absolute position).
+"""Token choice as a pure function of (logits, settings, seed, absolute position, reply so far).
 
-Greedy takes the argmax (the lowest id on ties). Sampling is Gumbel-max: the noise for a position comes from a
+The logits are first adjusted as the request asks (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`;
+the penalties count the tokens of the reply so far, not the prompt), then greedy takes the argmax (the lowest id on
+ties). Sampling is Gumbel-max: the noise for a position comes from a
 generator keyed by (seed, position), so the token chosen at position p is the same whether p is decoded alone, as a
 drafted row in a verify round, or in a batch with other streams. That is what lets the lanes engine verify drafts of
 sampled requests exactly.
@@ -8,6 +10,7 @@ sampled requests exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None  # None: the caller picks one per request
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the reply already holds
+    frequency_penalty: float = 0.0  # subtracted once for each time the reply already holds the token
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -29,10 +35,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        ids = [i for i, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+            raise ValueError("logit_bias needs distinct non-negative token ids")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted before the choice (and the choice depends on the reply so far)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -41,6 +60,20 @@ def noise_key(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
     return (z ^ (z >> 31)) & MASK63
+
+
+def adjusted(logits: torch.Tensor, params: SamplingParams, reply: Sequence[int]) -> torch.Tensor:
+    """The logits [V] after the request's bias and penalties (the same tensor when it asks for none)."""
+    if not params.adjusts:
+        return logits
+    z = logits.float().clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        z[list(ids)] += torch.tensor(bias)
+    if reply and (params.presence_penalty or params.frequency_penalty):
+        ids_t, counts = torch.unique(torch.tensor(list(reply)), return_counts=True)
+        z[ids_t] -= params.presence_penalty + params.frequency_penalty * counts.float()
+    return z
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,8 +91,9 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return z
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The token at absolute `position` given the logits [V] that predict it."""
+def sample(logits: torch.Tensor, params: SamplingParams, position: int, reply: Sequence[int] = ()) -> int:
+    """The token at absolute `position` given the logits [V] that predict it and the reply before it."""
+    logits = adjusted(logits, params, reply)
     if params.greedy:
         return int(torch.argmax(logits))
     if params.seed is None:

@@ -148,7 +148,9 @@ class ServerState:
                     default: int | None, chat: bool, echo: str = "") -> Response:  # fmt: skip
         endpoint = "chat" if chat else "completions"
         params = GenerationParams(tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), body.temperature,
-                                  body.top_p, body.top_k, body.seed, tuple(body.stop_list()))  # fmt: skip
+                                  body.top_p, body.top_k, body.seed, tuple(body.stop_list()),
+                                  tuple(body.bias_map().items()), body.presence_penalty,
+                                  body.frequency_penalty)  # fmt: skip
         self.admit()
         gen: Generation | None = None
         try:

@@ -50,6 +50,9 @@ class EngineLike(Protocol):
         top_k: int = ...,
         seed: int | None = ...,
         stop_token_ids: list[int] | None = ...,
+        logit_bias: dict[int, float] | None = ...,
+        presence_penalty: float = ...,
+        frequency_penalty: float = ...,
     ) -> Any: ...
 
     @property
@@ -82,6 +85,9 @@ class GenerationParams:
     top_k: int = 0
     seed: int | None = None
     stops: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -122,8 +128,9 @@ class Generation:
         """Hand the request to the engine (raises `InputError` for a request the engine refuses)."""
         p = self.params
         self.stream = self.engine.submit(
-            list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed
-        )
+            list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            logit_bias=dict(p.logit_bias), presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        )  # fmt: skip
 
     async def run(self) -> AsyncIterator[str]:
         """Text pieces as the engine commits tokens; ends with `finish_reason` set to "stop" or "length"."""

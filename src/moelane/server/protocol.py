@@ -2,16 +2,18 @@
 values) and response bodies, plus moelane's one extension field.
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400. Responses are plain pydantic models serialised with `model_dump(exclude_none=...)` as each endpoint
-needs. The extension field is `moelane` on every completion response and on the last streamed chunk: what the
-request cost the expert pager (docs/server.md).
+with a 400, and so do known OpenAI fields that ask for what the server does not do (logprobs, tools, JSON modes,
+best_of, suffix) unless they are in their off state. Responses are plain pydantic models serialised with
+`model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
+response and on the last streamed chunk: what the request cost the expert pager (docs/server.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 Stop = str | list[str] | None
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -19,6 +21,23 @@ Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+def _unsupported(what: str, *off: object) -> Callable[[object], object]:
+    """A validator that accepts None and the `off` values only."""
+
+    def check(v: object) -> object:
+        if v is not None and v not in off:
+            raise ValueError(f"{what} is not supported by this server")
+        return v
+
+    return check
 
 
 class SamplingFields(BaseModel):
@@ -38,6 +57,38 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is served")
     user: str | None = None
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+    # Accepted in their off state only, so that a client asking for them gets a clear 400 rather than a reply
+    # that silently lacks them.
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, object]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format {v.type!r} is not supported (only 'text')")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
+        if v:
+            raise ValueError("tools (function calling) are not supported by this server")
+        return v
+
+    def bias_map(self) -> dict[int, float]:
+        return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -54,6 +105,9 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: StrictBool = False
+    logprobs: Annotated[StrictInt | None, AfterValidator(_unsupported("logprobs"))] = Field(default=None, ge=0, le=5)
+    best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
+    suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
 
     @field_validator("prompt")
     @classmethod
@@ -86,6 +140,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: Annotated[StrictBool | None, AfterValidator(_unsupported("logprobs", False))] = None
+    top_logprobs: Annotated[StrictInt | None, AfterValidator(_unsupported("top_logprobs", 0))] = Field(
+        default=None, ge=0, le=20
+    )
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
