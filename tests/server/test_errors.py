@@ -53,6 +53,7 @@ CASES = [
     ("chat huge max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, 400, "too large"),
     ("penalty out of range", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("bias key not an id", "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "token ids"),
+    ("bias key a unicode digit", "/v1/completions", {**GOOD, "logit_bias": {"\u00b2": 1}}, 400, "token ids"),
     ("bias value too big", "/v1/completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("bias id out of range", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, 400, "out of range"),
     ("logprobs", "/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs is not supported"),

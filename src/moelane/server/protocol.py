@@ -69,7 +69,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids, got {key!r}")
         return v
 
