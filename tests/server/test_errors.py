@@ -51,6 +51,7 @@ CASES = [
     ("chat bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("chat unknown model", "/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
     ("chat huge max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, 400, "too large"),
+    ("chat both limits", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 2, "max_tokens": 4096}, 400, "fit"),
     ("penalty out of range", "/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("bias key not an id", "/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "token ids"),
     ("bias key a unicode digit", "/v1/completions", {**GOOD, "logit_bias": {"\u00b2": 1}}, 400, "token ids"),

@@ -354,4 +354,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         prompt_ids = state.chat_prompt(body)
+        if body.max_completion_tokens is not None and body.max_tokens is not None:
+            state.budget(len(prompt_ids), body.max_tokens, None)  # the one not used must fit too
         return await state.serve(request, body, prompt_ids, body.token_limit(), None, True)
