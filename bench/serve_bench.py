@@ -4,7 +4,8 @@ same prompts, in the same run (both servers up at once, measured in turn at each
 For each server and each client count (default 1, 4, 8, 16): every client sends `--requests` streamed greedy
 completions one after another; we measure aggregate completion tokens/s (all tokens / wall time), time to first
 token (request sent -> first text chunk) and inter-token latency (per request: (last chunk - first chunk) /
-(tokens - 1)), p50 and p99 over requests. Prints one JSON line per (server, clients, round) and a summary line:
+(tokens - 1)), p50 and p99 over requests. Before the first round each server serves `--warmup` unrecorded
+full-length requests, so neither is measured cold. Prints one JSON line per (server, clients, round) and a summary line:
 per client count, each server's median tok/s over the rounds (`--repeat`, the servers' order swapped each round),
 the ratio of the medians, and each round's ratio.
 
@@ -204,6 +205,9 @@ def measure(servers: list[Server], args: argparse.Namespace) -> list[dict[str, A
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.enter_context(server)
+        for server in servers:  # steady state first: both servers serve the same unrecorded load
+            if args.warmup:
+                asyncio.run(load(server.url, 4, -(-args.warmup // 4), args.max_tokens))
         for rnd in range(args.repeat):
             for n in args.clients:
                 for server in servers if rnd % 2 == 0 else servers[::-1]:
@@ -240,6 +244,7 @@ def main() -> None:
                    help="rounds over every (clients, server) cell, the servers' order swapped each round; the "
                    "summary gives medians")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=16, help="unrecorded full-length requests per server first")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2)")
     p.add_argument("--moelane-threads", default="default",
                    help="moelane's compute threads: 'default' (serve's own: every core but one), or N; "
