@@ -6,10 +6,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig, FakeClock
 from moelane.lanes.fake import FakeTarget, linear_price
+from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
 from tests.lanes.reference import prompts, solo_decode
 
@@ -42,20 +44,13 @@ def cases() -> list[tuple[list[int], SamplingParams, list[int]]]:
     ]
 
 
+def sampling(sp: SamplingParams) -> dict[str, object]:
+    return dict(temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed, logit_bias=dict(sp.logit_bias),
+                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty)  # fmt: skip
+
+
 def submit_all(engine: Engine, cases: list[tuple[list[int], SamplingParams, list[int]]]) -> list:
-    return [
-        engine.submit(
-            p,
-            max_tokens=MAX_TOKENS,
-            temperature=sp.temperature,
-            top_k=sp.top_k,
-            seed=sp.seed,
-            logit_bias=dict(sp.logit_bias),
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-        )
-        for p, sp, _ in cases
-    ]
+    return [engine.submit(p, max_tokens=MAX_TOKENS, **sampling(sp)) for p, sp, _ in cases]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("n_streams", [1, 2, 4, 8, 16])
@@ -70,6 +65,34 @@ def test_replies_equal_solo_decode(cases, n_streams: int, drafter: str, guard: b
         assert stream.finish_reason == ("length" if len(expected) == MAX_TOKENS else "stop")
     if drafter != "none" and not guard:
         assert engine.stats().holds > 0 and engine.stats().accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["none", "copy"])
+def test_logprobs_equal_those_of_solo_decode(cases, drafter: str) -> None:
+    """Each committed token's log-probability (and the top 3) is the log-softmax of the logits its solo decode
+    chose it from, whatever shares the round and whether it was a drafted row."""
+    engine, _ = make(drafter, max_streams=6, prefill_chunk=8)
+    streams = [engine.submit(p, max_tokens=MAX_TOKENS, logprobs=3 if i % 2 else 0, **sampling(sp))  # type: ignore[arg-type]
+               for i, (p, sp, _) in enumerate(cases[:12])]  # fmt: skip
+    plain = engine.submit(cases[0][0], max_tokens=5)
+    engine.run_until_idle()
+    assert plain.logprobs == []  # not asked for
+    fresh = FakeTarget(VOCAB, window=1, eos_ids=EOS)
+    for i, (stream, (prompt, _, expected)) in enumerate(zip(streams, cases, strict=False)):
+        assert stream.token_ids == expected
+        history = list(prompt)
+        assert len(stream.logprobs) == len(expected)
+        for token, entry in zip(expected, stream.logprobs, strict=True):
+            cache = fresh.cache_for(len(history), 1)
+            want = torch.log_softmax(fresh.forward([Rows(cache, history, 0)])[0][-1].float(), dim=-1)
+            assert entry.token_id == token and entry.logprob == pytest.approx(float(want[token]), abs=1e-5)
+            top = torch.topk(want, 3) if i % 2 else None
+            assert [t for t, _ in entry.top] == (top.indices.tolist() if top is not None else [])
+            history.append(token)
+    if drafter == "copy":
+        assert engine.stats().accepted > 0
+    with pytest.raises(InputError, match="logprobs"):
+        engine.submit([1], logprobs=21)
 
 
 @pytest.mark.parametrize("drafter", ["copy", "model"])

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from moelane.model.sampling import SamplingParams
 from tests.server.conftest import MODEL
@@ -114,6 +115,40 @@ def test_logit_bias_and_penalties_reach_the_sampler(client: openai.OpenAI, tiny_
                                       frequency_penalty=0.5)  # fmt: skip
         assert r.choices[0].text == want
         assert want != reference(tiny_lm, ids, 12, temperature=temperature, seed=seed)
+
+
+def test_logprobs_are_the_models_own(client: openai.OpenAI, tiny_lm: Any) -> None:
+    """Completions (`logprobs`: n) and chat (`logprobs`, `top_logprobs`), streamed and not: one entry per completion
+    token, each the log-softmax of the model's logits at that token's position (checked against a pass over the
+    whole sequence), the top alternatives most likely first; the pieces stream in order."""
+    ids = tiny_lm.tokenizer.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and r.usage is not None
+    reply = list(tiny_lm.generate_ids(ids, 10))
+    want = torch.log_softmax(tiny_lm.logits(ids + reply)[len(ids) - 1 : -1].float(), dim=-1)
+    assert lp.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(reply)], abs=1e-4)
+    assert lp.tokens == [tiny_lm.tokenizer.decode([t]) for t in reply]
+    # Where each token's text starts in the reply: after the characters the tokens before it completed.
+    assert lp.text_offset == [len(tiny_lm.tokenizer.decode(reply[:i]).rstrip("\ufffd")) for i in range(len(reply))]
+    for top, row in zip(lp.top_logprobs, want, strict=True):  # tokens of the same text share one key
+        best3 = torch.topk(row, 3).values.tolist()
+        assert next(iter(top.values())) == pytest.approx(best3[0], abs=1e-4)
+        assert all(min(abs(v - b) for b in best3) < 1e-4 for v in top.values())
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3,
+                                            stream=True))  # fmt: skip
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and chat.usage is not None and len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy took the most likely
+        assert bytes(entry.bytes or []).decode() == entry.token
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert plain.choices[0].logprobs is None
 
 
 def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:

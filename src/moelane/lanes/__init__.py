@@ -12,7 +12,7 @@ from moelane.lanes.clock import Clock, FakeClock, RealClock
 from moelane.lanes.config import EngineConfig
 from moelane.lanes.drafters import RecallStore
 from moelane.lanes.engine import Engine, EngineStats, Target
-from moelane.lanes.stream import Stream
+from moelane.lanes.stream import Stream, TokenLogprob
 
 __all__ = [
     "Clock",
@@ -24,4 +24,5 @@ __all__ = [
     "RecallStore",
     "Stream",
     "Target",
+    "TokenLogprob",
 ]

@@ -35,7 +35,7 @@ from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate
 from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
-from moelane.lanes.rounds import Window, choose, commit, plan_windows, verify
+from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, verify
 from moelane.lanes.stream import Stream
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
@@ -43,6 +43,7 @@ from moelane.model.sampling import SamplingParams
 log = logging.getLogger(__name__)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_PRICE_RATE = 0.2
+MAX_TOP_LOGPROBS = 20
 
 
 def load_draft_model() -> Any:
@@ -145,10 +146,15 @@ class Engine:
         logit_bias: Mapping[int, float] | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
     ) -> Stream:
         """Queue a request; its tokens arrive on the returned `Stream` as rounds commit them. Ends at an EOS id or a
         stop token (not part of the reply) or after `max_tokens` tokens. `logit_bias` and the penalties adjust the
-        logits as OpenAI's parameters of those names do (the penalties count the reply's tokens)."""
+        logits as OpenAI's parameters of those names do (the penalties count the reply's tokens). With `logprobs`
+        = n (0-20) the stream also gets each token's log-probability and the n most likely tokens there
+        (`Stream.logprobs`)."""
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         bias = tuple(sorted((logit_bias or {}).items()))
         if bias and bias[-1][0] >= self.target.vocab_size:
             raise InputError(f"logit_bias token id {bias[-1][0]} is out of range for a vocabulary of "
@@ -174,6 +180,7 @@ class Engine:
             stream = Stream(self._next_id, prompt, max_tokens)
             self._next_id += 1
             lane = Lane(stream, params, stop_ids, None, Acceptance(self.config.max_depth), prompt, len(prompt))
+            lane.top_logprobs = logprobs
             self._waiting.append(lane)
             self._cv.notify_all()
         return stream
@@ -273,7 +280,8 @@ class Engine:
         had_drafts, prefilling = bool(lane.drafts), lane.n_fed < lane.n_prompt
         tokens = verify(window, logits)
         n_before = lane.n_generated
-        reason = commit(window, tokens)
+        asked = lane.top_logprobs is not None and tokens
+        reason = commit(window, tokens, logprobs_of(window, logits, tokens, lane.top_logprobs or 0) if asked else None)
         if prefilling:
             self._counts["prefill_tokens"] += len(window.feed)
         if window.commits and mode == DRAFTED and had_drafts:

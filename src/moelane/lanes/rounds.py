@@ -19,6 +19,7 @@ import torch
 
 from moelane.lanes.depth import PriceTable, Seat, allocate
 from moelane.lanes.lane import Lane
+from moelane.lanes.stream import TokenLogprob
 from moelane.model.cache import Rows
 from moelane.model.sampling import sample
 
@@ -91,8 +92,24 @@ def verify(window: Window, logits: torch.Tensor) -> list[int]:
     return out
 
 
-def commit(window: Window, tokens: list[int]) -> str | None:
-    """Append a window's committed tokens to its lane; the finish reason if the stream ends here."""
+def logprobs_of(window: Window, logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """The log-probability of each committed token (`verify`'s) under the raw logits of the row that chose it, with
+    the `n_top` most likely tokens there."""
+    first = logits.shape[0] - 1 - len(window.drafts)
+    rows = torch.log_softmax(logits[first : first + len(tokens)].float(), dim=-1)
+    chosen = rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if not n_top:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
+    values, ids = torch.topk(rows, min(n_top, rows.shape[-1]), dim=-1)
+    return [
+        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def commit(window: Window, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> str | None:
+    """Append a window's committed tokens (and their `logprobs_of`, if asked for) to its lane; the finish reason if
+    the stream ends here."""
     lane = window.lane
     if not window.commits:
         lane.n_fed += len(window.feed)
@@ -111,5 +128,5 @@ def commit(window: Window, tokens: list[int]) -> str | None:
     lane.tokens.extend(kept)
     lane.n_fed = old_len + len(tokens) - 1  # the accepted drafts' rows stay valid; the model's token is pending
     lane.drafts = []
-    lane.stream._append(kept)
+    lane.stream._append(kept, logprobs[: len(kept)] if logprobs is not None else None)
     return reason

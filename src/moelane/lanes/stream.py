@@ -12,9 +12,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A committed token's log-probability under the model (log-softmax of its raw logits, before temperature,
+    bias and penalties), and the `top` most likely tokens at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Stream:
@@ -23,6 +34,7 @@ class Stream:
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []  # one per token, when the request asked for them
         self._finish_reason: str | None = None
         self._cancel_requested = False
         self._changed = threading.Condition()
@@ -36,6 +48,17 @@ class Stream:
         """A copy of the tokens committed so far (the whole reply once `done`)."""
         with self._changed:
             return list(self._tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Per committed token, when submitted with `logprobs`: its log-probability and the top alternatives."""
+        with self._changed:
+            return list(self._logprobs)
+
+    def logprob(self, i: int) -> TokenLogprob:
+        """Token i's entry of `logprobs` (without copying them all)."""
+        with self._changed:
+            return self._logprobs[i]
 
     @property
     def finish_reason(self) -> str | None:
@@ -90,9 +113,10 @@ class Stream:
                 _call(listener, None)
 
     # engine side
-    def _append(self, token_ids: list[int]) -> None:
+    def _append(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         with self._changed:
             self._tokens.extend(token_ids)
+            self._logprobs.extend(logprobs or ())
             self._changed.notify_all()
             if token_ids:
                 for listener in self._listeners:

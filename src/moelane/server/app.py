@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from moelane.errors import InputError
 from moelane.server import errors
@@ -40,7 +42,7 @@ from moelane.server.protocol import (
     PagerCost,
     SamplingFields,
 )
-from moelane.server.responses import DONE, Header
+from moelane.server.responses import DONE, Header, logprobs_body
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
@@ -82,6 +84,7 @@ class ServerState:
         self.stopping = False
         self.live: set[Generation] = set()
         self.created = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: str(lm.tokenizer.decode([token])))
 
     # ---- admission ----------------------------------------------------------------------------------------------
 
@@ -150,7 +153,7 @@ class ServerState:
         params = GenerationParams(tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), body.temperature,
                                   body.top_p, body.top_k, body.seed, tuple(body.stop_list()),
                                   tuple(body.bias_map().items()), body.presence_penalty,
-                                  body.frequency_penalty)  # fmt: skip
+                                  body.frequency_penalty, body.top_logprobs_asked())  # fmt: skip
         self.admit()
         gen: Generation | None = None
         try:
@@ -176,7 +179,9 @@ class ServerState:
         self._close_sync(gen, endpoint, "200")
         assert gen.finish_reason is not None
         usage = header.usage(len(prompt_ids), gen.n_tokens)
-        return JSONResponse(header.whole(text, gen.finish_reason, usage, gen.cost).model_dump(mode="json"))
+        logprobs = logprobs_body(chat, gen.take_logprobs(), self.token_text)
+        body_out = header.whole(text, gen.finish_reason, usage, gen.cost, logprobs)
+        return JSONResponse(body_out.model_dump(mode="json"))
 
     async def _collect(self, request: Request, gen: Generation) -> str:
         """The whole reply; cancels the generation if the client goes away while waiting."""
@@ -214,9 +219,9 @@ class ServerState:
             async for piece in gen.run():
                 self.metrics.rate.add(gen.n_tokens - sent)
                 sent = gen.n_tokens
-                yield header.piece(piece)
+                yield header.piece(piece, self._fresh_logprobs(gen, header))
             assert gen.finish_reason is not None
-            yield header.last(gen.finish_reason, gen.cost)
+            yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header))
             if include_usage:
                 yield header.usage_chunk(header.usage(len(gen.params.prompt_ids), gen.n_tokens))
             self._account(gen, started, count_rate=False)
@@ -226,6 +231,11 @@ class ServerState:
         except Exception as e:
             yield sse_error(e)
         yield DONE
+
+    def _fresh_logprobs(self, gen: Generation, header: Header) -> BaseModel | None:
+        """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
+        fresh = gen.take_logprobs()
+        return logprobs_body(header.chat, fresh, self.token_text) if fresh else None
 
     def _account(self, gen: Generation, started: float, count_rate: bool = True) -> None:
         if count_rate:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
+from moelane.lanes.stream import TokenLogprob
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import PagerCost
 
@@ -53,6 +54,7 @@ class EngineLike(Protocol):
         logit_bias: dict[int, float] | None = ...,
         presence_penalty: float = ...,
         frequency_penalty: float = ...,
+        logprobs: int | None = ...,
     ) -> Any: ...
 
     @property
@@ -88,6 +90,7 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -117,6 +120,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.n_tokens = 0  # completion tokens that produced the text sent (up to and including a stop string)
         self.first_token_at: float | None = None
+        self._logprobs: list[tuple[TokenLogprob, int]] = []  # (entry, where its text starts) per token sent
+        self._logprobs_taken = 0
 
     @property
     def cost(self) -> PagerCost:
@@ -130,6 +135,7 @@ class Generation:
         self.stream = self.engine.submit(
             list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             logit_bias=dict(p.logit_bias), presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            logprobs=p.logprobs,
         )  # fmt: skip
 
     async def run(self) -> AsyncIterator[str]:
@@ -186,6 +192,8 @@ class Generation:
         """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string."""
         out = []
         for token in token_ids:
+            if self.params.logprobs is not None:
+                self._logprobs.append((self.stream.logprob(self.n_tokens), self._n_chars))
             self.n_tokens += 1
             self._ids.append(token)
             piece = self._detok.push([token])
@@ -194,6 +202,14 @@ class Generation:
             if self._stops.stopped:
                 break
         return "".join(out)
+
+    def take_logprobs(self) -> list[tuple[TokenLogprob, int]] | None:
+        """The (entry, text offset) of the tokens counted since the last call; None when not asked for."""
+        if self.params.logprobs is None:
+            return None
+        fresh = self._logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self._logprobs)
+        return fresh
 
     def _tail(self) -> str:
         """At the end: what the detokenizer held back (an unfinished character, shown as U+FFFD like a whole

@@ -2,8 +2,8 @@
 values) and response bodies, plus moelane's one extension field.
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400, and so do known OpenAI fields that ask for what the server does not do (logprobs, tools, JSON modes,
-best_of, suffix) unless they are in their off state. Responses are plain pydantic models serialised with
+with a 400, and so do known OpenAI fields that ask for what the server does not do (tools, JSON modes, best_of,
+suffix, the prompt's logprobs) unless they are in their off state. Responses are plain pydantic models serialised with
 `model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
 response and on the last streamed chunk: what the request cost the expert pager (docs/server.md).
 """
@@ -13,7 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 Stop = str | list[str] | None
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -90,6 +100,10 @@ class SamplingFields(BaseModel):
     def bias_map(self) -> dict[int, float]:
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
+    def top_logprobs_asked(self) -> int | None:
+        """None: no log-probabilities; n: each token's, with the n most likely."""
+        return None
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: Stop) -> Stop:
@@ -105,9 +119,18 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: StrictBool = False
-    logprobs: Annotated[StrictInt | None, AfterValidator(_unsupported("logprobs"))] = Field(default=None, ge=0, le=5)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5, description="log-probabilities of the n most likely")
     best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
     suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs of the prompt (echo with logprobs) are not supported by this server")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -140,10 +163,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: Annotated[StrictBool | None, AfterValidator(_unsupported("logprobs", False))] = None
-    top_logprobs: Annotated[StrictInt | None, AfterValidator(_unsupported("top_logprobs", 0))] = Field(
-        default=None, ge=0, le=20
-    )
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -172,10 +202,34 @@ class Extension(BaseModel):
     pager: PagerCost
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: per token its text, log-probability, the top alternatives and where its text
+    starts in the reply."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -197,7 +251,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -219,7 +273,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -8,25 +8,54 @@ extension; a chunk with `usage` and no choices when the client asked (`stream_op
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from moelane.lanes.stream import TokenLogprob
 from moelane.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     Delta,
     Extension,
     PagerCost,
+    TokenLogprobEntry,
+    TopLogprob,
     Usage,
 )
 
 DONE = "data: [DONE]\n\n"
+Logprobs = list[tuple[TokenLogprob, int]]  # (entry, where the token's text starts in the reply), as Generation keeps
+
+
+def logprobs_body(chat: bool, entries: Logprobs | None, text_of: Callable[[int], str],
+                  offset: int = 0) -> CompletionLogprobs | ChatLogprobs | None:  # fmt: skip
+    """OpenAI's `logprobs` object for these tokens: the chat format (token, logprob, UTF-8 bytes, top alternatives)
+    or the legacy completions one (parallel lists, text offsets shifted by `offset`, e.g. an echoed prompt)."""
+    if entries is None:
+        return None
+    if chat:
+        content = []
+        for e, _ in entries:
+            top = [TopLogprob(token=text_of(t), logprob=lp, bytes=list(text_of(t).encode())) for t, lp in e.top]
+            text = text_of(e.token_id)
+            entry = TokenLogprobEntry(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top)
+            content.append(entry)
+        return ChatLogprobs(content=content)
+    return CompletionLogprobs(
+        tokens=[text_of(e.token_id) for e, _ in entries],
+        token_logprobs=[e.logprob for e, _ in entries],
+        top_logprobs=[_by_text(e.top, text_of) for e, _ in entries],
+        text_offset=[offset + at for _, at in entries],
+    )
 
 
 def event(body: BaseModel) -> str:
@@ -41,6 +70,14 @@ def event(body: BaseModel) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def _by_text(top: tuple[tuple[int, float], ...], text_of: Callable[[int], str]) -> dict[str, float]:
+    """Most likely first; two tokens with the same text keep the likelier one's log-probability."""
+    out: dict[str, float] = {}
+    for token, lp in top:
+        out.setdefault(text_of(token), lp)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """What every body of one request shares."""
@@ -53,13 +90,15 @@ class Header:
     def usage(self, n_prompt: int, n_tokens: int) -> Usage:
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
 
-    def whole(self, text: str, finish: str, usage: Usage, cost: PagerCost) -> BaseModel:
+    def whole(
+        self, text: str, finish: str, usage: Usage, cost: PagerCost, logprobs: BaseModel | None = None
+    ) -> BaseModel:
         ext = Extension(pager=cost)
         if self.chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)  # type: ignore[arg-type]
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
             return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                           usage=usage, moelane=ext)  # fmt: skip
-        c = CompletionChoice(text=text, finish_reason=finish)  # type: ignore[arg-type]
+        c = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[c], usage=usage,
                                   moelane=ext)  # fmt: skip
 
@@ -69,17 +108,17 @@ class Header:
             return None
         return event(self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))]))
 
-    def piece(self, text: str) -> str:
+    def piece(self, text: str, logprobs: BaseModel | None = None) -> str:
         if self.chat:
-            return event(self._chunk([ChatChunkChoice(delta=Delta(content=text))]))
-        return event(self._completion([CompletionChoice(text=text, finish_reason=None)]))
+            return event(self._chunk([ChatChunkChoice(delta=Delta(content=text), logprobs=logprobs)]))  # type: ignore[arg-type]
+        return event(self._completion([CompletionChoice(text=text, finish_reason=None, logprobs=logprobs)]))  # type: ignore[arg-type]
 
-    def last(self, finish: str, cost: PagerCost) -> str:
+    def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None) -> str:
         ext = Extension(pager=cost)
         if self.chat:
-            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish)  # type: ignore[arg-type]
+            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
             return event(self._chunk([choice], moelane=ext))
-        choice_c = CompletionChoice(text="", finish_reason=finish)  # type: ignore[arg-type]
+        choice_c = CompletionChoice(text="", finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
         return event(self._completion([choice_c], moelane=ext))
 
     def usage_chunk(self, usage: Usage) -> str:
