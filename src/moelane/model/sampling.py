@@ -2,10 +2,9 @@
 
 The logits are first adjusted as the request asks (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`;
 the penalties count the tokens of the reply so far, not the prompt), then greedy takes the argmax (the lowest id on
-ties). Sampling is Gumbel-max: the noise for a position comes from a
-generator keyed by (seed, position), so the token chosen at position p is the same whether p is decoded alone, as a
-drafted row in a verify round, or in a batch with other streams. That is what lets the lanes engine verify drafts of
-sampled requests exactly.
+ties). Sampling is Gumbel-max: the noise for a position comes from a generator keyed by (seed, position), so the
+token chosen at position p is the same whether p is decoded alone, as a drafted row in a verify round, or in a
+batch with other streams. That is what lets the lanes engine verify drafts of sampled requests exactly.
 """
 
 from __future__ import annotations
