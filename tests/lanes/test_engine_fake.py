@@ -72,7 +72,8 @@ def test_logprobs_equal_those_of_solo_decode(cases, drafter: str) -> None:
     """Each committed token's log-probability (and the top 3) is the log-softmax of the logits its solo decode
     chose it from, whatever shares the round and whether it was a drafted row."""
     engine, _ = make(drafter, max_streams=6, prefill_chunk=8)
-    streams = [engine.submit(p, max_tokens=MAX_TOKENS, logprobs=3 if i % 2 else 0, **sampling(sp))  # type: ignore[arg-type]
+    streams = [engine.submit(p, max_tokens=MAX_TOKENS, logprobs=3 if i % 2 else 0, prompt_logprobs=i % 4 == 1,
+                             **sampling(sp))  # type: ignore[arg-type]
                for i, (p, sp, _) in enumerate(cases[:12])]  # fmt: skip
     plain = engine.submit(cases[0][0], max_tokens=5)
     engine.run_until_idle()
@@ -89,10 +90,20 @@ def test_logprobs_equal_those_of_solo_decode(cases, drafter: str) -> None:
             top = torch.topk(want, 3) if i % 2 else None
             assert [t for t, _ in entry.top] == (top.indices.tolist() if top is not None else [])
             history.append(token)
+        if i % 4 == 1:  # the prompt's own, from a pass over the prompt (chunked by 8 in the engine)
+            cache = fresh.cache_for(len(prompt), 1)
+            rows = torch.log_softmax(fresh.forward([Rows(cache, list(prompt), 0)])[0].float(), dim=-1)
+            assert stream.prompt_logprobs[0] is None and len(stream.prompt_logprobs) == len(prompt)
+            got = [e.logprob for e in stream.prompt_logprobs[1:]]  # type: ignore[union-attr]
+            assert got == pytest.approx([float(rows[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-5)
+        else:
+            assert stream.prompt_logprobs == []
     if drafter == "copy":
         assert engine.stats().accepted > 0
     with pytest.raises(InputError, match="logprobs"):
         engine.submit([1], logprobs=21)
+    with pytest.raises(InputError, match="prompt_logprobs needs logprobs"):
+        engine.submit([1], prompt_logprobs=True)
 
 
 @pytest.mark.parametrize("drafter", ["copy", "model"])

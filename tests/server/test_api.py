@@ -151,6 +151,29 @@ def test_logprobs_are_the_models_own(client: openai.OpenAI, tiny_lm: Any) -> Non
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, tiny_lm: Any) -> None:
+    """`echo` + `logprobs` (how evaluation harnesses score text): the prompt's tokens come first, the first with no
+    log-probability, each other one the log-softmax of the logits after the tokens before it; then the reply's, their
+    offsets after the prompt's text. Streamed, the same entries in the same order."""
+    ids = tiny_lm.tokenizer.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert lp is not None and r.choices[0].text.startswith(tiny_lm.tokenizer.decode(ids))
+    reply = list(tiny_lm.generate_ids(ids, 4))
+    rows = torch.log_softmax(tiny_lm.logits(ids + reply).float(), dim=-1)
+    assert lp.tokens == [tiny_lm.tokenizer.decode([t]) for t in ids + reply]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # type: ignore[index]
+    want = [float(rows[p - 1, t]) for p, t in enumerate(ids + reply) if p > 0]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    n_echo = len(tiny_lm.tokenizer.decode(ids))
+    assert lp.text_offset[len(ids)] == n_echo and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1,
+                                            echo=True, stream=True))  # fmt: skip
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
 def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:
     ids = tiny_lm.tokenizer.encode(PROMPT)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0).choices[0].text

@@ -58,7 +58,6 @@ CASES = [
     ("bias value too big", "/v1/completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("bias id out of range", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, 400, "out of range"),
     ("logprobs over 5", "/v1/completions", {**GOOD, "logprobs": 6}, 400, "logprobs"),
-    ("prompt logprobs", "/v1/completions", {**GOOD, "logprobs": 1, "echo": True}, 400, "echo with logprobs"),
     ("best_of", "/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
     ("suffix", "/v1/completions", {**GOOD, "suffix": "}"}, 400, "suffix is not supported"),
     ("chat top_logprobs alone", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "needs logprobs"),

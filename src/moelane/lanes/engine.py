@@ -35,7 +35,7 @@ from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate
 from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
-from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, verify
+from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, prompt_logprobs_of, verify
 from moelane.lanes.stream import Stream
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
@@ -147,14 +147,17 @@ class Engine:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Stream:
         """Queue a request; its tokens arrive on the returned `Stream` as rounds commit them. Ends at an EOS id or a
         stop token (not part of the reply) or after `max_tokens` tokens. `logit_bias` and the penalties adjust the
         logits as OpenAI's parameters of those names do (the penalties count the reply's tokens). With `logprobs`
         = n (0-20) the stream also gets each token's log-probability and the n most likely tokens there
-        (`Stream.logprobs`)."""
+        (`Stream.logprobs`); with `prompt_logprobs` too, the prompt's tokens get theirs (`Stream.prompt_logprobs`)."""
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise InputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        if prompt_logprobs and logprobs is None:
+            raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
         bias = tuple(sorted((logit_bias or {}).items()))
         if bias and bias[-1][0] >= self.target.vocab_size:
             raise InputError(f"logit_bias token id {bias[-1][0]} is out of range for a vocabulary of "
@@ -180,7 +183,7 @@ class Engine:
             stream = Stream(self._next_id, prompt, max_tokens)
             self._next_id += 1
             lane = Lane(stream, params, stop_ids, None, Acceptance(self.config.max_depth), prompt, len(prompt))
-            lane.top_logprobs = logprobs
+            lane.top_logprobs, lane.prompt_logprobs = logprobs, prompt_logprobs
             self._waiting.append(lane)
             self._cv.notify_all()
         return stream
@@ -258,7 +261,8 @@ class Engine:
 
     def _forward(self, windows: list[Window]) -> list[torch.Tensor]:
         rows = [w.rows() for w in windows]
-        last_only = not any(w.drafts for w in windows)  # then only each stream's last row is read
+        # Only each stream's last row is read, unless a window holds drafts or a prompt's log-probabilities are asked.
+        last_only = not any(w.drafts or (w.lane.prompt_logprobs and w.lane.n_fed < w.lane.n_prompt) for w in windows)
         t0 = self.clock.now()
         if self._pool is not None:
             pending = self._pool.submit(self.target.forward, rows, last_only)
@@ -278,6 +282,8 @@ class Engine:
         """Verify and commit one window; count it; finish its stream if it ended. Returns tokens committed."""
         lane = window.lane
         had_drafts, prefilling = bool(lane.drafts), lane.n_fed < lane.n_prompt
+        if prefilling and lane.prompt_logprobs:
+            lane.stream._append_prompt(prompt_logprobs_of(window, logits, lane.top_logprobs or 0))
         tokens = verify(window, logits)
         n_before = lane.n_generated
         asked = lane.top_logprobs is not None and tokens

@@ -30,6 +30,7 @@ class Lane:
     drafted_at: int = -1  # len(tokens) when drafts were last proposed (a stream is drafted once per new token)
     last_round: int = -1  # the last round this lane took part in (least recently served goes first)
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's, with the n most likely
+    prompt_logprobs: bool = False  # the prompt's tokens' too (with `top_logprobs` alternatives)
 
     @property
     def id(self) -> int:

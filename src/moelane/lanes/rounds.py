@@ -96,7 +96,23 @@ def logprobs_of(window: Window, logits: torch.Tensor, tokens: list[int], n_top: 
     """The log-probability of each committed token (`verify`'s) under the raw logits of the row that chose it, with
     the `n_top` most likely tokens there."""
     first = logits.shape[0] - 1 - len(window.drafts)
-    rows = torch.log_softmax(logits[first : first + len(tokens)].float(), dim=-1)
+    return _logprobs(logits[first : first + len(tokens)], tokens, n_top)
+
+
+def prompt_logprobs_of(window: Window, logits: torch.Tensor, n_top: int) -> list[TokenLogprob | None]:
+    """For a prefill window (logits of all its rows): the log-probability of each prompt token its rows predict,
+    led by None for the prompt's first token when the window starts the prompt."""
+    lane = window.lane
+    n = max(0, min(len(window.feed), lane.n_prompt - lane.n_fed - 1))  # rows whose next token is the prompt's
+    lead: list[TokenLogprob | None] = [None] if lane.n_fed == 0 else []
+    return lead + list(_logprobs(logits[:n], lane.tokens[lane.n_fed + 1 : lane.n_fed + 1 + n], n_top))
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """Row i's log-softmax at tokens[i], and its `n_top` most likely tokens."""
+    if not tokens:
+        return []
+    rows = torch.log_softmax(logits.float(), dim=-1)
     chosen = rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     if not n_top:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]

@@ -35,6 +35,7 @@ class Stream:
         self.max_tokens = max_tokens
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] = []  # one per token, when the request asked for them
+        self._prompt_logprobs: list[TokenLogprob | None] = []  # one per prompt token (None for the first), if asked
         self._finish_reason: str | None = None
         self._cancel_requested = False
         self._changed = threading.Condition()
@@ -54,6 +55,13 @@ class Stream:
         """Per committed token, when submitted with `logprobs`: its log-probability and the top alternatives."""
         with self._changed:
             return list(self._logprobs)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None]:
+        """Per prompt token, when submitted with `prompt_logprobs`: its log-probability given the tokens before it
+        (None for the first, which has none), complete once the first reply token is committed."""
+        with self._changed:
+            return list(self._prompt_logprobs)
 
     def logprob(self, i: int) -> TokenLogprob:
         """Token i's entry of `logprobs` (without copying them all)."""
@@ -113,6 +121,10 @@ class Stream:
                 _call(listener, None)
 
     # engine side
+    def _append_prompt(self, logprobs: list[TokenLogprob | None]) -> None:
+        with self._changed:
+            self._prompt_logprobs.extend(logprobs)
+
     def _append(self, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         with self._changed:
             self._tokens.extend(token_ids)

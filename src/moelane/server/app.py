@@ -42,7 +42,7 @@ from moelane.server.protocol import (
     PagerCost,
     SamplingFields,
 )
-from moelane.server.responses import DONE, Header, logprobs_body
+from moelane.server.responses import DONE, Header, Logprobs, logprobs_body
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
@@ -153,7 +153,8 @@ class ServerState:
         params = GenerationParams(tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), body.temperature,
                                   body.top_p, body.top_k, body.seed, tuple(body.stop_list()),
                                   tuple(body.bias_map().items()), body.presence_penalty,
-                                  body.frequency_penalty, body.top_logprobs_asked())  # fmt: skip
+                                  body.frequency_penalty, body.top_logprobs_asked(),
+                                  bool(echo) and body.top_logprobs_asked() is not None)  # fmt: skip
         self.admit()
         gen: Generation | None = None
         try:
@@ -179,7 +180,7 @@ class ServerState:
         self._close_sync(gen, endpoint, "200")
         assert gen.finish_reason is not None
         usage = header.usage(len(prompt_ids), gen.n_tokens)
-        logprobs = logprobs_body(chat, gen.take_logprobs(), self.token_text)
+        logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
         body_out = header.whole(text, gen.finish_reason, usage, gen.cost, logprobs)
         return JSONResponse(body_out.model_dump(mode="json"))
 
@@ -213,15 +214,21 @@ class ServerState:
         try:
             if first := header.first():
                 yield first
-            if echo:
+            late_echo = bool(echo) and gen.params.prompt_logprobs  # sent once the prompt's entries are known
+            if echo and not late_echo:
                 yield header.piece(echo)
             sent = 0
             async for piece in gen.run():
                 self.metrics.rate.add(gen.n_tokens - sent)
                 sent = gen.n_tokens
-                yield header.piece(piece, self._fresh_logprobs(gen, header))
+                if late_echo:
+                    yield header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
+                    late_echo = False
+                yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)))
+            if late_echo:
+                yield header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
             assert gen.finish_reason is not None
-            yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header))
+            yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header, len(echo)))
             if include_usage:
                 yield header.usage_chunk(header.usage(len(gen.params.prompt_ids), gen.n_tokens))
             self._account(gen, started, count_rate=False)
@@ -232,10 +239,17 @@ class ServerState:
             yield sse_error(e)
         yield DONE
 
-    def _fresh_logprobs(self, gen: Generation, header: Header) -> BaseModel | None:
+    def _fresh_logprobs(self, gen: Generation, header: Header, offset: int = 0) -> BaseModel | None:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
         fresh = gen.take_logprobs()
-        return logprobs_body(header.chat, fresh, self.token_text) if fresh else None
+        return logprobs_body(header.chat, fresh, self.token_text, offset) if fresh else None
+
+    @staticmethod
+    def _echoed(gen: Generation, n_echo: int, entries: Logprobs | None) -> Logprobs | None:
+        """A whole reply's entries: an echoed prompt's first, then the reply's, their offsets after the prompt."""
+        if entries is None or not gen.params.prompt_logprobs:
+            return entries
+        return gen.prompt_logprobs() + [(t, e, at + n_echo) for t, e, at in entries]
 
     def _account(self, gen: Generation, started: float, count_rate: bool = True) -> None:
         if count_rate:

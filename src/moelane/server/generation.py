@@ -55,6 +55,7 @@ class EngineLike(Protocol):
         presence_penalty: float = ...,
         frequency_penalty: float = ...,
         logprobs: int | None = ...,
+        prompt_logprobs: bool = ...,
     ) -> Any: ...
 
     @property
@@ -91,6 +92,7 @@ class GenerationParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
+    prompt_logprobs: bool = False  # the prompt's tokens' too (completions with echo)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -120,7 +122,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.n_tokens = 0  # completion tokens that produced the text sent (up to and including a stop string)
         self.first_token_at: float | None = None
-        self._logprobs: list[tuple[TokenLogprob, int]] = []  # (entry, where its text starts) per token sent
+        self._logprobs: list[tuple[int, TokenLogprob | None, int]] = []  # (token, entry, where its text starts)
         self._logprobs_taken = 0
 
     @property
@@ -135,7 +137,7 @@ class Generation:
         self.stream = self.engine.submit(
             list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             logit_bias=dict(p.logit_bias), presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-            logprobs=p.logprobs,
+            logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
         )  # fmt: skip
 
     async def run(self) -> AsyncIterator[str]:
@@ -193,7 +195,7 @@ class Generation:
         out = []
         for token in token_ids:
             if self.params.logprobs is not None:
-                self._logprobs.append((self.stream.logprob(self.n_tokens), self._n_chars))
+                self._logprobs.append((token, self.stream.logprob(self.n_tokens), self._n_chars))
             self.n_tokens += 1
             self._ids.append(token)
             piece = self._detok.push([token])
@@ -203,8 +205,18 @@ class Generation:
                 break
         return "".join(out)
 
-    def take_logprobs(self) -> list[tuple[TokenLogprob, int]] | None:
-        """The (entry, text offset) of the tokens counted since the last call; None when not asked for."""
+    def prompt_logprobs(self) -> list[tuple[int, TokenLogprob | None, int]]:
+        """(token, entry, where its text starts in the prompt) per prompt token, once the prompt has been read; the
+        first token's entry is None (nothing predicts it)."""
+        detok, at = Detokenizer(self._tokenizer), 0
+        out: list[tuple[int, TokenLogprob | None, int]] = []
+        for token, entry in zip(self.params.prompt_ids, self.stream.prompt_logprobs, strict=False):
+            out.append((token, entry, at))
+            at += len(detok.push([token]))
+        return out
+
+    def take_logprobs(self) -> list[tuple[int, TokenLogprob | None, int]] | None:
+        """The (token, entry, text offset) of the tokens counted since the last call; None when not asked for."""
         if self.params.logprobs is None:
             return None
         fresh = self._logprobs[self._logprobs_taken :]

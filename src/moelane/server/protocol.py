@@ -3,7 +3,7 @@ values) and response bodies, plus moelane's one extension field.
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
 with a 400, and so do known OpenAI fields that ask for what the server does not do (tools, JSON modes, best_of,
-suffix, the prompt's logprobs) unless they are in their off state. Responses are plain pydantic models serialised with
+suffix) unless they are in their off state. Responses are plain pydantic models serialised with
 `model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
 response and on the last streamed chunk: what the request cost the expert pager (docs/server.md).
 """
@@ -123,12 +123,6 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
     suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
 
-    @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("logprobs of the prompt (echo with logprobs) are not supported by this server")
-        return self
-
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
 
@@ -207,8 +201,8 @@ class CompletionLogprobs(BaseModel):
     starts in the reply."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

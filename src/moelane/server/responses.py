@@ -33,7 +33,8 @@ from moelane.server.protocol import (
 )
 
 DONE = "data: [DONE]\n\n"
-Logprobs = list[tuple[TokenLogprob, int]]  # (entry, where the token's text starts in the reply), as Generation keeps
+# (token, its entry, where its text starts), as Generation keeps them; entry None: an echoed prompt's first token
+Logprobs = list[tuple[int, TokenLogprob | None, int]]
 
 
 def logprobs_body(chat: bool, entries: Logprobs | None, text_of: Callable[[int], str],
@@ -44,17 +45,18 @@ def logprobs_body(chat: bool, entries: Logprobs | None, text_of: Callable[[int],
         return None
     if chat:
         content = []
-        for e, _ in entries:
+        for token, e, _ in entries:
+            assert e is not None  # only a prompt's first token has none, and chat never echoes
             top = [TopLogprob(token=text_of(t), logprob=lp, bytes=list(text_of(t).encode())) for t, lp in e.top]
-            text = text_of(e.token_id)
+            text = text_of(token)
             entry = TokenLogprobEntry(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=top)
             content.append(entry)
         return ChatLogprobs(content=content)
     return CompletionLogprobs(
-        tokens=[text_of(e.token_id) for e, _ in entries],
-        token_logprobs=[e.logprob for e, _ in entries],
-        top_logprobs=[_by_text(e.top, text_of) for e, _ in entries],
-        text_offset=[offset + at for _, at in entries],
+        tokens=[text_of(token) for token, _, _ in entries],
+        token_logprobs=[e.logprob if e else None for _, e, _ in entries],
+        top_logprobs=[_by_text(e.top, text_of) if e else None for _, e, _ in entries],
+        text_offset=[offset + at for _, _, at in entries],
     )
 
 
