@@ -3,6 +3,7 @@ usage, and the `moelane` extension field; replies checked against the model run 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -172,6 +173,21 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, tiny_lm: An
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    # max_tokens 0: the prompt alone, scored.
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "logprobs": 0, "echo": True, "stream": stream}
+        got = httpx.post(f"{str(client.base_url).rstrip('/')}/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        if stream:
+            events = [json.loads(x[6:]) for x in got.text.splitlines() if x.startswith("data: {")]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            scored = [v for e in events if e["choices"] and e["choices"][0]["logprobs"]
+                      for v in e["choices"][0]["logprobs"]["token_logprobs"]]  # fmt: skip
+        else:
+            choice = got.json()["choices"][0]
+            text, scored = choice["text"], choice["logprobs"]["token_logprobs"]
+            assert got.json()["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+        assert text == tiny_lm.tokenizer.decode(ids) and scored == lp.token_logprobs[: len(ids)]
 
 
 def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:

@@ -97,8 +97,8 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
 
 
 class Generation:
@@ -135,7 +135,8 @@ class Generation:
         """Hand the request to the engine (raises `InputError` for a request the engine refuses)."""
         p = self.params
         self.stream = self.engine.submit(
-            list(p.prompt_ids), p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            list(p.prompt_ids), max(p.max_tokens, 1), temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            seed=p.seed,
             logit_bias=dict(p.logit_bias), presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
         )  # fmt: skip
@@ -160,6 +161,8 @@ class Generation:
                     break
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
+                if not self.params.max_tokens:  # only the prompt was asked for: its one token is not part of it
+                    continue
                 if piece := self._text(batch):
                     yield piece
                 if self._stops.stopped:
@@ -167,7 +170,7 @@ class Generation:
                     return
             if tail := self._tail():
                 yield tail
-            self.finish_reason = _finish(stream.finish_reason)
+            self.finish_reason = _finish(stream.finish_reason) if self.params.max_tokens else "length"
         finally:
             stream.cancel()  # no-op once finished; frees the slot at the next round otherwise
 

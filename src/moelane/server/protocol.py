@@ -118,10 +118,18 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # 0 with echo: only score the prompt (its logprobs), as the legacy API allows
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5, description="log-probabilities of the n most likely")
     best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
     suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (only the prompt would be returned)")
+        return self
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
