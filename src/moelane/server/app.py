@@ -214,7 +214,8 @@ class ServerState:
         try:
             if first := header.first():
                 yield first
-            late_echo = bool(echo) and gen.params.prompt_logprobs  # sent once the prompt's entries are known
+            # A scored echo waits for the prompt's entries, which the first reply token comes after.
+            late_echo = bool(echo) and gen.params.prompt_logprobs
             if echo and not late_echo:
                 yield header.piece(echo)
             sent = 0
@@ -222,11 +223,11 @@ class ServerState:
                 self.metrics.rate.add(gen.n_tokens - sent)
                 sent = gen.n_tokens
                 if late_echo:
-                    yield header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
+                    yield self._scored_echo(gen, header, echo)
                     late_echo = False
                 yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)))
-            if late_echo:
-                yield header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
+            if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
+                yield self._scored_echo(gen, header, echo)
             assert gen.finish_reason is not None
             yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header, len(echo)))
             if include_usage:
@@ -243,6 +244,9 @@ class ServerState:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
         fresh = gen.take_logprobs()
         return logprobs_body(header.chat, fresh, self.token_text, offset) if fresh else None
+
+    def _scored_echo(self, gen: Generation, header: Header, echo: str) -> str:
+        return header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
 
     @staticmethod
     def _echoed(gen: Generation, n_echo: int, entries: Logprobs | None) -> Logprobs | None:
