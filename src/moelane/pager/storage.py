@@ -98,7 +98,7 @@ def read_native(files: ShardFiles, handle: ExpertHandle, buf: torch.Tensor | Non
     """An expert's tier-0 stored form: its checkpoint tensors' bytes, back to back (uint8 [handle.nbytes]); into
     `buf` (its first bytes) if given."""
     buf = torch.empty(handle.nbytes, dtype=torch.uint8) if buf is None else buf[: handle.nbytes]
-    view = memoryview(buf.numpy().data)
+    view = byte_view(buf)
     pos = 0
     for ref in handle.tensors.values():
         files.read_into(ref, view[pos : pos + ref.nbytes], expert_name(handle))
@@ -218,7 +218,7 @@ class TierFile:
         i, n = self._order[(handle.layer, handle.expert)], self.codec.nbytes
         buf = torch.empty(n, dtype=torch.uint8)
         try:
-            got = os.preadv(self._fd, [memoryview(buf.numpy().data)], i * n)
+            got = os.preadv(self._fd, [byte_view(buf)], i * n)
         except OSError as e:
             raise ExpertReadError(f"{expert_name(handle)}: cannot read tier file {self.path}: {e}") from None
         if got != n or zlib.crc32(buf.numpy().data) != self._crcs[i]:
