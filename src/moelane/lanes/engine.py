@@ -262,7 +262,7 @@ class Engine:
     def _forward(self, windows: list[Window]) -> list[torch.Tensor]:
         rows = [w.rows() for w in windows]
         # Only each stream's last row is read, unless a window holds drafts or a prompt's log-probabilities are asked.
-        last_only = not any(w.drafts or (w.lane.prompt_logprobs and w.lane.n_fed < w.lane.n_prompt) for w in windows)
+        last_only = not any(w.drafts or (w.lane.prompt_logprobs and w.lane.prefilling) for w in windows)
         t0 = self.clock.now()
         if self._pool is not None:
             pending = self._pool.submit(self.target.forward, rows, last_only)
@@ -281,7 +281,7 @@ class Engine:
     def _settle(self, window: Window, logits: torch.Tensor, mode: str) -> int:
         """Verify and commit one window; count it; finish its stream if it ended. Returns tokens committed."""
         lane = window.lane
-        had_drafts, prefilling = bool(lane.drafts), lane.n_fed < lane.n_prompt
+        had_drafts, prefilling = bool(lane.drafts), lane.prefilling
         if prefilling and lane.prompt_logprobs:
             lane.stream._append_prompt(prompt_logprobs_of(window, logits, lane.top_logprobs or 0))
         tokens = verify(window, logits)

@@ -46,6 +46,11 @@ class Lane:
         return len(self.tokens) - self.n_fed
 
     @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens are still to be fed."""
+        return self.n_fed < self.n_prompt
+
+    @property
     def decoding(self) -> bool:
         return self.n_pending == 1
 

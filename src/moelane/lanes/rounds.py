@@ -39,7 +39,7 @@ class Window:
 
     def rows(self) -> Rows:
         lane = self.lane
-        decode = not self.drafts and len(self.feed) == 1 and lane.n_fed >= lane.n_prompt  # a generated token, alone
+        decode = not self.drafts and len(self.feed) == 1 and not lane.prefilling  # a generated token, alone
         return Rows(lane.cache, self.feed + self.drafts, lane.n_fed, lane.id, decode)
 
 
