@@ -150,11 +150,14 @@ class ServerState:
     async def serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], limit: int | None,
                     default: int | None, chat: bool, echo: str = "") -> Response:  # fmt: skip
         endpoint = "chat" if chat else "completions"
-        params = GenerationParams(tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), body.temperature,
-                                  body.top_p, body.top_k, body.seed, tuple(body.stop_list()),
-                                  tuple(body.bias_map().items()), body.presence_penalty,
-                                  body.frequency_penalty, body.top_logprobs_asked(),
-                                  bool(echo) and body.top_logprobs_asked() is not None)  # fmt: skip
+        top_logprobs = body.top_logprobs_asked()
+        params = GenerationParams(
+            tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), temperature=body.temperature,
+            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
+            logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
+            prompt_logprobs=bool(echo) and top_logprobs is not None,
+        )  # fmt: skip
         self.admit()
         gen: Generation | None = None
         try:
