@@ -13,7 +13,7 @@ from moelane.lanes import Engine, EngineConfig, FakeClock
 from moelane.lanes.fake import FakeTarget, linear_price
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
-from tests.lanes.reference import prompts, solo_decode
+from tests.lanes.reference import prompts, solo_decode, submit_kwargs
 
 VOCAB = 48
 EOS = frozenset({0})
@@ -44,13 +44,8 @@ def cases() -> list[tuple[list[int], SamplingParams, list[int]]]:
     ]
 
 
-def sampling(sp: SamplingParams) -> dict[str, object]:
-    return dict(temperature=sp.temperature, top_k=sp.top_k, seed=sp.seed, logit_bias=dict(sp.logit_bias),
-                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty)  # fmt: skip
-
-
 def submit_all(engine: Engine, cases: list[tuple[list[int], SamplingParams, list[int]]]) -> list:
-    return [engine.submit(p, max_tokens=MAX_TOKENS, **sampling(sp)) for p, sp, _ in cases]  # type: ignore[arg-type]
+    return [engine.submit(p, max_tokens=MAX_TOKENS, **submit_kwargs(sp)) for p, sp, _ in cases]
 
 
 @pytest.mark.parametrize("n_streams", [1, 2, 4, 8, 16])
@@ -73,7 +68,7 @@ def test_logprobs_equal_those_of_solo_decode(cases, drafter: str) -> None:
     chose it from, whatever shares the round and whether it was a drafted row."""
     engine, _ = make(drafter, max_streams=6, prefill_chunk=8)
     streams = [engine.submit(p, max_tokens=MAX_TOKENS, logprobs=3 if i % 2 else 0, prompt_logprobs=i % 4 == 1,
-                             **sampling(sp))  # type: ignore[arg-type]
+                             **submit_kwargs(sp))
                for i, (p, sp, _) in enumerate(cases[:12])]  # fmt: skip
     plain = engine.submit(cases[0][0], max_tokens=5)
     engine.run_until_idle()

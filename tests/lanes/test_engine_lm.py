@@ -14,7 +14,7 @@ from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
-from tests.lanes.reference import prompts
+from tests.lanes.reference import prompts, submit_kwargs
 
 
 def params_of(i: int) -> SamplingParams:
@@ -30,9 +30,7 @@ def check_identity(lm: Any, draft: Any, cases: list[tuple[list[int], list[int]]]
     streams = []
     for i, (prompt, _) in enumerate(cases):
         sp = params_of(i)
-        streams.append(engine.submit(prompt, max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed,
-                                     logit_bias=dict(sp.logit_bias), presence_penalty=sp.presence_penalty,
-                                     frequency_penalty=sp.frequency_penalty))  # fmt: skip
+        streams.append(engine.submit(prompt, max_tokens, **submit_kwargs(sp)))
     engine.run_until_idle()
     for i, (stream, (prompt, expected)) in enumerate(zip(streams, cases, strict=True)):
         assert stream.token_ids == expected, f"prompt {i} ({prompt}) with {config}"
@@ -136,17 +134,10 @@ def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: P
     for config in (dict(max_streams=1), dict(max_streams=4, prefill_chunk=5)):
         engine = Engine(lm, EngineConfig(**config))
         pairs = enumerate(zip(cases, lengths, strict=True))
-        streams = [engine.submit(p, n, **_sampling(i)) for i, ((p, _), n) in pairs]
+        streams = [engine.submit(p, n, **submit_kwargs(params_of(i))) for i, ((p, _), n) in pairs]
         engine.run_until_idle()
         for i, (stream, (_, expected)) in enumerate(zip(streams, cases, strict=True)):
             assert stream.token_ids == expected, f"prompt {i} with {config}"
     assert len(calls) > 2 * n_solo - len(cases)
     with pytest.raises(InputError, match="drafter 'none'"):
         Engine(lm, EngineConfig(drafter="copy"))
-
-
-def _sampling(i: int) -> dict[str, Any]:
-    sp = params_of(i)
-    return dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-                logit_bias=dict(sp.logit_bias), presence_penalty=sp.presence_penalty,
-                frequency_penalty=sp.frequency_penalty)  # fmt: skip
