@@ -9,6 +9,7 @@ tokens each (no EOS stop, so every cell does the same work), timed from the firs
 line per cell and a summary line.
 
     python bench/lanes_bench.py --tokens 128 --drafter copy
+    python bench/lanes_bench.py --tokens 256 --drafter copy --compile --warm
     python bench/lanes_bench.py --model PATH --drafter model --draft PATH
 """
 
@@ -126,12 +127,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--warm", action="store_true", help="put a batch of other prompts through each engine first")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all cells (modes alternated); medians reported")
+    ap.add_argument("--compile", action="store_true", help="compile the target's decode step (generated rows)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import moelane
 
-    lm = moelane.load(args.model)
+    lm = moelane.load(args.model, compile=args.compile)
     draft = None
     if args.drafter == "model":
         from moelane.lanes.engine import load_draft_model
@@ -140,7 +142,8 @@ def main() -> None:
     # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead
     lm.eos_ids = frozenset()
     setting = {"model": args.model or "shipped", "drafter": args.drafter, "tokens": args.tokens, "rev": git_rev(),
-               "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm}  # fmt: skip
+               "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm,
+               "compiled": args.compile}  # fmt: skip
     print(json.dumps({"event": "setting", **setting}), flush=True)
     counts = [int(x) for x in args.streams.split(",")]
     samples: dict[tuple[str, int, str], list[float]] = {}

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 import moelane
-from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
@@ -118,26 +117,35 @@ def test_shipped_model_replies_equal_solo_decode(shipped, shipped_cases, drafter
 
 
 def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: Path) -> None:
-    """With the decode step compiled, each stream's decode rows run through it (one graph for every cache capacity)
-    and prompt rows share eager passes: replies equal the compiled `generate_ids` alone, at one stream and at four
-    with prompts prefilled in chunks beside decoding streams. Drafting is refused: its rows could not match."""
+    """With the decode step compiled, every generated row (a stream's next token and its drafts) runs through it,
+    all streams' rows in one call, and prompt rows share eager passes: replies equal the compiled `generate_ids`
+    alone, at one stream and at four with prompts prefilled in chunks beside decoding streams, plain and drafted,
+    with two cache capacities (pools) in one round."""
     lm = moelane.load(tiny[0].folder, compile=True)
-    calls = []
+    calls: list[int] = []
     step = lm._compiled
     assert step is not None
-    lm._compiled = lambda *a: calls.append(1) or step(*a)
+    lm._compiled = lambda rows, pool: calls.append(len(rows)) or step(rows, pool)
     lengths = [16 + 300 * (i == 1) for i in range(6)]  # one stream's cache has another capacity: the same graph
     cases = [(p, list(lm.generate_ids(p, n, params_of(i))))
              for i, (p, n) in enumerate(zip(prompts(6, lm.vocab_size), lengths, strict=True))]  # fmt: skip
-    n_solo = len(calls)
-    assert n_solo > 0
-    for config in (dict(max_streams=1), dict(max_streams=4, prefill_chunk=5)):
-        engine = Engine(lm, EngineConfig(**config))
+    assert set(calls) == {1}
+    configs = [
+        dict(max_streams=1),
+        dict(max_streams=4, prefill_chunk=5),
+        dict(drafter="copy", max_streams=4),
+        dict(drafter="recall", max_streams=6, timed=False),
+        dict(drafter="model", max_streams=3, timed=False),
+    ]
+    for config in configs:
+        calls.clear()
+        engine = Engine(lm, EngineConfig(**config), draft=tiny[1])
         pairs = enumerate(zip(cases, lengths, strict=True))
         streams = [engine.submit(p, n, **submit_kwargs(params_of(i))) for i, ((p, _), n) in pairs]
         engine.run_until_idle()
         for i, (stream, (_, expected)) in enumerate(zip(streams, cases, strict=True)):
             assert stream.token_ids == expected, f"prompt {i} with {config}"
-    assert len(calls) > 2 * n_solo - len(cases)
-    with pytest.raises(InputError, match="drafter 'none'"):
-        Engine(lm, EngineConfig(drafter="copy"))
+        if config["max_streams"] > 1:
+            assert max(calls) > 2, f"rows were not batched with {config}"
+        if config.get("drafter") == "model":  # table prices: drafts surely held
+            assert engine.stats().holds > 0

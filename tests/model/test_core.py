@@ -213,6 +213,36 @@ def test_streams_attend_in_one_batched_call_bit_for_bit(lm: moelane.LM) -> None:
         assert torch.equal(alone, torch.cat([first, second]))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threads: int) -> None:
+    """Through the compiled decode step, a stream's generated rows are bit-identical decoded one token at a time
+    alone, and as rows among 1 to 23 others (other streams of its pool and of another pool, its own drafts, a call
+    split over two), so drafts verified in one call give what one-token steps give."""
+    lm = moelane.load(folder, compile=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = list(range(3, 40))
+        extra = [(7 * i + 5) % 290 for i in range(12)]
+        cache = lm.new_cache(256)
+        lm.forward([Rows(cache, a, 0)])
+        solo = torch.stack([lm.step(t, len(a) + i, cache) for i, t in enumerate(extra)])
+        others = [(lm.new_cache(256 if i % 2 else 512), [(i * 13 + j) % 290 for j in range(9)]) for i in range(10)]
+        for c, p in others:
+            lm.forward([Rows(c, p, 0)])
+        ca = lm.new_cache(256)
+        lm.forward([Rows(ca, a, 0)])
+        got, fed = [], 0
+        for n_own, n_others in ((1, 0), (1, 1), (1, 4), (1, 10), (8, 10)):  # the last: 8 + 10 + 5 rows, split
+            rows = [Rows(ca, extra[fed : fed + n_own], len(a) + fed, decode=True)]
+            rows += [Rows(c, p[: 1 + k % 2], 9 + fed, decode=True) for k, (c, p) in enumerate(others[:n_others])]
+            got.append(lm.forward(rows)[0])
+            fed += n_own
+        assert torch.equal(torch.cat(got), solo)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_max_tokens_and_eos(lm: moelane.LM) -> None:
     ids = list(range(10, 30))
     out = list(lm.generate_ids(ids, 8))
@@ -224,7 +254,7 @@ def test_max_tokens_and_eos(lm: moelane.LM) -> None:
 
 
 def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
-    """The one-token decode step compiles whole (fullgraph=True raises on any graph break)."""
+    """The decode step compiles whole (fullgraph=True raises on any graph break), and its rows agree with eager."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -233,10 +263,13 @@ def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
     eager_logits = lm.forward([Rows(cache, ids, 0)])[0][-1]
     token = int(torch.argmax(eager_logits))
     step = torch.compile(lm._decode_step, fullgraph=True, dynamic=False)
+    rows = torch.tensor([[token, 20, cache.slot]] * 2)
+    torch._dynamo.decorators.mark_unbacked(rows, 0)
     with torch.no_grad():
-        compiled = step(torch.tensor([token]), torch.tensor([20]), cache)
+        compiled = step(rows, cache.pool)
     eager = lm.forward([Rows(cache, [token], 20)])[0][0]
-    assert (compiled - eager).abs().max() < 1e-4
+    assert (compiled[0] - eager).abs().max() < 1e-4
+    assert torch.equal(compiled[0], compiled[1])
 
 
 def test_two_compiled_models_of_one_shape_keep_their_own_graphs(tmp_path: Path) -> None:

@@ -85,6 +85,24 @@ def test_greedy_tokens_identical_at_every_budget(
         store.close()
 
 
+def test_compiled_decode_through_a_store_equals_its_solo_decode(wide: Path, reference: Reference) -> None:
+    """Compiled with a store, the decode step hands back to Python at the residency check; an engine's streams (one
+    row a call, as a lone stream's) reply what the compiled solo decode does, and that is the resident model's."""
+    from moelane.lanes import Engine, EngineConfig
+
+    lm = moelane.load(wide, provider=store_factory("50%", None, "lru", "native"), compile=True)
+    try:
+        prompts = [PROMPT, PROMPT[7:], PROMPT[::2]]
+        solo = [list(lm.generate_ids(p, 12)) for p in prompts]
+        assert solo[0] == reference[1][:12]
+        engine = Engine(lm, EngineConfig(drafter="copy", max_streams=3))
+        streams = [engine.submit(p, 12) for p in prompts]
+        engine.run_until_idle()
+        assert [s.token_ids for s in streams] == solo
+    finally:
+        lm.provider.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(("dtype", "host"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "10%")])
 def test_every_read_path_fills_the_slots_exactly(
     wide: Path, dtype: torch.dtype, host: str | None, monkeypatch: pytest.MonkeyPatch

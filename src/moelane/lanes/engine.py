@@ -97,9 +97,6 @@ class Engine:
         """`draft`: the draft model for drafter "model" (default: the shipped one). `recall_store`: a store to share
         with other engines (default: a new one)."""
         self.target, self.config = target, config or EngineConfig()
-        if getattr(target, "compiled", False) and self.config.drafter != "none":
-            raise InputError("a compiled model decodes one row per stream, so its drafts could not be verified in the "
-                             "same bits as a decode alone: use drafter 'none' or an eager model")  # fmt: skip
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
         self.guard = Guard() if self.config.guard_on else None
@@ -369,7 +366,7 @@ class Engine:
             seconds = []
             for _ in range(2):
                 t0 = self.clock.now()
-                self.target.forward([Rows(cache, [0] * w, 0)])
+                self.target.forward([Rows(cache, [0] * w, 0, decode=True)])  # priced as generated rows are
                 seconds.append(self.clock.now() - t0)
             points.append((w, max(min(seconds), 1e-9)))
         self.prices = PriceTable(points)

@@ -38,9 +38,8 @@ class Window:
         return self.lane.n_fed + len(self.feed) == len(self.lane.tokens)
 
     def rows(self) -> Rows:
-        lane = self.lane
-        decode = not self.drafts and len(self.feed) == 1 and not lane.prefilling  # a generated token, alone
-        return Rows(lane.cache, self.feed + self.drafts, lane.n_fed, lane.id, decode)
+        lane = self.lane  # once the prompt is fed, every row is a generated token: the last committed, then drafts
+        return Rows(lane.cache, self.feed + self.drafts, lane.n_fed, lane.id, decode=not lane.prefilling)
 
 
 def choose(lanes: Sequence[Lane], max_streams: int, max_rows: int, prefill_chunk: int) -> list[tuple[Lane, int]]:

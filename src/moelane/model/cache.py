@@ -1,49 +1,123 @@
-"""Per-stream KV cache: one static buffer per attention layer, written at absolute positions.
+"""KV caches: each stream owns one slot of a `KVPool`, a static buffer per attention layer written at absolute
+positions.
 
-The buffer's capacity is fixed when the stream starts, so every attention call of a stream reduces over the same
-length (batch invariance) and a compiled step sees fixed shapes. A stream's length lives with its owner, not here:
-rolling back rejected drafts is just feeding the next rows at an earlier position; stale entries past a row's
-position are masked by attention.
+A pool holds the caches of every stream of one capacity: `k[layer]` is [S, Hkv, C, D] (S slots, C positions). A
+stream's capacity is fixed when it starts, so every attention call of a stream reduces over the same length (batch
+invariance), and the compiled decode step gathers any set of streams' caches from their pool by slot number (one
+graph, no per-stream inputs). A stream's length lives with its owner, not here: rolling back rejected drafts is just
+feeding the next rows at an earlier position; stale entries past a row's position are masked by attention.
+
+Slots are zeroed when taken (a masked key still meets its value in the attention product, so no slot may hold NaN
+bits) and given back when their `KVCache` is collected. Pools grow by replacing their tensors; slots that were
+never taken are never touched, so their pages cost no memory. Slot counts go 3, 7, 15, ..., skipping the capacity:
+the compiled step takes both as symbols, and two symbols whose sizes agree when it is traced are tied into one.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+FIRST_SLOTS = 3
 
-class KVCache:
+
+class KVPool:
     def __init__(
         self, shapes: dict[int, tuple[int, int, int]], capacity: int, dtype: torch.dtype, device: str = "cpu"
     ) -> None:
         """shapes: per attention layer, (kv heads, key dim, value dim)."""
-        self.capacity = capacity
-        self.k = {i: torch.zeros(h, capacity, dk, dtype=dtype, device=device) for i, (h, dk, _) in shapes.items()}
-        self.v = {i: torch.zeros(h, capacity, dv, dtype=dtype, device=device) for i, (h, _, dv) in shapes.items()}
-        self._dynamic = False
+        self.shapes, self.capacity, self.dtype, self.device = shapes, capacity, dtype, device
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self._free: list[int] = []
+        self._taken: set[int] = set()
+        self._lock = threading.Lock()
+        self._grow(FIRST_SLOTS)
 
-    def mark_dynamic(self) -> None:
-        """Let a compiled step take this cache's capacity as a symbol: one graph serves every capacity."""
-        if not self._dynamic:
+    @property
+    def n_slots(self) -> int:
+        return next(iter(self.k.values())).shape[0]
+
+    @property
+    def n_taken(self) -> int:
+        return len(self._taken)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def take(self) -> int:
+        """A zeroed slot (the pool grows when none is free)."""
+        with self._lock:
+            if not self._free:
+                size = 2 * self.n_slots + 1
+                self._grow(size if size != self.capacity else 2 * size + 1)
+            slot = self._free.pop()
+            self._taken.add(slot)
             for t in (*self.k.values(), *self.v.values()):
-                torch._dynamo.mark_dynamic(t, 1)
-            self._dynamic = True
+                t[slot].zero_()
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._taken.discard(slot)
+            self._free.append(slot)
+
+    def _grow(self, n_slots: int) -> None:
+        old = self.n_slots if self.k else 0
+        for store, dim in ((self.k, 1), (self.v, 2)):
+            for layer, shape in self.shapes.items():
+                # empty, not zeros: pages of slots never taken stay untouched
+                t = torch.empty(n_slots, shape[0], self.capacity, shape[dim], dtype=self.dtype, device=self.device)
+                for slot in self._taken:
+                    t[slot].copy_(store[layer][slot])
+                torch._dynamo.mark_dynamic(t, 0)  # a compiled step takes slot count and capacity as symbols
+                torch._dynamo.mark_dynamic(t, 2)
+                store[layer] = t
+        self._free = list(range(n_slots - 1, old - 1, -1)) + self._free  # lowest slot first
+
+
+class KVCache:
+    """One stream's cache: a slot of a pool. `k[layer]` / `v[layer]` are the slot's buffers [Hkv, C, D]."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool, self.slot, self.capacity = pool, pool.take(), pool.capacity
+        weakref.finalize(self, pool.give, self.slot)
+
+    @property
+    def k(self) -> _SlotView:
+        return _SlotView(self.pool.k, self.slot)
+
+    @property
+    def v(self) -> _SlotView:
+        return _SlotView(self.pool.v, self.slot)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return self.pool.slot_bytes
 
     def write(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [n, Hkv, D] at `positions` [n]; return the layer's whole buffers [Hkv, C, D]."""
-        kc, vc = self.k[layer], self.v[layer]
+        kc, vc = self.pool.k[layer][self.slot], self.pool.v[layer][self.slot]
         if k.dtype != kc.dtype:
             k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.index_copy_(1, positions, k.transpose(0, 1))
         vc.index_copy_(1, positions, v.transpose(0, 1))
         return kc, vc
+
+
+@dataclass(frozen=True, slots=True)
+class _SlotView:
+    tensors: dict[int, torch.Tensor]
+    slot: int
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.tensors[layer][self.slot]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +128,9 @@ class Rows:
     token_ids: list[int]
     start: int
     stream_id: int = 0
-    # A generated token fed to read the next one (one row, prompt all fed): a compiled model runs it through its
-    # compiled decode step, as `LM.step` does, so the row has the same bits in a shared round as in a decode alone.
+    # Generated tokens (the last committed one, then any drafts; the prompt all fed): a compiled model runs them
+    # through its compiled decode step, as `LM.step` does, so each row has the same bits in a shared round as in a
+    # decode alone.
     decode: bool = False
 
     def __post_init__(self) -> None:
@@ -66,5 +141,3 @@ class Rows:
                 f"rows at positions {self.start}..{self.start + len(self.token_ids) - 1} "
                 f"do not fit a cache of {self.cache.capacity}"
             )
-        if self.decode and len(self.token_ids) != 1:
-            raise ValueError(f"decode rows are one token, got {len(self.token_ids)}")

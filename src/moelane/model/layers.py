@@ -4,8 +4,9 @@ Batch invariance (docs/batch-invariance.md): a row's numbers must not depend on 
 Every projection goes through `linear`, which pads the rows to whole tiles of `TILE` so each row always meets the same
 matrix kernel; transcendental elementwise functions go through `pointwise`, which keeps every element on the
 vectorised path; attention runs per stream over that stream's whole static cache (a fixed reduction length), with the
-stream's query rows padded to a tile as well. Nothing here takes a Python scalar from a tensor, so a decode step
-compiles whole.
+stream's query rows padded to a tile as well. The compiled decode step instead writes and reads any rows' caches in
+their pool (`attend_pooled`), where every row meets the same kernels whatever the row count. Nothing here takes a
+Python scalar from a tensor, so a decode step compiles whole.
 
 Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads, D head dim, C cache capacity.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moelane.model.cache import KVCache
+from moelane.model.cache import KVCache, KVPool
 
 TILE = 8
 # PyTorch's CPU elementwise kernels run two vectors at a time and finish the last `numel % (2 x lanes)` elements with
@@ -193,11 +194,14 @@ class Batch:
     """How the rows of one forward pass split into streams.
 
     `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions.
+    The compiled decode step gives `pool` and `slots` [N] (each row's cache slot in it) instead of spans and caches.
     """
 
     spans: tuple[tuple[int, int], ...]
     caches: tuple[KVCache, ...]
     positions: torch.Tensor
+    pool: KVPool | None = None
+    slots: torch.Tensor | None = None
 
 
 def attend_batched(
@@ -215,21 +219,15 @@ def attend_batched(
     masked, so stale entries beyond a stream's length (rolled-back drafts) never count. With a sliding `window`, a
     row sees only the `window` keys ending at its own position. Each stream's query heads, padded to whole tiles, meet
     its own K/V in one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers
-    do not depend on B (tested bit for bit; the compiled decode step does not pad). Returns [n_i, Hq, Dv] per
-    stream."""
+    do not depend on B (tested bit for bit). Returns [n_i, Hq, Dv] per stream."""
     b = len(qs)
-    n_pad = n_real = max(q.shape[0] for q in qs)
-    if not torch.compiler.is_compiling():
-        # Whole tiles keep eager rows batch-invariant. The compiled decode step is not bit-identical to eager anyway
-        # (see `linear`), and padding its one row to a tile made both products TILE times the work: 16% of a step.
-        n_pad = -(-n_pad // TILE) * TILE
+    n_real = max(q.shape[0] for q in qs)
+    n_pad = -(-n_real // TILE) * TILE
     qh = torch.stack([F.pad(q.transpose(0, 1), (0, 0, 0, n_pad - q.shape[0])) for q in qs])  # [B, Hq, n_pad, D]
     k = ks[0][None] if b == 1 else torch.stack(ks)  # [B, Hkv, C, D]
     v = vs[0][None] if b == 1 else torch.stack(vs)
-    if b == 1:  # (no padding, and no fill value from the capacity, which would pin a compiled step to it)
-        row_pos = positions[0][None]  # [1, n_real]
-    else:  # rows past a stream's own see every key, so no row is all -inf (their output is dropped)
-        row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=k.shape[2] - 1) for p in positions])
+    # rows past a stream's own see every key, so no row is all -inf (their output is dropped)
+    row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=k.shape[2] - 1) for p in positions])
     out = attend_tiles(qh, k, v, row_pos, scale, window)
     return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
 
@@ -313,7 +311,7 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend_streams(q, k, v, layer, batch, self.scale, self.window)
-        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.reshape(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
 def attend_streams(
@@ -327,9 +325,12 @@ def attend_streams(
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend: streams whose caches share a capacity and whose rows
     pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
+    if batch.pool is not None and batch.slots is not None:
+        return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions, scale,
+                             window)  # fmt: skip
     kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
            for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
-    if len(kvs) == 1:  # no grouping key read, so a compiled step keeps the cache capacity symbolic
+    if len(kvs) == 1:
         return attend_batched([q], [kvs[0][0]], [kvs[0][1]], [batch.positions], scale, window)[0]
     if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
         b, n = len(kvs), batch.spans[0][1]
@@ -349,6 +350,44 @@ def attend_streams(
         for i, r in zip(members, results, strict=True):
             out[i] = r
     return torch.cat(out, dim=0)
+
+
+def attend_pooled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The compiled decode step's attention: row i writes its K/V at (slots[i], positions[i]) of the pool, then
+    attends over its slot's whole cache, keys up to its own position. Rows of one stream (a token and its drafts)
+    see each other's K/V, since every write comes first.
+
+    q [N, Hq, D]; k/v [N, Hkv, D]; k_pool/v_pool [S, Hkv, C, D/Dv]; slots, positions [N] -> [N, Hq, Dv]. Each row's
+    query heads sharing a KV head meet that head's keys in one matrix of a batched product, [group, D] x [D, C],
+    the same shape for every row whatever N is, so no row's numbers depend on the others."""
+    n, n_heads, d = q.shape
+    n_kv, capacity, d_v = k_pool.shape[1], k_pool.shape[2], v_pool.shape[3]
+    group = n_heads // n_kv
+    k_pool[slots, :, positions] = k.to(k_pool.dtype)
+    v_pool[slots, :, positions] = v.to(v_pool.dtype)
+    keys = k_pool[slots].reshape(n * n_kv, capacity, d)
+    values = v_pool[slots].reshape(n * n_kv, capacity, d_v)
+    # (reshaped in steps that split or merge one dim at a time: the compiler then needs no guess about N's size)
+    q_rows = q.view(n, n_kv, group, d).reshape(n * n_kv, group, d)
+    scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, C]
+    scores = (scores * scale).float()
+    key_pos = torch.arange(capacity, device=q.device)
+    mask = key_pos[None, :] <= positions[:, None]  # [N, C]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > positions[:, None] - window)
+    mask = mask[:, None, :].expand(n, n_kv, capacity).reshape(n * n_kv, 1, capacity)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
+    return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
 
 
 def uniform(batch: Batch) -> bool:

@@ -4,12 +4,19 @@
   batch-invariant (docs/batch-invariance.md). Observers get the pass's routing afterwards.
 - `logits(ids)`: logits of a fresh sequence.
 - `generate` / `stream` / `generate_ids`: one stream, prefill in chunks then one token per pass (compiled when asked).
+
+The compiled decode step is one graph for any number of rows of generated tokens (one stream's next token, or the
+rows of many streams and their drafts), of any cache capacity: rows, pool slots and capacity are symbols of the
+graph, so its kernels, and every row's bits, are the same whatever shares the call (docs/batch-invariance.md). The
+row count is an unbacked symbol: a backed one is specialised to 1 for a lone row, which compiles another graph whose
+bits differ.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +26,7 @@ from typing import Any, cast
 import torch
 
 from moelane.errors import InputError
-from moelane.model.cache import KVCache, Rows
+from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
 from moelane.model.layers import Batch
 from moelane.model.loader import ExpertHandle
@@ -29,6 +36,7 @@ from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 
 log = logging.getLogger(__name__)
 CACHE_BUCKET = 256  # KV capacities are rounded up to this, so streams' caches often share one (batched attention)
+STEP_ROWS = 16  # the most rows one call of the compiled decode step takes; more are split over calls
 
 
 class LM:
@@ -52,14 +60,26 @@ class LM:
         self.vocab_size = self.args.vocab_size
         self.max_context = self.args.max_position_embeddings
         self._compiled: Callable[..., torch.Tensor] | None = None
+        self._step_rows = STEP_ROWS
         self.prefill_chunk = 256  # rows per prefill pass; a small expert pool may need fewer
+        self._pools: dict[int, KVPool] = {}  # by capacity
+        # Held by every pass and by cache allocation: a pool that grows replaces its tensors, which must not happen
+        # while a pass writes into them.
+        self._lock = threading.RLock()
 
     # ---- passes -------------------------------------------------------------------------------------------------
 
     def new_cache(self, capacity: int) -> KVCache:
+        """A cache of `capacity` positions: a slot of the pool of that capacity (given back when collected)."""
         if capacity > self.max_context:
             raise InputError(f"a cache of {capacity} positions exceeds the model's context of {self.max_context}")
-        return KVCache(self.model.cache_shapes(), capacity, self.dtype)
+        with self._lock:
+            pool = self._pools.get(capacity)
+            if pool is None:
+                for unused in [c for c, p in self._pools.items() if p.n_taken == 0]:
+                    del self._pools[unused]
+                pool = self._pools[capacity] = KVPool(self.model.cache_shapes(), capacity, self.dtype)
+            return KVCache(pool)
 
     def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
         """A cache for a prompt and its reply, rounded up to a bucket (so streams often share a capacity)."""
@@ -72,10 +92,14 @@ class LM:
     @torch.no_grad()
     def forward(self, rows: list[Rows], phase: str | None = None, last_only: bool = False) -> list[torch.Tensor]:
         """One pass over several streams' rows -> logits [n_i, vocab] per stream (only the last row's if
-        `last_only`). With the decode step compiled, `decode` rows run through it one stream at a time (exactly
-        as a one-stream decode does) and the other rows share one eager pass."""
-        if self.compiled and any(r.decode for r in rows):
-            return self._forward_split(rows, phase, last_only)
+        `last_only`). With the decode step compiled, `decode` rows (generated tokens) run through it, all streams'
+        together, exactly as a one-stream decode does; the other rows share one eager pass."""
+        with self._lock:
+            if self.compiled and any(r.decode for r in rows):
+                return self._forward_split(rows, phase, last_only)
+            return self._forward_eager(rows, phase, last_only)
+
+    def _forward_eager(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
         tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
         if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
             raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
@@ -98,12 +122,40 @@ class LM:
         out: list[torch.Tensor | None] = [None] * len(rows)
         rest = [i for i, r in enumerate(rows) if not r.decode]
         if rest:
-            for i, logits in zip(rest, self.forward([rows[i] for i in rest], phase, last_only), strict=True):
+            for i, logits in zip(rest, self._forward_eager([rows[i] for i in rest], phase, last_only), strict=True):
                 out[i] = logits
-        for i, r in enumerate(rows):
-            if r.decode:
-                out[i] = self.step(r.token_ids[0], r.start, r.cache)[None]
+        decode = [i for i, r in enumerate(rows) if r.decode]
+        for i, logits in zip(decode, self._decode([rows[i] for i in decode]), strict=True):
+            out[i] = logits[-1:] if last_only else logits
         return cast(list[torch.Tensor], out)
+
+    def _decode(self, rows: list[Rows]) -> list[torch.Tensor]:
+        """Generated rows through the compiled step -> logits [n_i, vocab] per stream, one pool (cache capacity) at
+        a time."""
+        if any(t < 0 or t >= self.vocab_size for r in rows for t in r.token_ids):
+            raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        by_pool: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_pool.setdefault(id(r.cache.pool), []).append(i)
+        for members in by_pool.values():
+            logits = self._decode_pool([rows[i] for i in members])
+            for i, part in zip(members, torch.split(logits, [len(rows[i].token_ids) for i in members]), strict=True):
+                out[i] = part
+        return cast(list[torch.Tensor], out)
+
+    def _decode_pool(self, rows: list[Rows]) -> torch.Tensor:
+        """Rows of one pool -> logits [N, vocab], up to STEP_ROWS rows a call. A stream's rows may span two calls:
+        the first writes the K/V the second reads."""
+        assert self._compiled is not None
+        pool = rows[0].cache.pool
+        flat = torch.tensor([(t, r.start + j, r.cache.slot) for r in rows for j, t in enumerate(r.token_ids)])
+        logits = []
+        for part in torch.split(flat, self._step_rows):
+            # Unbacked: the graph is never specialised to the row count it is traced or called with, one row included
+            torch._dynamo.decorators.mark_unbacked(part, 0)
+            logits.append(self._compiled(part, pool))
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
 
     def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
         if phase is None:
@@ -125,8 +177,8 @@ class LM:
     # ---- one stream ---------------------------------------------------------------------------------------------
 
     def enable_compile(self) -> None:
-        """Compile the one-token decode step whole (fullgraph). The cache capacity is a symbol of the graph, so the
-        first step pays the compile once for every cache size."""
+        """Compile the decode step whole (fullgraph): one graph for every row count, pool size and cache capacity,
+        compiled at its first call."""
         # All experts resident: one graph. A pager's store hands back to Python at its residency check.
         whole = isinstance(self.provider, ResidentProvider)
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
@@ -134,34 +186,35 @@ class LM:
         skip: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         # Dynamo keeps its graphs on the code object, and with module guards skipped it cannot tell two LMs of the
         # same tensor shapes apart (another family's graph was run: KeyError inside). So each LM compiles a copy of
-        # the step's code, which holds only its own graphs. Static shapes, except the cache dimension
-        # `KVCache.mark_dynamic` marks.
+        # the step's code, which holds only its own graphs. Static shapes, except the row count and the pool
+        # dimensions that `_decode` and `KVPool` mark.
         step = types.FunctionType(LM._decode_step.__code__.replace(), LM._decode_step.__globals__, "_decode_step")
         self._compiled = torch.compile(types.MethodType(step, self), fullgraph=whole, dynamic=False, options=skip)
+        # Past a graph break the row count is the next graph's input, which Dynamo specialises (one graph, other
+        # bits, per count): with a pager's store, rows go through one at a time, as a lone stream's do.
+        self._step_rows = STEP_ROWS if whole else 1
 
     @property
     def compiled(self) -> bool:
-        """Whether one-token decode steps run compiled (enabled, and no routing observer needs the eager pass)."""
+        """Whether decode rows run compiled (enabled, and no routing observer needs the eager pass)."""
         return self._compiled is not None and not self.observers
 
     def warm_up(self, n_prompt: int, max_tokens: int) -> None:
-        """Compile the decode step (one graph for every cache size) before anything is timed."""
+        """Compile the decode step (one graph for every row count and cache size) before anything is timed."""
         if self._compiled is not None:
             self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
 
-    def _decode_step(self, token: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        batch = Batch(((0, 1),), (cache,), position)
-        hidden = self.model(token, batch, self.provider, [])
-        return self.model.logits(hidden)[0]
+    def _decode_step(self, rows: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """rows [N, 3]: each row's token, position and cache slot in `pool` -> logits [N, vocab]."""
+        tokens, positions, slots = rows.unbind(1)
+        batch = Batch(((0, rows.shape[0]),), (), positions, pool, slots)
+        hidden = self.model(tokens, batch, self.provider, [])
+        return self.model.logits(hidden)
 
     @torch.no_grad()
     def step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
         """Feed one token at `position`; logits [vocab] for the next. Compiled when enabled and nobody observes."""
-        if self.compiled:
-            assert self._compiled is not None
-            cache.mark_dynamic()
-            return self._compiled(torch.tensor([token]), torch.tensor([position]), cache)
-        return self.forward([Rows(cache, [token], position)], phase="decode")[0][0]
+        return self.forward([Rows(cache, [token], position, decode=True)], phase="decode")[0][0]
 
     def generate_ids(
         self,

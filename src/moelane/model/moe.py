@@ -5,11 +5,11 @@ slots, `provider.weights(layer)` hands over the pool tensors, and the block gath
 `slots_staged` (the pager's store) names the slots before the misses have loaded; eager dispatch then computes the
 resident experts first and waits only before the late ones (`dispatch_staged`), so a miss's read overlaps compute.
 
-Two dispatch paths give bit-identical rows (both run every (token, expert) pair through `linear`, whose tile padding
-makes a row's result independent of the other rows in its tile):
+In both dispatch paths a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
 - eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
   would (one grouped product over the slots' range, or one product per used slot where they are sparse);
-- compiled: one fixed-shape step per (token, expert) pair, no Python scalar from a tensor, so decode compiles whole.
+- compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
+  pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
 
 Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width.
 """
@@ -43,19 +43,18 @@ def dispatch(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H]; slots, weights [T, K]."""
-    n_tokens, k = slots.shape
+    k = slots.shape[1]
     flat = slots.reshape(-1)
     if torch.compiler.is_compiling():
-        ys = [
-            expert_mlp(
-                x[j // k : j // k + 1], w13.index_select(0, flat[j : j + 1])[0], w2.index_select(0, flat[j : j + 1])[0]
-            )
-            for j in range(n_tokens * k)
-        ]
-        y = torch.cat(ys, dim=0)
-    else:
-        y = grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2)
-    return weighted_sum(y, weights)
+        return (gathered(x, slots, w13, w2) * weights.to(x.dtype)[..., None]).sum(dim=1)  # as `weighted_sum`
+    return weighted_sum(grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2), weights)
+
+
+def gathered(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
+    reductions over the input dim (the compiler reads them in place, no copy). x [T, H]; slots [T, K] -> [T, K, H]."""
+    gate, up = (x[:, None, None, :] * w13[slots]).sum(-1).chunk(2, dim=-1)  # [T, K, I] each
+    return (silu_mul(gate, up)[:, :, None, :] * w2[slots]).sum(-1)
 
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

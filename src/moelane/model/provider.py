@@ -7,7 +7,7 @@ pool slots; the block gathers weights by slot. Model code never knows where an e
 - `ResidentProvider` holds every expert: the slot of expert e is e, so `slots` is the identity and the decode step
   compiles whole with no graph break.
 - The pager's store implements the same protocol with a smaller pool; its `slots` call (make these experts resident,
-  return their slots) is the one place where compiled code may hand back to Python. It also has `slots_staged`
+  return their slots) is where compiled code hands back to Python (`host_side`). It also has `slots_staged`
   (optional in the protocol): the slots at once, a mask of the pairs whose experts are still loading, and a `wait`
   to call before computing those, so eager dispatch computes the resident experts while the misses load.
 
@@ -21,12 +21,22 @@ Pool layout, per MoE layer (S slots, I expert width, H hidden):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
 from moelane.model.loader import ExpertHandle, read_expert
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+def host_side(fn: Fn) -> Fn:
+    """Run `fn` as plain Python even inside a compiled decode step (a graph break there): a provider's residency
+    check and its hooks read ids, take locks and do I/O, none of which belongs in a graph."""
+    disable: Any = torch.compiler.disable  # (untyped)
+    return cast(Fn, disable(fn))
 
 
 class ExpertProvider(Protocol):

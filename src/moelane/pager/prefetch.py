@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moelane.model.provider import RoutingRecord
+from moelane.model.provider import RoutingRecord, host_side
 from moelane.pager.plan import Plan
 from moelane.pager.planner import Planner, PlannerConfig
 from moelane.pager.trace import Segment
@@ -100,6 +100,7 @@ class LookAhead:
         self._index = {layer: i for i, layer in enumerate(store.layers)}
         self._predicted: dict[tuple[int, int], set[int]] = {}
 
+    @host_side
     def before_block(self, layer: int, x: torch.Tensor) -> None:
         if layer not in self.gates or x.shape[0] > self.max_rows:
             return
