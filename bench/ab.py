@@ -6,6 +6,7 @@ Each revision's `src/` is exported with `git archive` into a temporary folder (t
 a cell runs this same file with `--cell` under that revision's code.
 
     python bench/ab.py main HEAD --rounds 4 --streams 8 --drafter copy
+    python bench/ab.py main HEAD --rounds 4 --streams 1 --compile
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def cell(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.lanes_bench import prompts
 
-    lm = moelane.load(args.model)
+    lm = moelane.load(args.model, compile=args.compile)
     lm.eos_ids = frozenset()  # fixed work per cell
+    if args.compile:
+        lm.warm_up(8, args.tokens)  # the compile is not timed (PyTorch caches it across cells)
     draft = moelane.load(args.draft) if args.draft else None
     batch = prompts(lm.tokenizer, args.workload, args.streams)
     config = EngineConfig(drafter=args.drafter, max_streams=args.streams, guard=args.guard)
@@ -66,6 +69,8 @@ def run_cell(src: Path, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--draft", args.draft]
     if args.guard is not None:
         cmd += ["--guard", "on" if args.guard else "off"]
+    if args.compile:
+        cmd += ["--compile"]
     env = {**__import__("os").environ, "PYTHONPATH": str(src)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("CELL ")]
@@ -88,6 +93,7 @@ def main() -> None:
     ap.add_argument("--workload", default="open", choices=["open", "copy"])
     ap.add_argument("--model", default=None, help="model folder (default: the shipped model)")
     ap.add_argument("--draft", default=None)
+    ap.add_argument("--compile", action="store_true", help="compile the decode step (warmed up before timing)")
     ap.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = args.model or None

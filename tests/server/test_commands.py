@@ -1,10 +1,10 @@
-"""`moelane serve`'s flags: when the decode step is compiled, which drafter it gets, and the one-line refusal."""
+"""`moelane serve`'s flags: when the decode step is compiled."""
 
 from __future__ import annotations
 
 import pytest
 
-from moelane.cli import build_parser, main
+from moelane.cli import build_parser
 from moelane.server.commands import wants_compile
 
 
@@ -15,9 +15,9 @@ def serve_args(*argv: str):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("argv", "compiled"),
     [
-        ((), True),  # all experts resident, drafter auto: compiled, drafter none
+        ((), True),  # all experts resident: compiled, whatever the drafter
         (("--drafter", "none"), True),
-        (("--drafter", "recall"), False),
+        (("--drafter", "recall"), True),
         (("--expert-memory", "50%"), False),  # a store: eager
         (("--eager",), False),
         (("--compile", "on", "--expert-memory", "50%"), True),
@@ -25,9 +25,3 @@ def serve_args(*argv: str):  # type: ignore[no-untyped-def]
 )
 def test_serve_compiles_where_it_can(argv: tuple[str, ...], compiled: bool) -> None:
     assert wants_compile(serve_args(*argv)) is compiled
-
-
-def test_serve_refuses_compile_with_drafts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--compile", "on", "--drafter", "copy"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--drafter none" in err[0]

@@ -35,6 +35,7 @@ class KVPool:
         self._free: list[int] = []
         self._taken: set[int] = set()
         self._lock = threading.Lock()
+        self._marked = False
         self._grow(FIRST_SLOTS)
 
     @property
@@ -74,10 +75,18 @@ class KVPool:
                 t = torch.empty(n_slots, shape[0], self.capacity, shape[dim], dtype=self.dtype, device=self.device)
                 for slot in self._taken:
                     t[slot].copy_(store[layer][slot])
-                torch._dynamo.mark_dynamic(t, 0)  # a compiled step takes slot count and capacity as symbols
-                torch._dynamo.mark_dynamic(t, 2)
                 store[layer] = t
         self._free = list(range(n_slots - 1, old - 1, -1)) + self._free  # lowest slot first
+        self._marked = False
+
+    def mark_dynamic(self) -> None:
+        """Let a compiled step take the slot count and capacity as symbols: one graph serves every pool. (Only then:
+        importing the compiler costs ~70 MB, which an eager run need not pay.)"""
+        if not self._marked:
+            for t in (*self.k.values(), *self.v.values()):
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 2)
+            self._marked = True
 
 
 class KVCache:

@@ -30,7 +30,7 @@ from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
 from moelane.model.layers import Batch
 from moelane.model.loader import ExpertHandle
-from moelane.model.provider import ExpertProvider, ResidentProvider, RoutingObserver, RoutingRecord
+from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 
@@ -61,6 +61,7 @@ class LM:
         self.max_context = self.args.max_position_embeddings
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._step_rows = STEP_ROWS
+        self._step_provider: ExpertProvider = provider
         self.prefill_chunk = 256  # rows per prefill pass; a small expert pool may need fewer
         self._pools: dict[int, KVPool] = {}  # by capacity
         # Held by every pass and by cache allocation: a pool that grows replaces its tensors, which must not happen
@@ -149,6 +150,7 @@ class LM:
         the first writes the K/V the second reads."""
         assert self._compiled is not None
         pool = rows[0].cache.pool
+        pool.mark_dynamic()
         flat = torch.tensor([(t, r.start + j, r.cache.slot) for r in rows for j, t in enumerate(r.token_ids)])
         logits = []
         for part in torch.split(flat, self._step_rows):
@@ -193,6 +195,11 @@ class LM:
         # Past a graph break the row count is the next graph's input, which Dynamo specialises (one graph, other
         # bits, per count): with a pager's store, rows go through one at a time, as a lone stream's do.
         self._step_rows = STEP_ROWS if whole else 1
+        self._step_provider = self.provider if whole else HostSide(self.provider)
+
+    @property
+    def compile_enabled(self) -> bool:
+        return self._compiled is not None
 
     @property
     def compiled(self) -> bool:
@@ -208,7 +215,7 @@ class LM:
         """rows [N, 3]: each row's token, position and cache slot in `pool` -> logits [N, vocab]."""
         tokens, positions, slots = rows.unbind(1)
         batch = Batch(((0, rows.shape[0]),), (), positions, pool, slots)
-        hidden = self.model(tokens, batch, self.provider, [])
+        hidden = self.model(tokens, batch, self._step_provider, [])
         return self.model.logits(hidden)
 
     @torch.no_grad()

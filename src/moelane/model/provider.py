@@ -33,10 +33,19 @@ Fn = TypeVar("Fn", bound=Callable[..., Any])
 
 
 def host_side(fn: Fn) -> Fn:
-    """Run `fn` as plain Python even inside a compiled decode step (a graph break there): a provider's residency
-    check and its hooks read ids, take locks and do I/O, none of which belongs in a graph."""
+    """`fn` run as plain Python even inside a compiled decode step (a graph break there): a provider's residency
+    check and its hooks read ids, take locks and do I/O, none of which belongs in a graph. For use once compiling is
+    enabled: it loads the compiler (~70 MB), which a process that never compiles should not pay."""
     disable: Any = torch.compiler.disable  # (untyped)
     return cast(Fn, disable(fn))
+
+
+class HostSide:
+    """A provider as the compiled decode step sees it: the same pools, its `slots` run as plain Python."""
+
+    def __init__(self, provider: ExpertProvider) -> None:
+        self.weights = provider.weights
+        self.slots = host_side(provider.slots)
 
 
 class ExpertProvider(Protocol):

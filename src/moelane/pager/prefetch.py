@@ -100,7 +100,6 @@ class LookAhead:
         self._index = {layer: i for i, layer in enumerate(store.layers)}
         self._predicted: dict[tuple[int, int], set[int]] = {}
 
-    @host_side
     def before_block(self, layer: int, x: torch.Tensor) -> None:
         if layer not in self.gates or x.shape[0] > self.max_rows:
             return
@@ -266,20 +265,24 @@ def attach(
     lm: Any, store: PrefetchTarget, lookahead: bool = True, cooc: bool = True, planner: bool = False
 ) -> Attachment:
     """Hook a loaded LM's MoE blocks to the store: lease release after each block, the predictors, and (`planner`)
-    the live planner as a routing observer."""
+    the live planner as a routing observer. With the LM's decode step compiled (enable it first), the hooks run as
+    plain Python inside it."""
     blocks = {layer: lm.model.model.layers[layer].mlp for layer in store.layers}
     out = Attachment(store=store, lm=lm)
     if planner:
         out.planner = store.live_planner = LivePlanner(store)
         lm.observers.append(out.planner)
+    hook: Callable[[Callable[..., None]], Callable[..., None]] = host_side if lm.compile_enabled else lambda f: f
+    release = hook(lambda module, args, output: store.release())
     for block in blocks.values():
-        out.hooks.append(block.register_forward_hook(lambda module, args, output: store.release()))
+        out.hooks.append(block.register_forward_hook(release))
     if lookahead:
         gates = next_gates(lm, store.layers)
         ahead = LookAhead(store, gates)
+        before = hook(ahead.before_block)
         for layer in gates:
             out.hooks.append(
-                blocks[layer].register_forward_pre_hook(lambda m, args, layer=layer: ahead.before_block(layer, args[0]))
+                blocks[layer].register_forward_pre_hook(lambda m, args, layer=layer: before(layer, args[0]))
             )
         out.listeners.append(ahead)
     if cooc:

@@ -42,7 +42,6 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
-from moelane.model.provider import host_side
 from moelane.pager.memory import format_bytes, parse_memory
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
@@ -132,7 +131,6 @@ class ExpertStore:
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13, self.w2
 
-    @host_side
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         return self._route(layer, expert_ids, staged=False)[0]
 
@@ -245,7 +243,6 @@ class ExpertStore:
         for thread in [t for t in self._leases if not t.is_alive()]:
             self._release_locked(thread)
 
-    @host_side
     def release(self) -> None:
         """Release the calling thread's lease (its last layer has computed)."""
         with self._cond:

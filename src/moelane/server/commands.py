@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from moelane.errors import InputError
-
 log = logging.getLogger(__name__)
 
 
@@ -34,10 +32,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="how the engine drafts tokens to verify (default auto: none with a compiled decode step, "
                    "recall without)")  # fmt: skip
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="run each stream's decode rows through the compiled decode step (several times faster "
-                   "per stream; prompt rows still share eager passes; no drafting). Compiles once at start-up, "
-                   "10-40 s, cached for later starts. auto: on when every expert is resident and --drafter is auto "
-                   "or none (default)")  # fmt: skip
+                   help="run the streams' generated rows (drafts included) through the compiled decode step, all "
+                   "streams in one call (several times faster per stream; prompt rows still share eager passes). "
+                   "Compiles once at start-up, 10-60 s, cached for later starts. auto: on when every expert is "
+                   "resident (default)")  # fmt: skip
     p.add_argument("--eager", dest="compile", action="store_const", const="off",
                    help="never compile (same as --compile off)")  # fmt: skip
     p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
@@ -102,11 +100,8 @@ def build(args: argparse.Namespace) -> Any:
 def wants_compile(args: argparse.Namespace) -> bool:
     from moelane.cli import all_resident
 
-    if args.compile == "on" and args.drafter not in ("auto", "none"):
-        raise InputError(f"--compile on decodes one row per stream and cannot verify drafts: use --drafter none "
-                         f"(or auto), or --compile off for --drafter {args.drafter}")  # fmt: skip
     if args.compile == "auto":
-        return all_resident(args) and args.drafter in ("auto", "none")
+        return all_resident(args)
     return bool(args.compile == "on")
 
 
