@@ -18,7 +18,7 @@ from moelane.errors import InputError, MoelaneError
 
 log = logging.getLogger("moelane")
 
-# Measured on the shipped model (2 cores): eager decode 93-110 tok/s, compiled 480-550, warm-up 10 s (cached) to 40 s
+# Measured on the shipped model (2 cores): eager decode 93-151 tok/s, compiled 480-770, warm-up 10 s (cached) to 60 s
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
 # Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
