@@ -243,6 +243,17 @@ def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threa
         torch.set_num_threads(before)
 
 
+def test_token_ids_out_of_range_are_refused_eager_and_compiled(folder: Path) -> None:
+    """Prompt rows (eager) and generated rows (through the compiled step) alike: a clear InputError, not an index
+    error inside a kernel."""
+    lm = moelane.load(folder, compile=True)
+    cache = lm.new_cache(256)
+    for decode in (False, True):
+        for bad in (lm.vocab_size, -1):
+            with pytest.raises(InputError, match="out of range"):
+                lm.forward([Rows(cache, [5, bad], 0, decode=decode)])
+
+
 def test_max_tokens_and_eos(lm: moelane.LM) -> None:
     ids = list(range(10, 30))
     out = list(lm.generate_ids(ids, 8))

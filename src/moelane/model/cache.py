@@ -90,19 +90,11 @@ class KVPool:
 
 
 class KVCache:
-    """One stream's cache: a slot of a pool. `k[layer]` / `v[layer]` are the slot's buffers [Hkv, C, D]."""
+    """One stream's cache: a slot of a pool (`pool.k[layer][slot]`, `pool.v[layer][slot]`, each [Hkv, C, D])."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool, self.slot, self.capacity = pool, pool.take(), pool.capacity
         weakref.finalize(self, pool.give, self.slot)
-
-    @property
-    def k(self) -> _SlotView:
-        return _SlotView(self.pool.k, self.slot)
-
-    @property
-    def v(self) -> _SlotView:
-        return _SlotView(self.pool.v, self.slot)
 
     @property
     def nbytes(self) -> int:
@@ -118,15 +110,6 @@ class KVCache:
         kc.index_copy_(1, positions, k.transpose(0, 1))
         vc.index_copy_(1, positions, v.transpose(0, 1))
         return kc, vc
-
-
-@dataclass(frozen=True, slots=True)
-class _SlotView:
-    tensors: dict[int, torch.Tensor]
-    slot: int
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.tensors[layer][self.slot]
 
 
 @dataclass(frozen=True, slots=True)

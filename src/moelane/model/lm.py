@@ -95,6 +95,8 @@ class LM:
         """One pass over several streams' rows -> logits [n_i, vocab] per stream (only the last row's if
         `last_only`). With the decode step compiled, `decode` rows (generated tokens) run through it, all streams'
         together, exactly as a one-stream decode does; the other rows share one eager pass."""
+        if any(t < 0 or t >= self.vocab_size for r in rows for t in r.token_ids):
+            raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
         with self._lock:
             if self.compiled and any(r.decode for r in rows):
                 return self._forward_split(rows, phase, last_only)
@@ -102,8 +104,6 @@ class LM:
 
     def _forward_eager(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
         tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
-        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
-            raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
         positions = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows])
         spans, first = [], 0
         for r in rows:
@@ -133,8 +133,6 @@ class LM:
     def _decode(self, rows: list[Rows]) -> list[torch.Tensor]:
         """Generated rows through the compiled step -> logits [n_i, vocab] per stream, one pool (cache capacity) at
         a time."""
-        if any(t < 0 or t >= self.vocab_size for r in rows for t in r.token_ids):
-            raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
         out: list[torch.Tensor | None] = [None] * len(rows)
         by_pool: dict[int, list[int]] = {}
         for i, r in enumerate(rows):

@@ -43,11 +43,10 @@ def dispatch(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H]; slots, weights [T, K]."""
-    k = slots.shape[1]
-    flat = slots.reshape(-1)
     if torch.compiler.is_compiling():
         return (gathered(x, slots, w13, w2) * weights.to(x.dtype)[..., None]).sum(dim=1)  # as `weighted_sum`
-    return weighted_sum(grouped(x, torch.arange(flat.numel()) // k, flat, w13, w2), weights)
+    flat = slots.reshape(-1)
+    return weighted_sum(grouped(x, torch.arange(flat.numel()) // slots.shape[1], flat, w13, w2), weights)
 
 
 def gathered(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
