@@ -9,7 +9,9 @@ feeding the next rows at an earlier position; stale entries past a row's positio
 
 Slots are zeroed when taken (a masked key still meets its value in the attention product, so no slot may hold NaN
 bits) and given back when their `KVCache` is collected. Pools grow by replacing their tensors; slots that were
-never taken are never touched, so their pages cost no memory. Slot counts go 3, 7, 15, ..., skipping the capacity:
+never taken are never touched, so their pages cost no memory. A pool whose last slot is given back goes back to its
+first size, so the memory a burst of streams touched is returned once the burst is over (a pool in use keeps its
+size: its taken slots cannot move while a pass may read them). Slot counts go 3, 7, 15, ..., skipping the capacity:
 the compiled step takes both as symbols, and two symbols whose sizes agree when it is traced are tied into one.
 """
 
@@ -66,6 +68,9 @@ class KVPool:
         with self._lock:
             self._taken.discard(slot)
             self._free.append(slot)
+            if not self._taken and self.n_slots > FIRST_SLOTS:
+                self.k, self.v, self._free = {}, {}, []  # no cache of this pool is alive, so no pass reads it
+                self._grow(FIRST_SLOTS)
 
     def _grow(self, n_slots: int) -> None:
         old = self.n_slots if self.k else 0

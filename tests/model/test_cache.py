@@ -1,0 +1,56 @@
+"""KV pools: slots survive growth, are zeroed when taken, and a pool's memory goes back once its streams are gone."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from moelane.model.cache import FIRST_SLOTS, KVCache, KVPool
+
+SHAPES = {0: (2, 4, 4), 1: (2, 4, 4)}  # two attention layers: 2 kv heads, key and value dims 4
+
+
+def test_taken_slots_keep_their_contents_while_the_pool_grows() -> None:
+    pool = KVPool(SHAPES, capacity=16, dtype=torch.float32)
+    caches = []
+    for i in range(9):  # grows 3 -> 7 -> 15
+        cache = KVCache(pool)
+        for layer in SHAPES:
+            cache.write(layer, torch.tensor([0, 5]), torch.full((2, 2, 4), float(i)), torch.full((2, 2, 4), -float(i)))
+        caches.append(cache)
+    assert pool.n_slots == 15 and pool.n_taken == 9
+    for i, cache in enumerate(caches):
+        for layer in SHAPES:
+            k, v = pool.k[layer][cache.slot], pool.v[layer][cache.slot]
+            assert torch.equal(k[:, [0, 5]], torch.full((2, 2, 4), float(i)))
+            assert torch.equal(v[:, [0, 5]], torch.full((2, 2, 4), -float(i)))
+            assert k[:, 1:5].abs().sum() == 0  # never written: zeroed when taken
+
+
+def test_a_given_back_slot_is_zeroed_when_taken_again() -> None:
+    pool = KVPool(SHAPES, capacity=16, dtype=torch.float32)
+    keep = KVCache(pool)  # keeps the pool in use, so the slot below is reused rather than the pool reset
+    cache = KVCache(pool)
+    slot = cache.slot
+    cache.write(0, torch.tensor([3]), torch.full((1, 2, 4), float("nan")), torch.full((1, 2, 4), float("nan")))
+    del cache
+    gc.collect()
+    again = KVCache(pool)
+    assert again.slot == slot and keep.slot != slot
+    assert not torch.isnan(pool.k[0][slot]).any() and pool.k[0][slot].abs().sum() == 0
+
+
+def test_a_pool_returns_to_its_first_size_once_every_cache_is_gone() -> None:
+    pool = KVPool(SHAPES, capacity=16, dtype=torch.float32)
+    caches = [KVCache(pool) for _ in range(20)]
+    assert pool.n_slots == 31
+    del caches[1:]
+    gc.collect()
+    assert pool.n_slots == 31  # a cache is still alive: its slot must not move
+    caches.clear()
+    gc.collect()
+    assert pool.n_slots == FIRST_SLOTS and pool.n_taken == 0
+    cache = KVCache(pool)  # and it still serves
+    cache.write(1, torch.tensor([2]), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+    assert pool.k[1][cache.slot][:, 2].sum() == 8
