@@ -10,6 +10,7 @@ line per cell and a summary line.
 
     python bench/lanes_bench.py --tokens 128 --drafter copy
     python bench/lanes_bench.py --tokens 256 --drafter copy --compile --warm
+    python bench/lanes_bench.py --tokens 256 --drafter copy --warm-counts --warm-tokens 64 --repeat 3
     python bench/lanes_bench.py --model PATH --drafter model --draft PATH
 """
 
@@ -89,16 +90,18 @@ def run_cell(
     config: dict[str, Any],
     batch: list[list[int]],
     tokens: int,
-    warm: list[list[int]] | None = None,
+    warm: list[list[list[int]]] | None = None,
+    warm_tokens: int = 0,
 ) -> dict[str, Any]:
-    """One fresh engine; with `warm`, a batch of other prompts goes through it first (untimed), so that the cell
-    measures a serving engine in its steady state (calibrated prices, the guard's first measurements done)."""
+    """One fresh engine; with `warm`, batches of other prompts go through it first, one batch at a time (untimed),
+    so that the cell measures a serving engine in its steady state (calibrated prices, the guard's first
+    measurements done at the stream counts the batches ran)."""
     from moelane.lanes import Engine, EngineConfig
 
     engine = Engine(lm, EngineConfig(**config), draft=draft)
-    if warm:
-        for p in warm:
-            engine.submit(p, max_tokens=tokens)
+    for warm_batch in warm or []:
+        for p in warm_batch:
+            engine.submit(p, max_tokens=warm_tokens or tokens)
         engine.run_until_idle()
     before = engine.stats()
     t0 = time.perf_counter()
@@ -126,6 +129,13 @@ def main() -> None:
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--warm", action="store_true", help="put a batch of other prompts through each engine first")
+    ap.add_argument(
+        "--warm-counts",
+        action="store_true",
+        help="warm with batches of every stream count from N down to 1 (each count's guard entry decides "
+        "before the timed batch, as in a server that has seen every load); implies --warm",
+    )
+    ap.add_argument("--warm-tokens", type=int, default=0, help="tokens per warm-up stream (default: --tokens)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all cells (modes alternated); medians reported")
     ap.add_argument("--compile", action="store_true", help="compile the target's decode step (generated rows)")
     args = ap.parse_args()
@@ -142,7 +152,8 @@ def main() -> None:
     # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead
     lm.eos_ids = frozenset()
     setting = {"model": args.model or "shipped", "drafter": args.drafter, "tokens": args.tokens, "rev": git_rev(),
-               "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm,
+               "threads": torch.get_num_threads(), "max_depth": args.max_depth, "warm": args.warm or args.warm_counts,
+               "warm_counts": args.warm_counts, "warm_tokens": args.warm_tokens or args.tokens,
                "compiled": args.compile}  # fmt: skip
     print(json.dumps({"event": "setting", **setting}), flush=True)
     counts = [int(x) for x in args.streams.split(",")]
@@ -152,12 +163,12 @@ def main() -> None:
     for r in range(args.repeat):
         for workload in args.workloads.split(","):
             batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
-            warm = {n: prompts(lm.tokenizer, workload, 2 * n)[n:] if args.warm else None for n in counts}
+            warm = {n: warm_batches(lm.tokenizer, workload, n, args) for n in counts}
             for n in counts:
                 plain_replies = None
                 for mode in args.modes.split(","):
                     config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
-                    cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n])
+                    cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n], args.warm_tokens)
                     replies = cell.pop("replies")
                     if plain_replies is None:
                         plain_replies = replies
@@ -169,6 +180,15 @@ def main() -> None:
     results = {k: statistics.median(v) for k, v in samples.items()}
     print(json.dumps({"event": "summary", **setting, "repeat": args.repeat, "mismatches": mismatches,
                       **ratios(results, counts)}), flush=True)  # fmt: skip
+
+
+def warm_batches(tokenizer: Any, workload: str, n: int, args: argparse.Namespace) -> list[list[list[int]]]:
+    """Warm-up batches for a cell of `n` streams: prompts other than the cell's own (the same workload). `--warm`:
+    one batch of n; `--warm-counts`: batches of n, n-1, ..., 1."""
+    if not (args.warm or args.warm_counts):
+        return []
+    others = prompts(tokenizer, workload, 2 * n)[n:]
+    return [others[:k] for k in range(n, 0, -1)] if args.warm_counts else [others]
 
 
 def ratios(results: dict[tuple[str, int, str], float], counts: list[int]) -> dict[str, Any]:
