@@ -125,7 +125,7 @@ def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: P
     calls: list[int] = []
     step = lm._compiled
     assert step is not None
-    lm._compiled = lambda rows, pool: calls.append(len(rows)) or step(rows, pool)
+    lm._compiled = lambda rows, pool, keys: calls.append(len(rows)) or step(rows, pool, keys)
     lengths = [16 + 300 * (i == 1) for i in range(6)]  # one stream's cache has another capacity: the same graph
     cases = [(p, list(lm.generate_ids(p, n, params_of(i))))
              for i, (p, n) in enumerate(zip(prompts(6, lm.vocab_size), lengths, strict=True))]  # fmt: skip

@@ -15,6 +15,7 @@ import moelane
 from moelane.cli import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.model.cache import Rows
+from moelane.model.layers import reach
 from moelane.model.sampling import SamplingParams, adjusted, sample
 from moelane.model.tokenizer import StopFilter
 from tests.helpers import random_model
@@ -28,6 +29,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lm(folder: Path) -> moelane.LM:
     return moelane.load(folder)
+
+
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model with a context of 2,048 positions: caches long enough that attention's reach varies."""
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("q3long"), max_position_embeddings=2048, head_dim=32)
 
 
 def broken_copy(folder: Path, tmp_path: Path) -> Path:
@@ -196,6 +203,27 @@ def test_rows_are_batch_invariant(lm: moelane.LM) -> None:
     assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
 
 
+def test_attention_reads_as_far_as_the_rows_reach_bit_for_bit(long_folder: Path) -> None:
+    """Attention reads a cache up to the rows' reach (their last position rounded up to 512), not its capacity; a
+    stream's logits are the same bits whether its pass reads 512 positions (alone) or 1,536 (beside a stream 1,100
+    positions further), for decode rows, drafts and prefill chunks, and beside streams of another capacity."""
+    assert reach(40, 2048) == 512 and reach(513, 2048) == 1024 and reach(1500, 1536) == 1536 and reach(9, 256) == 256
+    lm = moelane.load(long_folder)
+    a, far = list(range(3, 43)), [(i * 7) % 290 for i in range(1100)]
+    solo_cache = lm.new_cache(2048)
+    solo = [lm.forward([Rows(solo_cache, a[:30], 0)])[0], lm.forward([Rows(solo_cache, a[30:], 30)])[0]]
+    solo += [lm.forward([Rows(solo_cache, [5, 6, 7], 40)])[0]]
+    ca, cb, cc = lm.new_cache(2048), lm.new_cache(2048), lm.new_cache(1024)
+    for start in range(0, len(far), 256):
+        lm.forward([Rows(cb, far[start : start + 256], start)])
+    lm.forward([Rows(cc, far[:600], 0)])
+    got = [lm.forward([Rows(ca, a[:30], 0), Rows(cb, [9], 1100)])[0]]  # chunk beside a decode row far ahead
+    got += [lm.forward([Rows(cb, [10], 1101), Rows(ca, a[30:], 30), Rows(cc, [4, 4], 600)])[1]]
+    got += [lm.forward([Rows(ca, [5, 6, 7], 40), Rows(cb, [11, 12, 13], 1102)])[0]]  # one uniform group
+    for alone, shared in zip(solo, got, strict=True):
+        assert torch.equal(alone, shared)
+
+
 def test_streams_attend_in_one_batched_call_bit_for_bit(lm: moelane.LM) -> None:
     """Streams sharing a cache capacity attend in one batched call; each stream's logits equal its solo pass, for
     decode rows, drafted windows and prefill chunks, and beside streams of another capacity."""
@@ -243,6 +271,28 @@ def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threa
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_rows_do_not_depend_on_how_far_the_call_reads(long_folder: Path, threads: int) -> None:
+    """A call's attention reads every row's cache as far as its furthest row reaches: a stream's compiled rows are
+    the same bits read to 512 positions (alone) as beside a row 1,100 positions further on (1,536)."""
+    lm = moelane.load(long_folder, compile=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, extra, far = list(range(3, 40)), [17, 4, 250], [(7 * i) % 290 for i in range(1100)]
+        cache = lm.new_cache(2048)
+        lm.forward([Rows(cache, a, 0)])
+        solo = torch.stack([lm.step(t, len(a) + i, cache) for i, t in enumerate(extra)])
+        ca, cb = lm.new_cache(2048), lm.new_cache(2048)
+        lm.forward([Rows(ca, a, 0)])
+        for start in range(0, len(far), 256):
+            lm.forward([Rows(cb, far[start : start + 256], start)])
+        shared = lm.forward([Rows(ca, extra, len(a), decode=True), Rows(cb, [5], len(far), decode=True)])[0]
+        assert torch.equal(shared, solo)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_token_ids_out_of_range_are_refused_eager_and_compiled(folder: Path) -> None:
     """Prompt rows (eager) and generated rows (through the compiled step) alike: a clear InputError, not an index
     error inside a kernel."""
@@ -274,10 +324,11 @@ def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
     eager_logits = lm.forward([Rows(cache, ids, 0)])[0][-1]
     token = int(torch.argmax(eager_logits))
     step = torch.compile(lm._decode_step, fullgraph=True, dynamic=False)
-    rows = torch.tensor([[token, 20, cache.slot]] * 2)
+    rows, keys = torch.tensor([[token, 20, cache.slot]] * 2), torch.arange(256)
     torch._dynamo.decorators.mark_unbacked(rows, 0)
+    torch._dynamo.decorators.mark_unbacked(keys, 0)
     with torch.no_grad():
-        compiled = step(rows, cache.pool)
+        compiled = step(rows, cache.pool, keys)
     eager = lm.forward([Rows(cache, [token], 20)])[0][0]
     assert (compiled[0] - eager).abs().max() < 1e-4
     assert torch.equal(compiled[0], compiled[1])

@@ -189,19 +189,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+# Attention reads a cache only up to `reach`: the rows' last position rounded up to a multiple of REACH.
+REACH = 512
+
+
+def reach(end: int, capacity: int) -> int:
+    """How many positions of a cache of `capacity` attention reads for rows that end before `end`: `end` rounded up
+    to a multiple of REACH, at most the capacity, so a step costs what the stream's length costs, not its capacity.
+
+    A row's bits do not depend on how far its call reads: keys past a row's position are masked, their probabilities
+    are exact zeros, and zeros at the end of a reduction change none of its partial sums. That holds as long as every
+    length meets the same kernel: MKL's product over the keys takes another path below 384 keys (measured here, fp32,
+    AVX-512 and AVX2 paths alike), hence whole blocks of 512, and below that only the capacity itself (256), which
+    never changes for a stream. Tested bit for bit against calls that read further (eager and compiled)."""
+    return min(capacity, -(-end // REACH) * REACH)
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """How the rows of one forward pass split into streams.
 
-    `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions.
-    The compiled decode step gives `pool` and `slots` [N] (each row's cache slot in it) instead of spans and caches.
+    `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions;
+    `ends[i]` the position after stream i's last row. The compiled decode step gives `pool`, `slots` [N] (each row's
+    cache slot in it) and `keys` (the key positions its attention reads: `arange(reach)`) instead.
     """
 
     spans: tuple[tuple[int, int], ...]
     caches: tuple[KVCache, ...]
     positions: torch.Tensor
+    ends: tuple[int, ...] = ()
     pool: KVPool | None = None
     slots: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
 
 def attend_batched(
@@ -323,19 +342,21 @@ def attend_streams(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Write each stream's new K/V into its cache, then attend: streams whose caches share a capacity and whose rows
-    pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
-    if batch.pool is not None and batch.slots is not None:
-        return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions, scale,
-                             window)  # fmt: skip
+    """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
+    share a capacity and whose rows pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
+    if batch.pool is not None and batch.slots is not None and batch.keys is not None:
+        return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
+                             batch.keys, scale, window)  # fmt: skip
     kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
            for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
     if len(kvs) == 1:
-        return attend_batched([q], [kvs[0][0]], [kvs[0][1]], [batch.positions], scale, window)[0]
+        r = reach(batch.ends[0], batch.caches[0].capacity)
+        return attend_batched([q], [kvs[0][0][:, :r]], [kvs[0][1][:, :r]], [batch.positions], scale, window)[0]
     if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
         b, n = len(kvs), batch.spans[0][1]
+        r = reach(max(batch.ends), batch.caches[0].capacity)
         qh = F.pad(q.reshape(b, n, *q.shape[1:]).transpose(1, 2), (0, 0, 0, -n % TILE))  # [B, Hq, n_pad, D]
-        k_all, v_all = torch.stack([kv[0] for kv in kvs]), torch.stack([kv[1] for kv in kvs])
+        k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
         tiles = attend_tiles(qh, k_all, v_all, batch.positions.view(b, n), scale, window)
         return tiles[:, :, :n].transpose(1, 2).reshape(b * n, tiles.shape[1], tiles.shape[3])
     qs = [q[first : first + n] for first, n in batch.spans]
@@ -345,10 +366,12 @@ def attend_streams(
         groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
     out: list[torch.Tensor] = [q[:0]] * len(qs)
     for members in groups.values():
-        results = attend_batched([qs[i] for i in members], [kvs[i][0] for i in members], [kvs[i][1] for i in members],
-                                 [poss[i] for i in members], scale, window)  # fmt: skip
-        for i, r in zip(members, results, strict=True):
-            out[i] = r
+        r = reach(max(batch.ends[i] for i in members), batch.caches[members[0]].capacity)
+        results = attend_batched([qs[i] for i in members], [kvs[i][0][:, :r] for i in members],
+                                 [kvs[i][1][:, :r] for i in members], [poss[i] for i in members], scale,
+                                 window)  # fmt: skip
+        for i, result in zip(members, results, strict=True):
+            out[i] = result
     return torch.cat(out, dim=0)
 
 
@@ -360,32 +383,37 @@ def attend_pooled(
     v_pool: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
+    key_pos: torch.Tensor,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
     """The compiled decode step's attention: row i writes its K/V at (slots[i], positions[i]) of the pool, then
-    attends over its slot's whole cache, keys up to its own position. Rows of one stream (a token and its drafts)
-    see each other's K/V, since every write comes first.
+    attends over its slot's cache at `key_pos` (`arange(reach)`: every row of the call reads as far), keys up to its
+    own position. Rows of one stream (a token and its drafts) see each other's K/V, since every write comes first.
 
-    q [N, Hq, D]; k/v [N, Hkv, D]; k_pool/v_pool [S, Hkv, C, D/Dv]; slots, positions [N] -> [N, Hq, Dv]. Each row's
-    query heads sharing a KV head meet that head's keys in one matrix of a batched product, [group, D] x [D, C],
-    the same shape for every row whatever N is, so no row's numbers depend on the others."""
+    q [N, Hq, D]; k/v [N, Hkv, D]; k_pool/v_pool [S, Hkv, C, D/Dv]; slots, positions [N]; key_pos [L] ->
+    [N, Hq, Dv]. Each row's query heads sharing a KV head meet that head's keys in one matrix of a batched product,
+    [group, D] x [D, L], the same kernel for every row whatever N and L are, so no row's numbers depend on the
+    others (`reach`)."""
     n, n_heads, d = q.shape
-    n_kv, capacity, d_v = k_pool.shape[1], k_pool.shape[2], v_pool.shape[3]
+    n_kv, d_v, length = k_pool.shape[1], v_pool.shape[3], key_pos.shape[0]
+    # a reach is never 1 (a cache holds at least a bucket): said, so the compiler never asks (it would, of L == 1)
+    torch._check(length > 1)  # type: ignore[no-untyped-call]
     group = n_heads // n_kv
     k_pool[slots, :, positions] = k.to(k_pool.dtype)
     v_pool[slots, :, positions] = v.to(v_pool.dtype)
-    keys = k_pool[slots].reshape(n * n_kv, capacity, d)
-    values = v_pool[slots].reshape(n * n_kv, capacity, d_v)
+    # each row's slot, read at key_pos only: [N, Hkv, L, D]
+    at = (slots[:, None, None], torch.arange(n_kv, device=q.device)[None, :, None], key_pos[None, None, :])
+    keys = k_pool[at].reshape(n * n_kv, length, d)
+    values = v_pool[at].reshape(n * n_kv, length, d_v)
     # (reshaped in steps that split or merge one dim at a time: the compiler then needs no guess about N's size)
     q_rows = q.view(n, n_kv, group, d).reshape(n * n_kv, group, d)
-    scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, C]
+    scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, L]
     scores = (scores * scale).float()
-    key_pos = torch.arange(capacity, device=q.device)
-    mask = key_pos[None, :] <= positions[:, None]  # [N, C]
+    mask = key_pos[None, :] <= positions[:, None]  # [N, L]
     if window is not None:
         mask = mask & (key_pos[None, :] > positions[:, None] - window)
-    mask = mask[:, None, :].expand(n, n_kv, capacity).reshape(n * n_kv, 1, capacity)
+    mask = mask[:, None, :].expand(n, n_kv, length).reshape(n * n_kv, 1, length)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
 

@@ -28,7 +28,7 @@ import torch
 from moelane.errors import InputError
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
-from moelane.model.layers import Batch
+from moelane.model.layers import Batch, reach
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
@@ -109,7 +109,8 @@ class LM:
         for r in rows:
             spans.append((first, len(r.token_ids)))
             first += len(r.token_ids)
-        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions)
+        ends = tuple(r.start + len(r.token_ids) for r in rows)
+        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, ends)
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         hidden = self.model(tokens, batch, self.provider, routing)
         if self.observers:
@@ -149,12 +150,17 @@ class LM:
         assert self._compiled is not None
         pool = rows[0].cache.pool
         pool.mark_dynamic()
-        flat = torch.tensor([(t, r.start + j, r.cache.slot) for r in rows for j, t in enumerate(r.token_ids)])
+        flat = [(t, r.start + j, r.cache.slot) for r in rows for j, t in enumerate(r.token_ids)]
         logits = []
-        for part in torch.split(flat, self._step_rows):
-            # Unbacked: the graph is never specialised to the row count it is traced or called with, one row included
+        for first in range(0, len(flat), self._step_rows):
+            chunk = flat[first : first + self._step_rows]
+            part = torch.tensor(chunk)
+            keys = torch.arange(reach(max(position for _, position, _ in chunk) + 1, pool.capacity))
+            # Unbacked: the graph is never specialised to the row count (one row included) or the reach it is traced
+            # or called with
             torch._dynamo.decorators.mark_unbacked(part, 0)
-            logits.append(self._compiled(part, pool))
+            torch._dynamo.decorators.mark_unbacked(keys, 0)
+            logits.append(self._compiled(part, pool, keys))
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
     def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
@@ -209,10 +215,11 @@ class LM:
         if self._compiled is not None:
             self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
 
-    def _decode_step(self, rows: torch.Tensor, pool: KVPool) -> torch.Tensor:
-        """rows [N, 3]: each row's token, position and cache slot in `pool` -> logits [N, vocab]."""
+    def _decode_step(self, rows: torch.Tensor, pool: KVPool, keys: torch.Tensor) -> torch.Tensor:
+        """rows [N, 3]: each row's token, position and cache slot in `pool`; keys [L]: the cache positions attention
+        reads (`arange(reach)`) -> logits [N, vocab]."""
         tokens, positions, slots = rows.unbind(1)
-        batch = Batch(((0, rows.shape[0]),), (), positions, pool, slots)
+        batch = Batch(((0, rows.shape[0]),), (), positions, pool=pool, slots=slots, keys=keys)
         hidden = self.model(tokens, batch, self._step_provider, [])
         return self.model.logits(hidden)
 
