@@ -108,24 +108,37 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
         store = lm.provider
         assert isinstance(store, ExpertStore)
         store.attach(lm)
-        lm.prefill_chunk = min(lm.prefill_chunk, store.max_rows(lm.args.num_experts_per_tok))
+        lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
     return lm
+
+
+def read_prompt(arg: str) -> str:
+    """The prompt text: the argument, or standard input for '-'. Bytes that are not UTF-8 (which Python hands over
+    as lone surrogates) become U+FFFD, as a text editor would show them."""
+    if arg == "-":
+        return sys.stdin.buffer.read().decode("utf-8", "replace")
+    try:
+        return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that no byte stands for: the tokenizer says so
+        return arg
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from moelane.model.lm import sampling_params
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = read_prompt(args.prompt)
     params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed)
-    resident = all_resident(args)
-    long_reply = args.max_tokens >= COMPILE_PAYS_TOKENS
-    compile = args.compile == "on" or (args.compile == "auto" and long_reply and resident)
-    lm = load_model(args, compile=compile)
+    lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)
-    if compile:
+    # auto: compile where it pays, for all-resident experts; the reply the context leaves room for decides, not
+    # what was asked
+    long_reply = min(args.max_tokens, lm.max_context - len(prompt_ids)) >= COMPILE_PAYS_TOKENS
+    if args.compile == "auto" and long_reply and all_resident(args):
+        lm.enable_compile()
+    if lm.compile_enabled:
         print("compiling the decode step (the first run takes a while; later runs use the cache)...",
               file=sys.stderr, flush=True)  # fmt: skip
         lm.warm_up(len(prompt_ids), args.max_tokens)

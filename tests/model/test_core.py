@@ -184,6 +184,26 @@ def test_cli_run_streams_reply_and_summary(folder: Path, lm: moelane.LM, capsys:
     assert "prompt" in err and "decode" in err and "tok/s" in err
 
 
+def test_cli_run_takes_bytes_that_are_not_utf8(
+    folder: Path, lm: moelane.LM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt with bytes that are not UTF-8 (Python hands them over as lone surrogates) is read as U+FFFD, as an
+    editor shows it: no traceback."""
+    assert main(["run", "--model", str(folder), "--max-tokens", "3", "def f\udcff"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == lm.generate("def f\ufffd", max_tokens=3)
+    with pytest.raises(InputError, match="lone surrogate"):
+        lm.tokenizer.encode("a\ud800")
+
+
+def test_cli_pager_options_on_a_dense_model_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dense = random_model("llama", tmp_path / "llama")
+    capsys.readouterr()  # transformers' progress bar while saving
+    for option in (["--expert-memory", "50%"], ["--default-tier", "int8"], ["--trace", str(tmp_path / "t.bin")]):
+        assert "no experts" in cli_error(["run", "--model", str(dense), "--max-tokens", "2", "hi", *option], capsys)
+
+
 def test_chunked_prefill_matches_whole(lm: moelane.LM) -> None:
     ids = [(i * 7) % 290 for i in range(50)]
     whole = list(lm.generate_ids(ids, 10, prefill_chunk=512))

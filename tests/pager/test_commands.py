@@ -55,6 +55,9 @@ def test_bad_input_raises_moelane_error(tmp_path: Path) -> None:
         run(["trace", "replay", str(path), "--slots", "12", "--policy", "nope"])
     with pytest.raises(MoelaneError):
         run(["trace", "replay", str(path)])
+    for size in (["--slots", "0"], ["--budget", "5"], ["--fraction", "5"], ["--fraction", "0"]):
+        with pytest.raises(MoelaneError, match="holds no expert|must be"):
+            run(["trace", "replay", str(path), *size])
 
 
 class FakeRef:

@@ -7,6 +7,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,36 @@ def test_compiled_decode_through_a_store_equals_its_solo_decode(wide: Path, refe
         assert [s.token_ids for s in streams] == solo
     finally:
         lm.provider.close()  # type: ignore[attr-defined]
+
+
+def test_an_engine_fits_its_rounds_to_a_small_pool(
+    wide: Path, reference: Reference, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool that holds one layer's experts for 2 rows at a time (5 slots, top-2): the engine caps rows, streams per
+    round and prefill chunks to it, so no round fails (a failed round would be logged and rerun one stream at a
+    time), and 6 streams with drafts reply what the resident model does alone."""
+    from moelane.lanes import Engine, EngineConfig
+
+    lm = moelane.load(wide, provider=lambda handles, dtype: store_of_handles(handles, dtype, 5))
+    try:
+        assert lm.max_pass_rows() == 2
+        engine = Engine(lm, EngineConfig(drafter="copy", max_streams=6))
+        assert (engine.config.max_rows, engine.config.max_streams, engine.config.prefill_chunk) == (2, 2, 2)
+        prompts = [PROMPT[i:] for i in range(6)]
+        with caplog.at_level("ERROR", logger="moelane.lanes.engine"):
+            streams = [engine.submit(p, 10) for p in prompts]
+            engine.run_until_idle()
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert [s.token_ids for s in streams] == [list(reference[0].generate_ids(p, 10)) for p in prompts]
+    finally:
+        lm.provider.close()  # type: ignore[attr-defined]
+
+
+def store_of_handles(handles: dict[int, list[Any]], dtype: torch.dtype, n_slots: int) -> ExpertStore:
+    """A store of exactly `n_slots` slots over these expert handles (the loader's provider factory signature)."""
+    hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
+    budget = n_slots * 3 * hidden * width * dtype.itemsize
+    return ExpertStore(handles, dtype, StoreConfig(budget_bytes=budget))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("dtype", "host"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "10%")])

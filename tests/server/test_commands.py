@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from moelane.cli import build_parser
+from moelane.cli import build_parser, main
 from moelane.server.commands import wants_compile
 
 
@@ -25,3 +27,30 @@ def serve_args(*argv: str):  # type: ignore[no-untyped-def]
 )
 def test_serve_compiles_where_it_can(argv: tuple[str, ...], compiled: bool) -> None:
     assert wants_compile(serve_args(*argv)) is compiled
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (("--max-streams", "0"), "--max-streams must be at least 1"),
+        (("--max-depth", "-1"), "--max-depth must be at least 0"),
+        (("--max-queue", "-1"), "--max-queue must be at least 0"),
+        (("--grace", "-1"), "--grace must be at least 0"),
+        (("--request-timeout", "-1"), "--request-timeout must be more than 0"),
+        (("--idle-timeout", "0"), "--idle-timeout must be more than 0"),
+        (("--port", "99999"), "--port must be in 0-65535"),
+        (("--port", "{busy}"), "Address already in use"),
+    ],
+)
+def test_bad_serve_settings_are_one_line_errors_before_loading(
+    argv: tuple[str, ...], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Said in one line with exit 2, before the model loads (`--model` names no folder: loading would fail)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = [a.replace("{busy}", port) for a in argv]
+        assert main(["serve", "--model", "/nonexistent", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moelane: error:") and needle in err[0], err

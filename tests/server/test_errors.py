@@ -83,6 +83,20 @@ CASES = [
         "tools",
     ),
     ("unknown route", "/v1/embeddings", GOOD, 404, "Not Found"),
+    (
+        "prompt a lone surrogate",
+        "/v1/completions",
+        b'{"model": "tiny", "prompt": "a\\ud800"}',
+        400,
+        "not valid Unicode",
+    ),
+    (
+        "chat a lone surrogate",
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff b"}], "stream": true}',
+        400,
+        "not valid Unicode",
+    ),
 ]
 
 

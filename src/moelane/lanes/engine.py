@@ -71,6 +71,20 @@ class Target(Protocol):
         ...
 
 
+def fit_to_target(config: EngineConfig, target: Target) -> EngineConfig:
+    """`config` with rounds no bigger than one pass of `target` may be: a pager's small expert pool must hold every
+    expert one MoE layer's rows route to at once (`LM.max_pass_rows`), so rows, streams per round and prefill chunks
+    are capped to what it holds."""
+    limit = getattr(target, "max_pass_rows", None)
+    rows = limit() if callable(limit) else None
+    if rows is None or rows >= config.max_rows:
+        return config
+    log.warning("the expert memory holds the experts of %d rows per MoE layer: rounds take at most %d rows "
+                "(%d streams)", rows, rows, min(config.max_streams, rows))  # fmt: skip
+    return replace(config, max_rows=rows, max_streams=min(config.max_streams, rows),
+                   prefill_chunk=min(config.prefill_chunk, rows))  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     rounds: int = 0
@@ -96,7 +110,7 @@ class Engine:
     ) -> None:
         """`draft`: the draft model for drafter "model" (default: the shipped one). `recall_store`: a store to share
         with other engines (default: a new one)."""
-        self.target, self.config = target, config or EngineConfig()
+        self.target, self.config = target, fit_to_target(config or EngineConfig(), target)
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
         self.guard = Guard() if self.config.guard_on else None

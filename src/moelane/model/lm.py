@@ -82,6 +82,12 @@ class LM:
                 pool = self._pools[capacity] = KVPool(self.model.cache_shapes(), capacity, self.dtype)
             return KVCache(pool)
 
+    def max_pass_rows(self) -> int | None:
+        """Most rows one pass may hold (None: no limit). A pager's expert pool must hold every expert one MoE layer's
+        rows route to at once; with a small budget that limits passes (prefill chunks, lanes rounds)."""
+        limit = getattr(self.provider, "max_rows", None)
+        return int(limit(self.args.num_experts_per_tok)) if callable(limit) else None
+
     def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
         """A cache for a prompt and its reply, rounded up to a bucket (so streams often share a capacity)."""
         need = n_prompt + max_tokens

@@ -53,7 +53,15 @@ class Tokenizer:
         return int(self._tok.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        try:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        except TypeError:  # what the tokenizers library says of a str it cannot take: one with a lone surrogate
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"the text is not valid Unicode: character {e.start} is a lone surrogate "
+                                 f"({text[e.start]!r})") from None  # fmt: skip
+            raise
 
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

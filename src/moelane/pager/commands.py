@@ -155,10 +155,16 @@ def format_analysis(report: dict[str, Any]) -> str:
 
 def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
     if args.slots is not None:
+        if args.slots < 1:
+            raise InputError(f"--slots must be at least 1, got {args.slots}")
         return args.slots, "slots"
     if args.budget is not None:
+        if args.budget < (one := trace.header.tiers[0][1]):
+            raise InputError(f"--budget of {args.budget} bytes holds no expert ({one} bytes each)")
         return args.budget, "bytes"
     if args.fraction is not None:
+        if not 0 < args.fraction <= 1:
+            raise InputError(f"--fraction must be in (0, 1], got {args.fraction}")
         return max(1, round(args.fraction * trace.header.n_total)), "slots"
     raise InputError("give a pool size: --slots N, --budget BYTES or --fraction F (or --sweep)")
 

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from moelane.errors import InputError
 from moelane.pager.prefetch import next_gates
 from moelane.pager.trace import TraceHeader, TraceWriter
 
@@ -27,6 +28,8 @@ from moelane.pager.trace import TraceHeader, TraceWriter
 def header_from_lm(lm: Any, model: str = "") -> TraceHeader:
     """Trace header (shape, tiers) of a loaded `moelane.LM`."""
     moe_layers = list(lm.moe_layers)
+    if not moe_layers:
+        raise InputError("this model has no experts (a dense model): there is no routing to trace")
     first = lm.expert_handles[moe_layers[0]][0]
     nbytes = sum(ref.nbytes for ref in first.tensors.values())
     n_weights = sum(math.prod(ref.shape) for ref in first.tensors.values())

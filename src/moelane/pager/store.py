@@ -466,11 +466,17 @@ def store_factory(
         raise StoreError(str(e)) from None
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertStore:
+        if not any(handles.values()):
+            raise StoreError("this model has no experts (a dense model): --expert-memory, --host-memory and "
+                             "--default-tier apply to mixture-of-experts models only")  # fmt: skip
         n_experts = sum(len(hs) for hs in handles.values())
         hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
         total = n_experts * 3 * hidden * width * dtype.itemsize
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
-        config = StoreConfig(max(pool.resolve(total), 1), host.resolve(stored), policy, tier)
+        budget, each = pool.resolve(total), 3 * hidden * width * dtype.itemsize
+        if budget < 1:
+            raise StoreError(f"an expert memory of {expert_memory} holds no expert ({each} bytes each)")
+        config = StoreConfig(budget, host.resolve(stored), policy, tier)
         return ExpertStore(handles, dtype, config)
 
     return build

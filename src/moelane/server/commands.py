@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -77,13 +78,9 @@ def build(args: argparse.Namespace) -> Any:
             lm.warm_up(1, 1)
         if hasattr(lm.provider, "attach"):
             lm.provider.attach(lm)
-        max_rows = 256
-        if hasattr(lm.provider, "max_rows"):
-            max_rows = max(args.max_streams, min(max_rows, lm.provider.max_rows(lm.args.num_experts_per_tok)))
         guard = {"auto": None, "on": True, "off": False}[args.guard]
-        config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams,
-                              max_depth=args.max_depth, max_rows=max_rows)  # fmt: skip
-        return lm, Engine(lm, config)
+        config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth)
+        return lm, Engine(lm, config)  # (which fits its rounds to what an expert store's pool holds)
 
     # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
     # while it lives, and with more teams' threads than cores libgomp barely spins: every parallel op of the engine
@@ -105,9 +102,34 @@ def wants_compile(args: argparse.Namespace) -> bool:
     return bool(args.compile == "on")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Settings that cannot work, said in one line before the model loads; and whether the address can be bound
+    (a port in use would otherwise be found only after loading)."""
+    from moelane.errors import InputError
+
+    limits = [("--max-streams", args.max_streams, 1), ("--max-depth", args.max_depth, 0),
+              ("--max-queue", args.max_queue, 0), ("--grace", args.grace, 0)]  # fmt: skip
+    for name, value, least in limits:
+        if value < least:
+            raise InputError(f"{name} must be at least {least}, got {value}")
+    for name, value in (("--request-timeout", args.request_timeout), ("--idle-timeout", args.idle_timeout)):
+        if not value > 0:
+            raise InputError(f"{name} must be more than 0 seconds, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0-65535, got {args.port}")
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as e:
+        raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    check_args(args)
     app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.grace)  # fmt: skip
