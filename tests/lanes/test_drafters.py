@@ -117,9 +117,9 @@ def test_plain_rounds_propose_nothing() -> None:
     propose = engine.drafter.propose  # type: ignore[union-attr]
     engine.drafter.propose = lambda lanes, depths: calls.append(len(lanes)) or propose(lanes, depths)  # type: ignore[union-attr, method-assign]
     engine.submit([1, 2, 3, 1, 2, 3, 1, 2, 3], max_tokens=200)
-    for _ in range(16):
+    for _ in range(17):  # the prompt's round (not measured), 16 measured plain rounds
         engine.step()
-    assert calls == [1] and engine.stats().holds == 0  # 16 plain rounds, then drafting for the first drafted one
+    assert calls == [1] and engine.stats().holds == 0  # then drafting for the first drafted one
     for _ in range(10):
         engine.step()
     assert len(calls) > 5 and engine.stats().holds > 0

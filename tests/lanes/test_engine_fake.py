@@ -279,3 +279,18 @@ def test_timed_prices_are_measured_at_start_up_and_as_rounds_run() -> None:
     assert engine.prices.price(1) > 0.015
     fixed = Engine(target, EngineConfig(drafter="copy", timed=False), clock=clock)
     assert fixed.prices.points == sorted(EngineConfig().prices)
+
+
+def test_the_guard_does_not_measure_rounds_that_feed_a_prompt() -> None:
+    """A prompt chunk's round measures the prompt, not the mode: counted, a joining stream's prefill would decide the
+    guard's choice for its stream count (the rounds of 40 prompt tokens in chunks of 8 leave the measurement as it
+    was; the first decode round is its first measured round)."""
+    engine, _ = make("copy", guard=True, prefill_chunk=8)
+    engine.submit([1 + i % 40 for i in range(40)], max_tokens=30, stop_token_ids=None)
+    assert engine.guard is not None
+    entry = engine.guard.entry(1)
+    for _ in range(5):
+        engine.step()
+    assert (entry.left, entry.tokens, entry.seconds) == (16, 0, 0.0)
+    engine.step()
+    assert entry.left == 15 and entry.tokens == 1 and entry.seconds > 0

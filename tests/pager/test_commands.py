@@ -56,7 +56,7 @@ def test_bad_input_raises_moelane_error(tmp_path: Path) -> None:
     with pytest.raises(MoelaneError):
         run(["trace", "replay", str(path)])
     for size in (["--slots", "0"], ["--budget", "5"], ["--fraction", "5"], ["--fraction", "0"]):
-        with pytest.raises(MoelaneError, match="holds no expert|must be"):
+        with pytest.raises(MoelaneError, match=r"holds no expert|must be"):
             run(["trace", "replay", str(path), *size])
 
 

@@ -11,7 +11,9 @@ Meant for drafters whose hold costs a forward pass of its own (the draft model).
 
 The first round after a switch of mode still carries the other mode's drafts or holds: it is not measured and
 counts for nothing, not even toward a measuring stretch; the engine also reports `measured=False` for a round
-whose drafts were prepared for another stream count's mode. Rates come from
+whose drafts were prepared for another stream count's mode, and for a round that feeds a prompt chunk (its time
+and its few commits are the prompt's, whatever the mode: counted, a joining stream's prefill made drafting look
+4x slower than plain on the shipped model and kept it off for 512 rounds). Rates come from
 the seconds the engine reports, which it reads from its injected clock; the guard itself reads no clock.
 """
 
