@@ -501,3 +501,28 @@ def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype, n_slots
             pairs = (flat == slot).nonzero().reshape(-1)
             if len(pairs):
                 assert torch.equal(y[pairs], expert_mlp(x[pairs // k], w13[slot], w2[slot]))
+
+
+def test_chat_templates_written_for_transformers_render(folder: Path, tmp_path: Path) -> None:
+    """What templates in the wild use besides plain Jinja: loop controls, `{% generation %}` blocks,
+    `strftime_now` (Llama 3.2 dates its system prompt) and `raise_exception` (Mixtral's alternating roles), whose
+    message reaches the user as an InputError."""
+    from moelane.model.tokenizer import Tokenizer
+
+    dst = broken_copy(folder, tmp_path)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% if loop.index > 3 %}{% break %}{% endif %}"
+        "{% if m.role == 'assistant' %}{% generation %}[a]{{ m.content }}{% endgeneration %}"
+        "{% else %}[u]{{ m.content }}{% endif %}{% endfor %}"
+        "{% if messages[-1].role == 'assistant' %}{{ raise_exception('the last message must be the user\\'s') }}"
+        "{% endif %}|{{ strftime_now('%Y') | length }}"
+    )
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(dst, frozenset())
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    messages = [{"role": r, "content": str(i)} for i, r in enumerate(roles)]
+    assert tok.apply_chat_template(messages) == "[u]1[a]2|4"  # system skipped, stopped at the 4th
+    with pytest.raises(InputError, match="refused the messages: the last message must be the user's"):
+        tok.apply_chat_template(messages[:3])

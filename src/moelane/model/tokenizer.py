@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -69,17 +74,52 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InputError("this model has no chat template (tokenizer_config.json has no chat_template)")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            template = env.from_string(self.chat_template)
+            template = chat_environment().from_string(self.chat_template)
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_str("bos_token") or "",
                 eos_token=self.eos_token or "",
             )
+        except TemplateRaised as e:  # the template's own message (roles that do not alternate, say)
+            raise InputError(f"the chat template refused the messages: {e}") from None
         except TemplateError as e:
             raise InputError(f"chat template failed: {e}") from None
+
+
+class TemplateRaised(Exception):
+    """What a chat template's `raise_exception(message)` raises."""
+
+
+def raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}`: marks the assistant's part for training masks; rendering keeps the
+    text as it is."""
+
+    tags = {"generation"}  # noqa: RUF012 (as jinja2 declares it)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+@cache
+def chat_environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates render in, with what templates written for transformers expect of it:
+    `raise_exception`, `strftime_now`, `{% break %}`/`{% continue %}` and `{% generation %}`."""
+    extensions = [loopcontrols, GenerationBlock]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env
 
 
 class Detokenizer:
