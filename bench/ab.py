@@ -71,13 +71,18 @@ def run_cell(src: Path, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--guard", "on" if args.guard else "off"]
     if args.compile:
         cmd += ["--compile"]
+    return run_under(src, cmd)
+
+
+def run_under(src: Path, cmd: list[str]) -> dict[str, Any]:
+    """Run a cell command with `src` first on the path; its `CELL {json}` line, checked to come from that build."""
     env = {**__import__("os").environ, "PYTHONPATH": str(src)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("CELL ")]
     if proc.returncode or not lines:
         raise SystemExit(f"cell failed under {src}:\n{proc.stderr[-3000:]}")
     res = dict(json.loads(lines[-1][5:]))
-    if not res["moelane"].startswith(str(src)):
+    if not str(res["moelane"]).startswith(str(src)):
         raise SystemExit(f"the cell imported {res['moelane']}, not the build under {src}")
     return res
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab import export
+from ab import export, run_under
 
 PROMPT = "def fibonacci(n):\n    "
 SKIP = 10  # the first tokens are not timed
@@ -52,14 +50,7 @@ def run_cell(src: Path, mode: str, args: argparse.Namespace) -> dict[str, object
     cmd = [sys.executable, __file__, "--cell", "--mode", mode, "--reserve", str(args.reserve), "--tokens",
            str(args.tokens), "--threads", str(args.threads)]  # fmt: skip
     cmd += ["--model", args.model] if args.model else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(src)})
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("CELL ")]
-    if proc.returncode or not lines:
-        raise SystemExit(f"cell failed under {src}:\n{proc.stderr[-3000:]}")
-    res = dict(json.loads(lines[-1][5:]))
-    if not str(res["moelane"]).startswith(str(src)):
-        raise SystemExit(f"the cell imported {res['moelane']}, not the build under {src}")
-    return res
+    return run_under(src, cmd)
 
 
 def main() -> None:
