@@ -526,3 +526,22 @@ def test_chat_templates_written_for_transformers_render(folder: Path, tmp_path: 
     assert tok.apply_chat_template(messages) == "[u]1[a]2|4"  # system skipped, stopped at the 4th
     with pytest.raises(InputError, match="refused the messages: the last message must be the user's"):
         tok.apply_chat_template(messages[:3])
+
+
+def test_a_cache_is_zeroed_as_far_as_passes_read_it(long_folder: Path) -> None:
+    """A slot is zeroed block by block as its reach grows, not whole when taken (a cache reserving the whole
+    context commits memory only for what its stream has used); whatever a freed slot held (NaN here) never reaches
+    a pass: the logits equal those of a fresh cache, across reach blocks."""
+    lm = moelane.load(long_folder)
+    tokens = [(i * 5) % 290 for i in range(700)]
+    fresh = lm.new_cache(2048)
+    want = torch.cat([lm.forward([Rows(fresh, tokens[s : s + 256], s)])[0] for s in range(0, 700, 256)])
+    pool = fresh.pool
+    for t in (*pool.k.values(), *pool.v.values()):
+        t[pool._free].fill_(float("nan"))  # garbage in every slot not taken
+    cache = lm.new_cache(2048)
+    got = [lm.forward([Rows(cache, tokens[:256], 0)])[0]]
+    assert pool._clean[cache.slot] == 512  # only the first reach block
+    got += [lm.forward([Rows(cache, tokens[s : s + 256], s)])[0] for s in range(256, 700, 256)]
+    assert pool._clean[cache.slot] == 1024
+    assert torch.equal(torch.cat(got), want)

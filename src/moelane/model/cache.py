@@ -7,8 +7,10 @@ invariance), and the compiled decode step gathers any set of streams' caches fro
 graph, no per-stream inputs). A stream's length lives with its owner, not here: rolling back rejected drafts is just
 feeding the next rows at an earlier position; stale entries past a row's position are masked by attention.
 
-Slots are zeroed when taken (a masked key still meets its value in the attention product, so no slot may hold NaN
-bits) and given back when their `KVCache` is collected. Pools grow by replacing their tensors; slots that were
+A slot is zeroed as far as attention will read it (`prepare`, before each pass: a masked key still meets its value
+in the attention product, so nothing read may hold NaN bits), block by block as the stream's reach grows, so a cache
+that reserves the whole context commits memory only for what the stream has used. Slots are given back when their
+`KVCache` is collected. Pools grow by replacing their tensors; slots that were
 never taken are never touched, so their pages cost no memory. A pool whose last slot is given back goes back to its
 first size, so the memory a burst of streams touched is returned once the burst is over (a pool in use keeps its
 size: its taken slots cannot move while a pass may read them). Slot counts go 3, 7, 15, ..., skipping the capacity:
@@ -36,6 +38,7 @@ class KVPool:
         self.v: dict[int, torch.Tensor] = {}
         self._free: list[int] = []
         self._taken: set[int] = set()
+        self._clean: dict[int, int] = {}  # taken slot -> positions zeroed (or written) from 0
         self._lock = threading.Lock()
         self._marked = False
         self._grow(FIRST_SLOTS)
@@ -53,20 +56,29 @@ class KVPool:
         return sum(t[0].numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
     def take(self) -> int:
-        """A zeroed slot (the pool grows when none is free)."""
+        """A free slot (the pool grows when none is free); `prepare` zeroes it as far as it is read."""
         with self._lock:
             if not self._free:
                 size = 2 * self.n_slots + 1
                 self._grow(size if size != self.capacity else 2 * size + 1)
             slot = self._free.pop()
             self._taken.add(slot)
-            for t in (*self.k.values(), *self.v.values()):
-                t[slot].zero_()
+            self._clean[slot] = 0
             return slot
+
+    def prepare(self, slot: int, upto: int) -> None:
+        """Zero `slot`'s positions up to `upto` that are not yet: a pass will read them (masked, but read)."""
+        with self._lock:
+            clean = self._clean[slot]
+            if clean < upto:
+                for t in (*self.k.values(), *self.v.values()):
+                    t[slot, :, clean:upto].zero_()
+                self._clean[slot] = upto
 
     def give(self, slot: int) -> None:
         with self._lock:
             self._taken.discard(slot)
+            self._clean.pop(slot, None)
             self._free.append(slot)
             if not self._taken and self.n_slots > FIRST_SLOTS:
                 self.k, self.v, self._free = {}, {}, []  # no cache of this pool is alive, so no pass reads it
@@ -78,8 +90,9 @@ class KVPool:
             for layer, shape in self.shapes.items():
                 # empty, not zeros: pages of slots never taken stay untouched
                 t = torch.empty(n_slots, shape[0], self.capacity, shape[dim], dtype=self.dtype, device=self.device)
-                for slot in self._taken:
-                    t[slot].copy_(store[layer][slot])
+                for slot in self._taken:  # as far as it is clean: beyond, nothing was written or will be read yet
+                    clean = self._clean[slot]
+                    t[slot, :, :clean].copy_(store[layer][slot, :, :clean])
                 store[layer] = t
         self._free = list(range(n_slots - 1, old - 1, -1)) + self._free  # lowest slot first
         self._marked = False

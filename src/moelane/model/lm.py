@@ -104,6 +104,12 @@ class LM:
         if any(t < 0 or t >= self.vocab_size for r in rows for t in r.token_ids):
             raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
         with self._lock:
+            # zero each cache as far as this pass may read it (its capacity's furthest row sets the reach)
+            furthest: dict[int, int] = {}
+            for r in rows:
+                furthest[r.cache.capacity] = max(furthest.get(r.cache.capacity, 0), r.start + len(r.token_ids))
+            for r in rows:
+                r.cache.pool.prepare(r.cache.slot, reach(furthest[r.cache.capacity], r.cache.capacity))
             if self.compiled and any(r.decode for r in rows):
                 return self._forward_split(rows, phase, last_only)
             return self._forward_eager(rows, phase, last_only)
