@@ -85,7 +85,7 @@ class FakeTarget:
                 p = r.start + i
                 cache.tokens[p] = tok
                 cache.prefix[p] = mix(cache.prefix[p - 1] if p else mix(self.seed, 0x5EED), tok + 1)
-            cache.length = r.start + len(r.token_ids)
+            cache.length = r.end
             first = len(r.token_ids) - 1 if last_only else 0
             out.append(torch.stack([self._logits(cache, r.start + i) for i in range(first, len(r.token_ids))]))
         n_rows = sum(len(r.token_ids) for r in rows)

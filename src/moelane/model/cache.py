@@ -146,8 +146,12 @@ class Rows:
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("Rows needs at least one token")
-        if self.start < 0 or self.start + len(self.token_ids) > self.cache.capacity:
+        if self.start < 0 or self.end > self.cache.capacity:
             raise ValueError(
-                f"rows at positions {self.start}..{self.start + len(self.token_ids) - 1} "
-                f"do not fit a cache of {self.cache.capacity}"
+                f"rows at positions {self.start}..{self.end - 1} do not fit a cache of {self.cache.capacity}"
             )
+
+    @property
+    def end(self) -> int:
+        """The position after the last row."""
+        return self.start + len(self.token_ids)

@@ -107,7 +107,7 @@ class LM:
             # zero each cache as far as this pass may read it (its capacity's furthest row sets the reach)
             furthest: dict[int, int] = {}
             for r in rows:
-                furthest[r.cache.capacity] = max(furthest.get(r.cache.capacity, 0), r.start + len(r.token_ids))
+                furthest[r.cache.capacity] = max(furthest.get(r.cache.capacity, 0), r.end)
             for r in rows:
                 r.cache.pool.prepare(r.cache.slot, reach(furthest[r.cache.capacity], r.cache.capacity))
             if self.compiled and any(r.decode for r in rows):
@@ -116,13 +116,12 @@ class LM:
 
     def _forward_eager(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
         tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows])
+        positions = torch.cat([torch.arange(r.start, r.end) for r in rows])
         spans, first = [], 0
         for r in rows:
             spans.append((first, len(r.token_ids)))
             first += len(r.token_ids)
-        ends = tuple(r.start + len(r.token_ids) for r in rows)
-        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, ends)
+        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, tuple(r.end for r in rows))
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         hidden = self.model(tokens, batch, self.provider, routing)
         if self.observers:

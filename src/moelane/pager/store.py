@@ -471,9 +471,9 @@ def store_factory(
                              "--default-tier apply to mixture-of-experts models only")  # fmt: skip
         n_experts = sum(len(hs) for hs in handles.values())
         hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
-        total = n_experts * 3 * hidden * width * dtype.itemsize
+        each = 3 * hidden * width * dtype.itemsize  # one expert in the compute dtype
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
-        budget, each = pool.resolve(total), 3 * hidden * width * dtype.itemsize
+        budget = pool.resolve(n_experts * each)
         if budget < 1:
             raise StoreError(f"an expert memory of {expert_memory} holds no expert ({each} bytes each)")
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
