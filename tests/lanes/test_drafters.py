@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from moelane.lanes import Engine, EngineConfig, FakeClock, RecallStore
 from moelane.lanes.depth import Acceptance
 from moelane.lanes.drafters import SILENT_ROUNDS, CopyDrafter, ModelDrafter
@@ -146,18 +148,31 @@ def test_a_stream_joining_a_plain_count_holds_no_first_drafts() -> None:
 
 
 def test_guard_keeps_a_draft_model_only_where_it_pays() -> None:
-    """On the fake clock: a cheap draft model wins the guard's comparison, one as slow as the target loses it."""
-    modes = {}
-    for name, draft_cost in (("cheap", 0.0005), ("dear", 0.02)):
+    """On the fake clock: a cheap draft model wins the guard's comparison; one wrong 9 times in 10 loses it; one as
+    slow as the target is never held (the depth rule prices it out), so it costs nothing and the guard, which measures
+    drafting only in rounds that hold drafts, never declares it the winner."""
+    outcomes = {}
+    for name, draft_cost, error_rate in (("cheap", 0.0005, 0.2), ("wrong", 0.002, 0.9), ("dear", 0.02, 0.2)):
         clock = FakeClock()
         target = FakeTarget(48, window=2, clock=clock, price=linear_price(0.02, 0.0002))
-        draft = FakeTarget(48, window=2, error_rate=0.2, clock=clock, price=linear_price(draft_cost, 0.0))
+        draft = FakeTarget(48, window=2, error_rate=error_rate, clock=clock, price=linear_price(draft_cost, 0.0))
         engine = Engine(target, EngineConfig(drafter="model", max_depth=4), draft=draft, clock=clock)
         assert engine.guard is not None  # on by default for the draft model
+        start = clock.now()
         stream = engine.submit([7, 3, 9, 1], max_tokens=160)
         engine.run_until_idle()
+        seconds = clock.now() - start
         assert stream.token_ids == solo_decode(target, [7, 3, 9, 1], 160, SamplingParams(), frozenset())
         entry = engine.guard.entry(1)
-        modes[name] = (entry.winner, entry.rate_drafted / entry.rate_plain)
-    assert modes["cheap"][0] == "drafted" and modes["cheap"][1] > 1.05
-    assert modes["dear"][0] == "plain"
+        ratio = entry.rate_drafted / entry.rate_plain
+        outcomes[name] = (entry.winner, ratio, engine.stats().holds, seconds)
+    assert outcomes["cheap"][0] == "drafted" and outcomes["cheap"][1] > 1.05
+    assert outcomes["wrong"][0] == "plain" and outcomes["wrong"][1] < 1.0 and outcomes["wrong"][2] > 0
+    clock = FakeClock()
+    plain = Engine(FakeTarget(48, window=2, clock=clock, price=linear_price(0.02, 0.0002)), clock=clock)
+    start = clock.now()
+    plain.submit([7, 3, 9, 1], max_tokens=160)
+    plain.run_until_idle()
+    plain_seconds = clock.now() - start
+    assert outcomes["dear"][0] != "drafted" and outcomes["dear"][2] == 0
+    assert outcomes["dear"][3] == pytest.approx(plain_seconds, rel=0.02)

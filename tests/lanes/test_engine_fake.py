@@ -294,3 +294,32 @@ def test_the_guard_does_not_measure_rounds_that_feed_a_prompt() -> None:
     assert (entry.left, entry.tokens, entry.seconds) == (16, 0, 0.0)
     engine.step()
     assert entry.left == 15 and entry.tokens == 1 and entry.seconds > 0
+
+
+def test_the_guard_measures_drafting_only_in_rounds_that_hold_drafts() -> None:
+    """A drafted round in which nothing was proposed does a plain round's work: counted as drafted, it pulls the
+    drafted rate toward plain's, and the 5% margin is decided by noise. The drafted stretch waits for rounds with
+    holds."""
+    engine, _ = make("model", guard=True)
+    assert engine.guard is not None and engine.drafter is not None
+    silent = [True]
+    propose = engine.drafter.propose
+
+    def quiet_at_first(lanes, depths):  # type: ignore[no-untyped-def]
+        return [[] for _ in lanes] if silent[0] else propose(lanes, depths)
+
+    engine.drafter.propose = quiet_at_first  # type: ignore[method-assign]
+    engine.submit([1 + (i * i) % 40 for i in range(20)], max_tokens=200, stop_token_ids=None)
+    entry = engine.guard.entry(1)
+    while entry.mode == "plain":
+        engine.step()
+    for _ in range(10):  # drafted mode, nothing proposed: the stretch neither advances nor measures
+        engine.step()
+    assert (entry.mode, entry.running, entry.left, entry.tokens, entry.seconds) == ("drafted", False, 4, 0, 0.0)
+    silent[0] = False
+    engine.step()  # its drafts were proposed while silent: still nothing held
+    assert entry.left == 4
+    holds = engine.stats().holds
+    engine.step()
+    assert engine.stats().holds > holds
+    assert entry.left == 3 and entry.tokens >= 1 and entry.seconds > 0

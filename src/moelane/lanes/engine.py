@@ -233,9 +233,14 @@ class Engine:
         """One round over `chosen`: plan windows, verify all in one pass, commit, draft the next round."""
         start = self.clock.now() if self._span_start is None else self._span_start
         mode = self._mode(len(chosen))
-        # A round that feeds a prompt chunk measures the prompt, not the mode: the guard does not count it.
-        measured = self._drafted_for == mode and not any(lane.prefilling for lane, _ in chosen)
         windows = plan_windows(chosen, mode == DRAFTED, self.prices, self.config.max_rows)
+        # What the guard does not count: a round that feeds a prompt chunk (it measures the prompt, not the mode), and
+        # a drafted round that holds no drafts (a plain round in all but name).
+        measured = (
+            self._drafted_for == mode
+            and not any(lane.prefilling for lane, _ in chosen)
+            and (mode == PLAIN or any(w.drafts for w in windows))
+        )
         logits = self._forward(windows)
         n_committed = sum(self._settle(w, lg, mode) for w, lg in zip(windows, logits, strict=True))
         self._round += 1

@@ -11,9 +11,13 @@ Meant for drafters whose hold costs a forward pass of its own (the draft model).
 
 The first round after a switch of mode still carries the other mode's drafts or holds: it is not measured and
 counts for nothing, not even toward a measuring stretch; the engine also reports `measured=False` for a round
-whose drafts were prepared for another stream count's mode, and for a round that feeds a prompt chunk (its time
+whose drafts were prepared for another stream count's mode, for a round that feeds a prompt chunk (its time
 and its few commits are the prompt's, whatever the mode: counted, a joining stream's prefill made drafting look
-4x slower than plain on the shipped model and kept it off for 512 rounds). Rates come from
+4x slower than plain on the shipped model and kept it off for 512 rounds), and for a drafted round that holds no
+drafts. Such a round does a plain round's work, so it says nothing about whether drafting pays; counted, it pulls
+the drafted rate toward plain's. Early in a reply, when the copy drafter has little to copy yet, all four measured
+rounds were often such rounds. The 5% margin was then decided by noise, and usually went to plain for 512 rounds.
+A drafted stretch therefore lasts until four rounds have held drafts. Rates come from
 the seconds the engine reports, which it reads from its injected clock; the guard itself reads no clock.
 """
 
