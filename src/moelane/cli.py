@@ -156,7 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if stops.stopped:
                 break
-        sys.stdout.write(stops.flush() + "\n")
+        sys.stdout.write(stops.push(detok.flush()) + stops.flush() + "\n")  # a cut-off character shows as U+FFFD
     t_end = time.perf_counter()
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0

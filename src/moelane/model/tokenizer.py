@@ -146,6 +146,16 @@ class Detokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(before) :]
 
+    def flush(self) -> str:
+        """At the end of a reply: what `push` held back, an unfinished character shown as U+FFFD (as a decode of the
+        whole reply shows it)."""
+        if len(self._ids) == self._read:
+            return ""
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before) :]
+
 
 class StopFilter:
     """Cuts streamed text at the first stop string, never letting out text past it.
