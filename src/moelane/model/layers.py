@@ -223,6 +223,20 @@ class Batch:
     keys: torch.Tensor | None = None
 
 
+def pack_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """One stream's query rows [n, Hq, D] -> [Hkv, M, D]: for each KV head, the rows of its query heads (row by row,
+    the group's heads within a row), zero-padded to whole tiles: M = n * group rounded up to TILE."""
+    n, n_heads, d = q.shape
+    packed = q.view(n, n_kv, n_heads // n_kv, d).transpose(0, 1).reshape(n_kv, n * (n_heads // n_kv), d)
+    return pad_rows(packed)
+
+
+def packed_positions(positions: torch.Tensor, group: int, m: int, capacity: int) -> torch.Tensor:
+    """The position of each packed query row [M] (`pack_queries`); pad rows see every key, so none is all -inf."""
+    rows = positions.repeat_interleave(group)
+    return F.pad(rows, (0, m - rows.shape[0]), value=capacity - 1)
+
+
 def attend_batched(
     qs: list[torch.Tensor],
     ks: list[torch.Tensor],
@@ -231,53 +245,51 @@ def attend_batched(
     scale: float,
     window: int | None = None,
 ) -> list[torch.Tensor]:
-    """Causal attention of B streams' query rows, each over its own whole cache; the caches have one capacity and the
-    streams' rows pad to the same tile count.
+    """Causal attention of B streams' query rows, each over its own cache read to one length; the streams' packed
+    query rows (`pack_queries`) come to the same tile count.
 
-    qs[i] [n_i, Hq, D]; ks[i] [Hkv, C, D]; vs[i] [Hkv, C, Dv]; positions[i] [n_i]. Keys past a row's position are
+    qs[i] [n_i, Hq, D]; ks[i] [Hkv, L, D]; vs[i] [Hkv, L, Dv]; positions[i] [n_i]. Keys past a row's position are
     masked, so stale entries beyond a stream's length (rolled-back drafts) never count. With a sliding `window`, a
-    row sees only the `window` keys ending at its own position. Each stream's query heads, padded to whole tiles, meet
-    its own K/V in one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers
-    do not depend on B (tested bit for bit). Returns [n_i, Hq, Dv] per stream."""
-    b = len(qs)
-    n_real = max(q.shape[0] for q in qs)
-    n_pad = -(-n_real // TILE) * TILE
-    qh = torch.stack([F.pad(q.transpose(0, 1), (0, 0, 0, n_pad - q.shape[0])) for q in qs])  # [B, Hq, n_pad, D]
-    k = ks[0][None] if b == 1 else torch.stack(ks)  # [B, Hkv, C, D]
-    v = vs[0][None] if b == 1 else torch.stack(vs)
-    # rows past a stream's own see every key, so no row is all -inf (their output is dropped)
-    row_pos = torch.stack([F.pad(p, (0, n_real - p.shape[0]), value=k.shape[2] - 1) for p in positions])
-    out = attend_tiles(qh, k, v, row_pos, scale, window)
-    return [out[i, :, : q.shape[0]].transpose(0, 1) for i, q in enumerate(qs)]  # [n, Hq, Dv] each
+    row sees only the `window` keys ending at its own position. Each stream's packed query rows meet its own K/V in
+    one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers do not depend
+    on B (tested bit for bit). Returns [n_i, Hq, Dv] per stream."""
+    n_kv, length = ks[0].shape[0], ks[0].shape[1]
+    group = qs[0].shape[1] // n_kv
+    qp = torch.stack([pack_queries(q, n_kv) for q in qs])  # [B, Hkv, M, D]
+    k = ks[0][None] if len(ks) == 1 else torch.stack(ks)  # [B, Hkv, L, D]
+    v = vs[0][None] if len(vs) == 1 else torch.stack(vs)
+    row_pos = torch.stack([packed_positions(p, group, qp.shape[2], length) for p in positions])
+    out = attend_tiles(qp, k, v, row_pos, scale, window)
+    return [unpack(out[i], q.shape[0], group) for i, q in enumerate(qs)]
+
+
+def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """One stream's packed output rows [Hkv, M, Dv] -> [n, Hq, Dv] (`pack_queries` undone, pad rows dropped)."""
+    n_kv, _, d_v = out.shape
+    return out[:, : n * group].reshape(n_kv, n, group, d_v).transpose(0, 1).reshape(n, n_kv * group, d_v)
 
 
 def attend_tiles(
-    qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
+    qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """The batched products of `attend_batched`: qh [B, Hq, n_pad, D] (query rows padded to whole tiles), k/v
-    [B, Hkv, C, D/Dv], row_pos [B, n_real] (the real rows' positions) -> [B, Hq, n_pad, Dv]."""
-    b, n_heads, n_pad, d = qh.shape
-    n_kv, capacity = k.shape[1], k.shape[2]
-    n_real = row_pos.shape[1]
-    # Query heads sharing a KV head are stacked as rows, so K/V are never copied per head.
-    qg = qh.reshape(b * n_kv, -1, d)  # [B * Hkv, group * n_pad, D]
-    keys = k.reshape(b * n_kv, capacity, d).transpose(1, 2)
-    # Only the first n_real rows of any stream are real: the masking and the softmax (row by row, so the other rows
-    # change no bits) see just those; the pad rows' probabilities are zeros for the second product, which needs the
-    # whole tile again. Scaled in the compute dtype, then fp32: the same roundings as transformers' eager attention
-    # in bf16.
-    scores = torch.matmul(qg, keys).view(b, n_heads, n_pad, capacity)[:, :, :n_real]
-    scores = (scores * scale).float()  # [B, Hq, n_real, C]
-    key_pos = torch.arange(capacity, device=qh.device)
-    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, n_real, C]
+    """The batched products of `attend_batched`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
+    k/v [B, Hkv, L, D/Dv], row_pos [B, M] (each packed row's position) -> [B, Hkv, M, Dv].
+
+    The query heads sharing a KV head are rows of one matrix, so K/V are never copied per head, and a decode row
+    costs one tile of rows per KV head, not one per query head. The softmax runs row by row over whole rows of
+    keys (pad rows included: zero queries, finite), so no row's bits depend on the others. Scaled in the compute
+    dtype, then fp32: the same roundings as transformers' eager attention in bf16."""
+    b, n_kv, m, d = qp.shape
+    length = k.shape[2]
+    scores = torch.matmul(qp.reshape(b * n_kv, m, d), k.reshape(b * n_kv, length, d).transpose(1, 2))
+    scores = (scores.view(b, n_kv, m, length) * scale).float()
+    key_pos = torch.arange(length, device=qp.device)
+    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, M, L]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    if n_real < n_pad:
-        probs = F.pad(probs, (0, 0, 0, n_pad - n_real))  # [B, Hq, n_pad, C]
-    out = torch.matmul(probs.reshape(b * n_kv, -1, capacity), v.reshape(b * n_kv, capacity, -1))
-    return out.view(b, n_heads, n_pad, -1)
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).to(v.dtype)
+    out = torch.matmul(probs.reshape(b * n_kv, m, length), v.reshape(b * n_kv, length, -1))
+    return out.view(b, n_kv, m, -1)
 
 
 class Attention(nn.Module):
@@ -343,7 +355,8 @@ def attend_streams(
     window: int | None = None,
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
-    share a capacity and whose rows pad to the same tiles go through one batched call. q [N, Hq, D], k/v [N, Hkv, D]."""
+    share a capacity and whose packed query rows (`pack_queries`) come to the same tiles go through one batched call.
+    q [N, Hq, D], k/v [N, Hkv, D]."""
     if batch.pool is not None and batch.slots is not None and batch.keys is not None:
         return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
                              batch.keys, scale, window)  # fmt: skip
@@ -354,16 +367,21 @@ def attend_streams(
         return attend_batched([q], [kvs[0][0][:, :r]], [kvs[0][1][:, :r]], [batch.positions], scale, window)[0]
     if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
         b, n = len(kvs), batch.spans[0][1]
+        n_kv, d = k.shape[1], q.shape[2]
+        group = q.shape[1] // n_kv
         r = reach(max(batch.ends), batch.caches[0].capacity)
-        qh = F.pad(q.reshape(b, n, *q.shape[1:]).transpose(1, 2), (0, 0, 0, -n % TILE))  # [B, Hq, n_pad, D]
+        qp = pad_rows(q.view(b, n, n_kv, group, d).transpose(1, 2).reshape(b, n_kv, n * group, d))  # [B, Hkv, M, D]
+        row_pos = F.pad(batch.positions.view(b, n).repeat_interleave(group, dim=1), (0, qp.shape[2] - n * group),
+                        value=r - 1)  # fmt: skip
         k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
-        tiles = attend_tiles(qh, k_all, v_all, batch.positions.view(b, n), scale, window)
-        return tiles[:, :, :n].transpose(1, 2).reshape(b * n, tiles.shape[1], tiles.shape[3])
+        tiles = attend_tiles(qp, k_all, v_all, row_pos, scale, window)[:, :, : n * group]
+        return tiles.reshape(b, n_kv, n, group, -1).transpose(1, 2).reshape(b * n, n_kv * group, -1)
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
+    group = q.shape[1] // k.shape[1]
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
-        groups.setdefault((cache.capacity, -(-n // TILE)), []).append(i)
+        groups.setdefault((cache.capacity, -(-n * group // TILE)), []).append(i)
     out: list[torch.Tensor] = [q[:0]] * len(qs)
     for members in groups.values():
         r = reach(max(batch.ends[i] for i in members), batch.caches[members[0]].capacity)
