@@ -261,6 +261,29 @@ def test_streams_attend_in_one_batched_call_bit_for_bit(lm: moelane.LM) -> None:
         assert torch.equal(alone, torch.cat([first, second]))
 
 
+def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path) -> None:
+    """A decode round's streams attend over their caches read in place when they hold a run of their pool's slots
+    (in slot order or not) and over stacked copies when they do not; each stream's logits equal its solo pass."""
+    lm = moelane.load(folder)  # pools of its own: four caches hold slots 0-3
+    prompts = [[(i * 13 + j * 5) % 290 for j in range(9 + 4 * i)] for i in range(4)]
+    solo = []
+    for p in prompts:
+        cache = lm.new_cache(256)
+        lm.forward([Rows(cache, p, 0)])
+        solo.append(lm.forward([Rows(cache, [7], len(p))])[0])
+    del cache
+    # a run in slot order, a run out of it, and slots with a gap
+    for members in ([0, 1, 2, 3], [2, 0, 3, 1], [3, 0, 2]):
+        caches = sorted((lm.new_cache(256) for _ in prompts), key=lambda c: c.slot)
+        assert [c.slot for c in caches] == [0, 1, 2, 3]
+        for i, p in enumerate(prompts):
+            lm.forward([Rows(caches[i], p, 0)])
+        step = lm.forward([Rows(caches[i], [7], len(prompts[i])) for i in members])
+        for i, logits in zip(members, step, strict=True):
+            assert torch.equal(logits, solo[i])
+        del caches  # the pool goes back to its first size
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threads: int) -> None:
     """Through the compiled decode step, a stream's generated rows are bit-identical decoded one token at a time

@@ -373,8 +373,18 @@ def attend_streams(
         qp = pad_rows(q.view(b, n, n_kv, group, d).transpose(1, 2).reshape(b, n_kv, n * group, d))  # [B, Hkv, M, D]
         row_pos = F.pad(batch.positions.view(b, n).repeat_interleave(group, dim=1), (0, qp.shape[2] - n * group),
                         value=r - 1)  # fmt: skip
-        k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
-        tiles = attend_tiles(qp, k_all, v_all, row_pos, scale, window)[:, :, : n * group]
+        run = slot_run(batch)
+        if run is None:
+            k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
+            tiles = attend_tiles(qp, k_all, v_all, row_pos, scale, window)
+        else:  # the streams hold a run of their pool's slots: read their caches in place, in slot order
+            pool, lo, order = run
+            k_run, v_run = pool.k[layer][lo : lo + b, :, :r], pool.v[layer][lo : lo + b, :, :r]
+            if order is None:
+                tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
+            else:
+                tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
+        tiles = tiles[:, :, : n * group]
         return tiles.reshape(b, n_kv, n, group, -1).transpose(1, 2).reshape(b * n, n_kv * group, -1)
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
@@ -434,6 +444,18 @@ def attend_pooled(
     mask = mask[:, None, :].expand(n, n_kv, length).reshape(n * n_kv, 1, length)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
+
+
+def slot_run(batch: Batch) -> tuple[KVPool, int, torch.Tensor | None] | None:
+    """(pool, first slot, the streams in slot order or None if already) when the batch's caches are a run of
+    consecutive slots of one pool, which attention can then read in place instead of stacking copies."""
+    pool, slots = batch.caches[0].pool, [c.slot for c in batch.caches]
+    lo = min(slots)
+    if max(slots) - lo != len(slots) - 1 or any(c.pool is not pool for c in batch.caches):
+        return None  # (slots of one pool are distinct, so a span of len - 1 is a run)
+    if all(slot == lo + i for i, slot in enumerate(slots)):
+        return pool, lo, None
+    return pool, lo, torch.tensor(sorted(range(len(slots)), key=slots.__getitem__))
 
 
 def uniform(batch: Batch) -> bool:
