@@ -3,8 +3,8 @@
 Batch invariance (docs/batch-invariance.md): a row's numbers must not depend on which other rows share the pass.
 Every projection goes through `linear`, which pads the rows to whole tiles of `TILE` so each row always meets the same
 matrix kernel; transcendental elementwise functions go through `pointwise`, which keeps every element on the
-vectorised path; attention runs per stream over that stream's whole static cache (a fixed reduction length), with the
-stream's query rows padded to a tile as well. The compiled decode step instead writes and reads any rows' caches in
+vectorised path; attention runs per stream over that stream's static cache as far as the pass reaches (`reach`), with
+each KV head's query rows packed into whole tiles as well (`pack_queries`). The compiled decode step instead writes and reads any rows' caches in
 their pool (`attend_pooled`), where every row meets the same kernels whatever the row count. Nothing here takes a
 Python scalar from a tensor, so a decode step compiles whole.
 
