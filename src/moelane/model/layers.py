@@ -4,9 +4,9 @@ Batch invariance (docs/batch-invariance.md): a row's numbers must not depend on 
 Every projection goes through `linear`, which pads the rows to whole tiles of `TILE` so each row always meets the same
 matrix kernel; transcendental elementwise functions go through `pointwise`, which keeps every element on the
 vectorised path; attention runs per stream over that stream's static cache as far as the pass reaches (`reach`), with
-each KV head's query rows packed into whole tiles as well (`pack_queries`). The compiled decode step instead writes and reads any rows' caches in
-their pool (`attend_pooled`), where every row meets the same kernels whatever the row count. Nothing here takes a
-Python scalar from a tensor, so a decode step compiles whole.
+each KV head's query rows packed into whole tiles as well (`pack_queries`). The compiled decode step instead writes
+and reads any rows' caches in their pool (`attend_pooled`), where every row meets the same kernels whatever the row
+count. Nothing here takes a Python scalar from a tensor, so a decode step compiles whole.
 
 Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads, D head dim, C cache capacity.
 """
