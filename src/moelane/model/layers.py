@@ -224,17 +224,25 @@ class Batch:
 
 
 def pack_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """One stream's query rows [n, Hq, D] -> [Hkv, M, D]: for each KV head, the rows of its query heads (row by row,
-    the group's heads within a row), zero-padded to whole tiles: M = n * group rounded up to TILE."""
-    n, n_heads, d = q.shape
-    packed = q.view(n, n_kv, n_heads // n_kv, d).transpose(0, 1).reshape(n_kv, n * (n_heads // n_kv), d)
-    return pad_rows(packed)
+    """Query rows [..., n, Hq, D] -> [..., Hkv, M, D]: for each KV head, the rows of its query heads (row by row, the
+    group's heads within a row), zero-padded to whole tiles: M = n * group rounded up to TILE."""
+    *lead, n, n_heads, d = q.shape
+    group = n_heads // n_kv
+    return pad_rows(q.reshape(*lead, n, n_kv, group, d).transpose(-4, -3).reshape(*lead, n_kv, n * group, d))
 
 
-def packed_positions(positions: torch.Tensor, group: int, m: int, capacity: int) -> torch.Tensor:
-    """The position of each packed query row [M] (`pack_queries`); pad rows see every key, so none is all -inf."""
-    rows = positions.repeat_interleave(group)
-    return F.pad(rows, (0, m - rows.shape[0]), value=capacity - 1)
+def packed_positions(positions: torch.Tensor, group: int, m: int, length: int) -> torch.Tensor:
+    """The position of each packed query row, [..., n] -> [..., M] (`pack_queries`); pad rows see all `length` keys,
+    so none is all -inf."""
+    rows = positions.repeat_interleave(group, dim=-1)
+    return F.pad(rows, (0, m - rows.shape[-1]), value=length - 1)
+
+
+def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """Packed output rows [..., Hkv, M, Dv] -> [..., n, Hq, Dv] (`pack_queries` undone, pad rows dropped)."""
+    *lead, n_kv, _, d_v = out.shape
+    rows = out[..., : n * group, :].reshape(*lead, n_kv, n, group, d_v)
+    return rows.transpose(-4, -3).reshape(*lead, n, n_kv * group, d_v)
 
 
 def attend_batched(
@@ -261,12 +269,6 @@ def attend_batched(
     row_pos = torch.stack([packed_positions(p, group, qp.shape[2], length) for p in positions])
     out = attend_tiles(qp, k, v, row_pos, scale, window)
     return [unpack(out[i], q.shape[0], group) for i, q in enumerate(qs)]
-
-
-def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
-    """One stream's packed output rows [Hkv, M, Dv] -> [n, Hq, Dv] (`pack_queries` undone, pad rows dropped)."""
-    n_kv, _, d_v = out.shape
-    return out[:, : n * group].reshape(n_kv, n, group, d_v).transpose(0, 1).reshape(n, n_kv * group, d_v)
 
 
 def attend_tiles(
@@ -367,12 +369,10 @@ def attend_streams(
         return attend_batched([q], [kvs[0][0][:, :r]], [kvs[0][1][:, :r]], [batch.positions], scale, window)[0]
     if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
         b, n = len(kvs), batch.spans[0][1]
-        n_kv, d = k.shape[1], q.shape[2]
-        group = q.shape[1] // n_kv
+        group = q.shape[1] // k.shape[1]
         r = reach(max(batch.ends), batch.caches[0].capacity)
-        qp = pad_rows(q.view(b, n, n_kv, group, d).transpose(1, 2).reshape(b, n_kv, n * group, d))  # [B, Hkv, M, D]
-        row_pos = F.pad(batch.positions.view(b, n).repeat_interleave(group, dim=1), (0, qp.shape[2] - n * group),
-                        value=r - 1)  # fmt: skip
+        qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
+        row_pos = packed_positions(batch.positions.view(b, n), group, qp.shape[2], r)
         run = slot_run(batch)
         if run is None:
             k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
@@ -384,8 +384,7 @@ def attend_streams(
                 tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
             else:
                 tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
-        tiles = tiles[:, :, : n * group]
-        return tiles.reshape(b, n_kv, n, group, -1).transpose(1, 2).reshape(b * n, n_kv * group, -1)
+        return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
     group = q.shape[1] // k.shape[1]
