@@ -65,6 +65,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: off)")
     p.add_argument("--seed", type=int, help="seed for sampling (default: random)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X (-2..2) from the logit of each token the reply holds (default 0)")  # fmt: skip
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="subtract X (-2..2) once per time the reply holds a token (default 0)")  # fmt: skip
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to the logit of token ID; -100 bans it (repeatable)")  # fmt: skip
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
@@ -123,13 +129,29 @@ def read_prompt(arg: str) -> str:
         return arg
 
 
+def logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
+    """`--logit-bias ID=BIAS` entries as (token id, bias) pairs."""
+    pairs = []
+    for entry in entries:
+        token, _, bias = entry.partition("=")  # (no "=": an empty bias, refused)
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise InputError(f"--logit-bias takes ID=BIAS (a token id and a number), got {entry!r}") from None
+    return tuple(pairs)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from moelane.model.lm import sampling_params
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     prompt = read_prompt(args.prompt)
-    params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed)
+    params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
+                             logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty)  # fmt: skip
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
+    if any(token >= lm.vocab_size for token, _ in params.logit_bias):
+        raise InputError(f"--logit-bias: token ids must be below the vocabulary size {lm.vocab_size}")
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)

@@ -184,6 +184,30 @@ def test_cli_run_streams_reply_and_summary(folder: Path, lm: moelane.LM, capsys:
     assert "prompt" in err and "decode" in err and "tok/s" in err
 
 
+def test_cli_run_takes_logit_bias_and_penalties(
+    folder: Path, lm: moelane.LM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run`'s logit bias and penalties give what `generate_ids` gives with them, sampled with a seed drawn at
+    random too (where they were once dropped); bad values are one-line errors."""
+    prompt = lm.tokenizer.encode("def fib")
+    greedy = list(lm.generate_ids(prompt, 12))
+    banned = greedy[0]
+    args = ["run", "--model", str(folder), "--max-tokens", "12", "--logit-bias", f"{banned}=-100",
+            "--presence-penalty", "1.5", "--frequency-penalty", "0.5", "def fib"]  # fmt: skip
+    assert main(args) == 0
+    params = SamplingParams(logit_bias=((banned, -100.0),), presence_penalty=1.5, frequency_penalty=0.5)
+    reply = list(lm.generate_ids(prompt, 12, params))
+    assert reply != greedy and banned not in reply
+    assert capsys.readouterr().out.rstrip("\n") == lm.tokenizer.decode(reply)
+    forced = ["run", "--model", str(folder), "--max-tokens", "6", "--temperature", "1", "--logit-bias",
+              f"{banned}=100", "def fib"]  # fmt: skip
+    assert main(forced) == 0
+    assert capsys.readouterr().out.rstrip("\n") == lm.tokenizer.decode([banned] * 6)
+    for bad, message in (("7", "ID=BIAS"), ("x=1", "ID=BIAS"), ("7=500", "[-100, 100]"), ("999999=1", "vocabulary")):
+        assert message in cli_error(["run", "--model", str(folder), "--logit-bias", bad, "hi"], capsys)
+    assert "[-2, 2]" in cli_error(["run", "--model", str(folder), "--presence-penalty", "3", "hi"], capsys)
+
+
 def test_cli_run_takes_bytes_that_are_not_utf8(
     folder: Path, lm: moelane.LM, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,7 @@ bits differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -250,7 +251,7 @@ class LM:
         """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`."""
         params = params or SamplingParams()
         if params.seed is None and not params.greedy:
-            params = SamplingParams(params.temperature, params.top_p, params.top_k, secrets.randbits(62))
+            params = dataclasses.replace(params, seed=secrets.randbits(62))
         if max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -302,9 +303,10 @@ class LM:
         return "".join(self.stream(prompt, **kwargs))
 
 
-def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None) -> SamplingParams:
+def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None, **adjust: Any) -> SamplingParams:
+    """Checked sampling settings (`adjust`: logit_bias, presence_penalty, frequency_penalty); InputError if bad."""
     try:
-        return SamplingParams(temperature, top_p, top_k, seed)
+        return SamplingParams(temperature, top_p, top_k, seed, **adjust)
     except ValueError as e:
         raise InputError(str(e)) from None
 
