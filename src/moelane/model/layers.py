@@ -231,11 +231,12 @@ def pack_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return pad_rows(q.reshape(*lead, n, n_kv, group, d).transpose(-4, -3).reshape(*lead, n_kv, n * group, d))
 
 
-def packed_positions(positions: torch.Tensor, group: int, m: int, length: int) -> torch.Tensor:
-    """The position of each packed query row, [..., n] -> [..., M] (`pack_queries`); pad rows see all `length` keys,
-    so none is all -inf."""
-    rows = positions.repeat_interleave(group, dim=-1)
-    return F.pad(rows, (0, m - rows.shape[-1]), value=length - 1)
+def packed_positions(positions: torch.Tensor, group: int, rows: int, length: int) -> torch.Tensor:
+    """The positions of the first `rows` packed query rows (`pack_queries`), [..., n] -> [..., rows]: each row's
+    position repeated for its group's heads; rows past them (another stream's, in a shared call) see all `length`
+    keys, so none is all -inf."""
+    packed = positions.repeat_interleave(group, dim=-1)
+    return F.pad(packed, (0, rows - packed.shape[-1]), value=length - 1)
 
 
 def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
@@ -266,7 +267,8 @@ def attend_batched(
     qp = torch.stack([pack_queries(q, n_kv) for q in qs])  # [B, Hkv, M, D]
     k = ks[0][None] if len(ks) == 1 else torch.stack(ks)  # [B, Hkv, L, D]
     v = vs[0][None] if len(vs) == 1 else torch.stack(vs)
-    row_pos = torch.stack([packed_positions(p, group, qp.shape[2], length) for p in positions])
+    real = max(p.shape[0] for p in positions) * group
+    row_pos = torch.stack([packed_positions(p, group, real, length) for p in positions])
     out = attend_tiles(qp, k, v, row_pos, scale, window)
     return [unpack(out[i], q.shape[0], group) for i, q in enumerate(qs)]
 
@@ -275,21 +277,24 @@ def attend_tiles(
     qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
     """The batched products of `attend_batched`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
-    k/v [B, Hkv, L, D/Dv], row_pos [B, M] (each packed row's position) -> [B, Hkv, M, Dv].
+    k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real ones) -> [B, Hkv, M, Dv].
 
     The query heads sharing a KV head are rows of one matrix, so K/V are never copied per head, and a decode row
-    costs one tile of rows per KV head, not one per query head. The softmax runs row by row over whole rows of
-    keys (pad rows included: zero queries, finite), so no row's bits depend on the others. Scaled in the compute
-    dtype, then fp32: the same roundings as transformers' eager attention in bf16."""
+    costs one tile of rows per KV head, not one per query head. Only the first R rows are masked and softmaxed (row
+    by row, so the other rows change no bits); the pad rows' probabilities are zeros for the second product, which
+    needs the whole tile again. Scaled in the compute dtype, then fp32: the same roundings as transformers' eager
+    attention in bf16."""
     b, n_kv, m, d = qp.shape
-    length = k.shape[2]
+    length, real = k.shape[2], row_pos.shape[1]
     scores = torch.matmul(qp.reshape(b * n_kv, m, d), k.reshape(b * n_kv, length, d).transpose(1, 2))
-    scores = (scores.view(b, n_kv, m, length) * scale).float()
+    scores = (scores.view(b, n_kv, m, length)[:, :, :real] * scale).float()
     key_pos = torch.arange(length, device=qp.device)
-    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, M, L]
+    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, R, L]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
     probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).to(v.dtype)
+    if real < m:
+        probs = F.pad(probs, (0, 0, 0, m - real))  # [B, Hkv, M, L]
     out = torch.matmul(probs.reshape(b * n_kv, m, length), v.reshape(b * n_kv, length, -1))
     return out.view(b, n_kv, m, -1)
 
@@ -372,7 +377,7 @@ def attend_streams(
         group = q.shape[1] // k.shape[1]
         r = reach(max(batch.ends), batch.caches[0].capacity)
         qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
-        row_pos = packed_positions(batch.positions.view(b, n), group, qp.shape[2], r)
+        row_pos = packed_positions(batch.positions.view(b, n), group, n * group, r)
         run = slot_run(batch)
         if run is None:
             k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
