@@ -137,22 +137,21 @@ class Detokenizer:
 
     def push(self, ids: Iterable[int]) -> str:
         self._ids.extend(ids)
-        if len(self._ids) == self._read:
-            return ""
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        text = self._tok.decode(self._ids[self._prefix :])
-        if text.endswith("\ufffd") or len(text) <= len(before):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before) :]
+        return self._take(hold=True)
 
     def flush(self) -> str:
         """At the end of a reply: what `push` held back, an unfinished character shown as U+FFFD (as a decode of the
         whole reply shows it)."""
+        return self._take(hold=False)
+
+    def _take(self, hold: bool) -> str:
+        """The text of the ids not emitted yet; with `hold`, nothing while it ends in an unfinished character."""
         if len(self._ids) == self._read:
             return ""
         before = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
+        if hold and (text.endswith("\ufffd") or len(text) <= len(before)):
+            return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(before) :]
 
