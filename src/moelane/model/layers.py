@@ -276,8 +276,9 @@ def attend_batched(
 def attend_tiles(
     qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """The batched products of `attend_batched`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
-    k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real ones) -> [B, Hkv, M, Dv].
+    """The batched products of `attend_streams` and `attend_batched`: qp [B, Hkv, M, D] (packed query rows, M a
+    whole number of tiles), k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real
+    ones) -> [B, Hkv, M, Dv].
 
     The query heads sharing a KV head are rows of one matrix, so K/V are never copied per head, and a decode row
     costs one tile of rows per KV head, not one per query head. Only the first R rows are masked and softmaxed (row
@@ -369,12 +370,9 @@ def attend_streams(
                              batch.keys, scale, window)  # fmt: skip
     kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
            for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
-    if len(kvs) == 1:
-        r = reach(batch.ends[0], batch.caches[0].capacity)
-        return attend_batched([q], [kvs[0][0][:, :r]], [kvs[0][1][:, :r]], [batch.positions], scale, window)[0]
-    if uniform(batch):  # one group of equal row counts (a decode round): no per-stream stacking and splitting
+    group = q.shape[1] // k.shape[1]
+    if uniform(batch):  # one stream, or equal row counts and one capacity (a decode round): no per-stream slicing
         b, n = len(kvs), batch.spans[0][1]
-        group = q.shape[1] // k.shape[1]
         r = reach(max(batch.ends), batch.caches[0].capacity)
         qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
         row_pos = packed_positions(batch.positions.view(b, n), group, n * group, r)
@@ -392,7 +390,6 @@ def attend_streams(
         return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
-    group = q.shape[1] // k.shape[1]
     groups: dict[tuple[int, int], list[int]] = {}
     for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
         groups.setdefault((cache.capacity, -(-n * group // TILE)), []).append(i)
