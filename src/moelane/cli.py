@@ -150,8 +150,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                              logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty)  # fmt: skip
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
-    if any(token >= lm.vocab_size for token, _ in params.logit_bias):
-        raise InputError(f"--logit-bias: token ids must be below the vocabulary size {lm.vocab_size}")
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)

@@ -170,11 +170,9 @@ class Engine:
         if prompt_logprobs and logprobs is None:
             raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
         bias = tuple(sorted((logit_bias or {}).items()))
-        if bias and bias[-1][0] >= self.target.vocab_size:
-            raise InputError(f"logit_bias token id {bias[-1][0]} is out of range for a vocabulary of "
-                             f"{self.target.vocab_size}")  # fmt: skip
         try:
             params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
+            params.check_vocab(self.target.vocab_size)
         except ValueError as e:
             raise InputError(str(e)) from None
         if not params.greedy and params.seed is None:

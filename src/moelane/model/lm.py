@@ -250,6 +250,10 @@ class LM:
     ) -> Iterator[int]:
         """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`."""
         params = params or SamplingParams()
+        try:
+            params.check_vocab(self.vocab_size)
+        except ValueError as e:
+            raise InputError(str(e)) from None
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(62))
         if max_tokens < 1:

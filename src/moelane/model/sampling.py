@@ -43,6 +43,12 @@ class SamplingParams:
         if any(not -100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError if a logit bias names a token id past the vocabulary."""
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias token id {token} is out of range for a vocabulary of {vocab_size}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
