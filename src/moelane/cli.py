@@ -12,7 +12,7 @@ import importlib
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from moelane.errors import InputError, MoelaneError
 
@@ -141,15 +141,35 @@ def logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+@contextlib.contextmanager
+def in_flags() -> Iterator[None]:
+    """Errors in a setting's own words (`top_p must be ...`, as the API and the server say them) name the flag the
+    user typed instead (`--top-p must be ...`)."""
+    try:
+        yield
+    except (InputError, ValueError) as e:
+        name, _, rest = str(e).partition(" ")
+        raise InputError(f"--{name.replace('_', '-')} {rest}" if name in RUN_FLAGS else str(e)) from None
+
+
+RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "seed", "max_tokens", "logit_bias", "presence_penalty",
+                       "frequency_penalty"})  # fmt: skip
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from moelane.model.lm import sampling_params
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     prompt = read_prompt(args.prompt)
-    params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
-                             logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty)  # fmt: skip
+    with in_flags():
+        params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
+                                 logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
+                                 frequency_penalty=args.frequency_penalty)  # fmt: skip
+        if args.max_tokens < 1:
+            raise InputError(f"max_tokens must be >= 1, got {args.max_tokens}")
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
+    with in_flags():
+        params.check_vocab(lm.vocab_size)
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     prompt_ids = lm.tokenizer.encode(prompt)

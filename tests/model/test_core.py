@@ -208,6 +208,17 @@ def test_cli_run_takes_logit_bias_and_penalties(
     assert "[-2, 2]" in cli_error(["run", "--model", str(folder), "--presence-penalty", "3", "hi"], capsys)
 
 
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--temperature", "-1"), ("--top-p", "0"), ("--top-k", "-1"), ("--max-tokens", "0"),
+     ("--presence-penalty", "3"), ("--frequency-penalty", "-2.5"), ("--logit-bias", "5=101"),
+     ("--logit-bias", "999999=1")],
+)  # fmt: skip
+def test_cli_run_errors_name_the_flag(folder: Path, flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad sampling setting is refused in the words of the flag the user typed, not the API's field name."""
+    assert cli_error(["run", "--model", str(folder), flag, value, "hi"], capsys).startswith(f"moelane: error: {flag} ")
+
+
 def test_cli_run_takes_bytes_that_are_not_utf8(
     folder: Path, lm: moelane.LM, capsys: pytest.CaptureFixture[str]
 ) -> None:
