@@ -30,41 +30,26 @@ def test_price_table_interpolates_and_learns() -> None:
         PriceTable([(0, 1.0)])
 
 
-def test_a_draft_row_price_is_learned_apart_from_the_table() -> None:
-    """With a draft row's price, a round costs the table's price of its base rows plus that price per draft; rounds
-    without drafts teach the table, drafted rounds teach the draft price what they cost beyond their base rows."""
-    t = PriceTable([(1, 1.0), (9, 3.0)], per_draft=0.1)
-    assert t.price(5) == pytest.approx(2.0) and t.price(5, 4) == pytest.approx(2.4)
-    assert PriceTable([(1, 1.0), (9, 3.0)]).price(5, 4) == pytest.approx(3.0)  # without it: 9 rows by the table
-    t.observe(5, 3.0, drafts=4)  # 1.0 beyond the base rows' 2.0: 0.25 a draft
-    assert t.price(5) == pytest.approx(2.0) and t.per_draft == pytest.approx(0.1 + 0.2 * (0.25 - 0.1))
-    t.observe(5, 4.0)
-    assert t.price(5) == 4.0 and t.points == [(1, 1.0), (5, 4.0), (9, 3.0)]
-    t.observe(5, 1.0, drafts=2)  # cheaper than its base rows: a draft costs nothing, never less
-    assert t.per_draft is not None and t.per_draft >= 0.0
-    with pytest.raises(ValueError):
-        PriceTable([(1, 1.0)], per_draft=-1.0)
-
-
 def brute_force(seats: list[Seat], prices: PriceTable, max_rows: int) -> float:
     """Best expected tokens per cost over every allocation (for checking the greedy one)."""
     best = 0.0
     for depths in itertools.product(*[range(s.max_drafts + 1) for s in seats]):
-        if sum(s.base_rows for s in seats) + sum(depths) > max_rows:
+        rows = sum(s.base_rows for s in seats) + sum(depths)
+        if rows > max_rows:
             continue
-        best = max(best, value(seats, list(depths), prices))
+        tokens = sum(s.acceptance.expected(d) for s, d in zip(seats, depths, strict=True))
+        best = max(best, tokens / prices.price(rows))
     return best
 
 
 def value(seats: list[Seat], depths: list[int], prices: PriceTable) -> float:
-    base = sum(s.base_rows for s in seats)
-    return sum(s.acceptance.expected(d) for s, d in zip(seats, depths, strict=True)) / prices.price(base, sum(depths))
+    rows = sum(s.base_rows for s in seats) + sum(depths)
+    return sum(s.acceptance.expected(d) for s, d in zip(seats, depths, strict=True)) / prices.price(rows)
 
 
-@pytest.mark.parametrize("per_draft", [None, 0.01, 0.2])
 @pytest.mark.parametrize("slope", [0.02, 0.1, 0.3, 1.0])
-def test_allocation_matches_brute_force(slope: float, per_draft: float | None) -> None:
-    prices = PriceTable([(1, 1.0), (64, 1.0 + 63 * slope)], per_draft)
+def test_allocation_matches_brute_force(slope: float) -> None:
+    prices = PriceTable([(1, 1.0), (64, 1.0 + 63 * slope)])
     accs = [Acceptance(4) for _ in range(3)]
     accs[1].p = [0.3, 0.3, 0.3, 0.3]
     accs[2].p = [0.95, 0.9, 0.9, 0.9]
@@ -81,10 +66,6 @@ def test_expensive_rows_mean_no_drafts_and_limits_hold() -> None:
     assert allocate(seats, flat, 64, probe=False) == [8, 8]
     assert sum(allocate(seats, flat, 6, probe=False)) == 4  # 2 base rows + 4 drafts = the row limit
     assert allocate([Seat(4, False, 8, Acceptance(8))], flat, 64) == [0]  # a prefill chunk commits nothing
-    # Rows of other streams at a draft row's price would make drafting pay; a draft row priced apart decides.
-    seats = [Seat(1, True, 8, Acceptance(8)) for _ in range(8)]
-    assert allocate(seats, PriceTable([(1, 1.0), (8, 8.0)], per_draft=1.0), 72, probe=False) == [0] * 8
-    assert allocate(seats, PriceTable([(1, 1.0), (8, 8.0)], per_draft=0.001), 72, probe=False) == [8] * 8
 
 
 def test_every_eighth_round_probes_one_deeper() -> None:

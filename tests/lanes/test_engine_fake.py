@@ -281,29 +281,6 @@ def test_timed_prices_are_measured_at_start_up_and_as_rounds_run() -> None:
     assert fixed.prices.points == sorted(EngineConfig().prices)
 
 
-def test_timed_prices_learn_a_draft_rows_price_apart_from_a_streams_row() -> None:
-    """On an MoE a stream's row costs more than a draft row after it (it brings experts of its own): start-up prices
-    rounds of many streams and one stream's drafts apart, and drafted rounds keep the draft row's price measured."""
-    clock = FakeClock()
-
-    def moe_like(per_draft: float):  # type: ignore[no-untyped-def]
-        return lambda n_rows, n_streams: 0.010 + 0.002 * n_streams + per_draft * (n_rows - n_streams)
-
-    target = FakeTarget(VOCAB, window=1, clock=clock, price=moe_like(0.0002))
-    engine = Engine(target, EngineConfig(drafter="copy", max_streams=8, max_rows=64), clock=clock)
-    for n, cost in engine.prices.points:  # n rows: 8 streams at most, the rest one stream's prompt chunk
-        assert cost == pytest.approx(0.010 + 0.002 * min(n, 8) + 0.0002 * max(n - 8, 0))
-    assert engine.prices.per_draft == pytest.approx(0.0002)
-    target.price = moe_like(0.001)  # drafts got dearer
-    for i in range(4):
-        engine.submit([1 + i, 2, 3, 4] * 4, max_tokens=200, stop_token_ids=None)
-    engine.run_until_idle()
-    assert engine.stats().holds > 0
-    assert engine.prices.per_draft == pytest.approx(0.001, rel=0.1)
-    untimed = Engine(target, EngineConfig(drafter="copy", timed=False, draft_row_price=0.3), clock=clock)
-    assert untimed.prices.per_draft == 0.3 and Engine(target, EngineConfig(timed=False)).prices.per_draft is None
-
-
 def test_the_guard_does_not_measure_rounds_that_feed_a_prompt() -> None:
     """A prompt chunk's round measures the prompt, not the mode: counted, a joining stream's prefill would decide the
     guard's choice for its stream count (the rounds of 40 prompt tokens in chunks of 8 leave the measurement as it

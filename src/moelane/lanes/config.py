@@ -21,8 +21,6 @@ class EngineConfig:
     max_rows:      most rows in one forward pass.
     prefill_chunk: most prompt tokens one stream feeds in a round.
     prices:        untimed price table: (rows, cost) points, interpolated.
-    draft_row_price: untimed price of one draft row beyond the table's price of the round's other rows; None: a
-                   draft row is priced as a row of the table. (Timed, it is measured: see depth.py.)
     draft_price:   untimed cost of one draft-model pass, in the units of `prices`.
     min_match:     shortest backward match the copy and recall drafters act on.
     recall_tokens: tokens kept in the recall store.
@@ -38,7 +36,6 @@ class EngineConfig:
     max_rows: int = 256
     prefill_chunk: int = 64
     prices: tuple[tuple[int, float], ...] = DEFAULT_PRICES
-    draft_row_price: float | None = None
     draft_price: float = 0.5
     min_match: int = 6
     recall_tokens: int = 1 << 20
@@ -58,8 +55,6 @@ class EngineConfig:
             raise ValueError(f"min_match must be >= 3 (the index is of 3-grams), got {self.min_match}")
         if not self.prices or any(n < 1 or c <= 0 for n, c in self.prices):
             raise ValueError(f"prices need (rows >= 1, cost > 0) points, got {self.prices}")
-        if self.draft_row_price is not None and self.draft_row_price < 0:
-            raise ValueError(f"draft_row_price must be >= 0, got {self.draft_row_price}")
         if self.draft_price < 0:
             raise ValueError(f"draft_price must be >= 0, got {self.draft_price}")
 

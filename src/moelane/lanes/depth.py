@@ -6,20 +6,12 @@ or 1 at rate 0.15). A stream at depth d expects `1 + sum_{j<d} prod_{k<=j} p[k]`
 
 In a shared round the allocation starts from every stream's base rows (its next input token, or its prefill chunk)
 and adds draft rows greedily, highest landing chance first across streams, keeping the allocation with the best
-expected committed tokens per unit of round cost. A round's cost is `price(base rows, draft rows) + draft_price *
-deepest draft` (the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of a stream it
-probes one deeper than the allocation chose, so that a low estimate can recover.
+expected committed tokens per unit of round cost. A round's cost is `price(rows) + draft_price * deepest draft`
+(the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of a stream it probes one
+deeper than the allocation chose, so that a low estimate can recover.
 
 Prices come from a `PriceTable`: cost of a round by rows, linearly interpolated between known widths (and
 extrapolated from the last two beyond them). A fixed table never changes; a timed one folds in measured rounds.
-
-On an MoE a round's cost follows the distinct experts it touches more than its row count, and rows are not alike
-there: a stream's row brings the experts it routes to (2-4 new ones per layer on the shipped model), while a draft
-row after it, the same stream's next position, mostly routes to the same ones (0.5 new per layer; docs/lanes.md). So
-a table may also hold a price per draft row (`per_draft`): a round then costs the table's price of its base rows
-(each stream's input, or prompt chunk) plus `per_draft` for each draft row, and a timed table learns the two apart,
-the table from rounds without drafts and `per_draft` from what drafted rounds cost beyond their base rows. Without
-it, a draft row is priced as any other row.
 """
 
 from __future__ import annotations
@@ -70,44 +62,27 @@ class Acceptance:
 
 
 class PriceTable:
-    """Cost of a round by its base rows, plus `per_draft` per draft row (None: drafts priced as rows).
-    `observe` (timed tables) folds a measured round in."""
+    """Cost of a round by its row count. `observe` (timed tables) folds a measured round into its width."""
 
-    __slots__ = ("_points", "_rate", "per_draft")
+    __slots__ = ("_points", "_rate")
 
-    def __init__(self, points: Sequence[tuple[int, float]], per_draft: float | None = None, rate: float = 0.2) -> None:
+    def __init__(self, points: Sequence[tuple[int, float]], rate: float = 0.2) -> None:
         if not points:
             raise ValueError("a price table needs at least one (rows, cost) point")
         if any(n < 1 or c <= 0 for n, c in points):
             raise ValueError(f"price table points need rows >= 1 and cost > 0: {list(points)}")
-        if per_draft is not None and per_draft < 0:
-            raise ValueError(f"a draft row's price must be >= 0, got {per_draft}")
         self._points: dict[int, float] = dict(points)
         self._rate = rate
-        self.per_draft = per_draft
 
     @property
     def points(self) -> list[tuple[int, float]]:
         return sorted(self._points.items())
 
-    def observe(self, rows: int, seconds: float, drafts: int = 0) -> None:
-        """A measured round of `rows` base rows and `drafts` draft rows. With a draft price, a drafted round moves
-        it toward what the round cost beyond the table's price of its base rows; otherwise the round's width moves
-        toward its cost."""
-        if self.per_draft is not None and drafts:
-            beyond = (seconds - self.price(rows)) / drafts
-            self.per_draft = max(0.0, self.per_draft + self._rate * (beyond - self.per_draft))
-            return
-        width = rows + drafts
-        old = self._points.get(width)
-        self._points[width] = seconds if old is None else old + self._rate * (seconds - old)
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self._points.get(rows)
+        self._points[rows] = seconds if old is None else old + self._rate * (seconds - old)
 
-    def price(self, rows: int, drafts: int = 0) -> float:
-        if self.per_draft is not None:
-            return self._interpolate(rows) + self.per_draft * drafts
-        return self._interpolate(rows + drafts)
-
-    def _interpolate(self, rows: int) -> float:
+    def price(self, rows: int) -> float:
         pts = self.points
         if len(pts) == 1:
             n, c = pts[0]
@@ -137,12 +112,11 @@ def allocate(
 ) -> list[int]:
     """Draft rows per seat, maximising expected committed tokens per unit of round cost."""
     depths = [0] * len(seats)
-    base = max(sum(s.base_rows for s in seats), 1)
-    rows = base
+    rows = sum(s.base_rows for s in seats)
     tokens = float(sum(1 for s in seats if s.commits))
 
     def value(deepest: int) -> float:
-        return tokens / (prices.price(base, rows - base) + draft_price * deepest)
+        return tokens / (prices.price(max(rows, 1)) + draft_price * deepest)
 
     best, best_depths, deepest = value(0), list(depths), 0
     heap = [(-s.acceptance.landing(0), i) for i, s in enumerate(seats) if s.commits and s.max_drafts > 0]

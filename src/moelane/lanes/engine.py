@@ -21,10 +21,9 @@ import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -115,7 +114,7 @@ class Engine:
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
         self.guard = Guard() if self.config.guard_on else None
-        self.prices = PriceTable(self.config.prices, self.config.draft_row_price)
+        self.prices = PriceTable(self.config.prices)
         self.draft_price = self.config.draft_price
         self._waiting: deque[Lane] = deque()
         self._active: list[Lane] = []
@@ -290,8 +289,7 @@ class Engine:
         else:
             logits = self.target.forward(rows, last_only)
         if self.config.timed:
-            drafts = sum(len(w.drafts) for w in windows)
-            self.prices.observe(sum(len(r.token_ids) for r in rows) - drafts, self.clock.now() - t0, drafts)
+            self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0)
         for w in windows:
             w.lane.last_round = self._round
         return logits
@@ -379,34 +377,18 @@ class Engine:
         lane.stream._finish(reason)
 
     def _calibrate(self) -> None:
-        """Measure before serving: the price of a round by width, each of its first rows a stream of its own (up to
-        `max_streams`, the rest one stream's prompt chunk), as a round of many streams is; the price of a draft row,
-        from one stream's pass with `max_depth` rows beyond its own; and of a draft pass."""
+        """Measure the price of a pass by width (and of a draft pass) before serving."""
         widths = [w for w in CALIBRATION_WIDTHS if w <= self.config.max_rows]
-
-        def cost(make: Callable[[], list[Rows]]) -> float:
+        cache = self.target.new_cache(widths[-1])
+        points = []
+        for w in widths:
             seconds = []
             for _ in range(2):
-                rows = make()
                 t0 = self.clock.now()
-                self.target.forward(rows)
+                self.target.forward([Rows(cache, [0] * w, 0, decode=True)])  # priced as generated rows are
                 seconds.append(self.clock.now() - t0)
-            return max(min(seconds), 1e-9)
-
-        def streams(width: int) -> list[Rows]:
-            tokens = [i % self.target.vocab_size for i in range(width)]  # different, routed as different streams'
-            n_head = width - min(width, self.config.max_streams) + 1
-            groups = [tokens[:n_head]] + [[t] for t in tokens[n_head:]]
-            return [Rows(self.target.cache_for(len(g), 1), g, 0, decode=True) for g in groups]  # caches as streams'
-
-        points = [(w, cost(partial(streams, w))) for w in widths]
-        depth = min(self.config.max_depth, widths[-1] - 1)
-        per_draft = None
-        if depth > 0:  # a stream's own row and drafts after it: the same token, priced as generated rows are
-            one = self.target.cache_for(depth + 1, 1)
-            alone = cost(lambda: [Rows(one, [0], 0, decode=True)])
-            per_draft = max(0.0, (cost(lambda: [Rows(one, [0] * (depth + 1), 0, decode=True)]) - alone) / depth)
-        self.prices = PriceTable(points, per_draft)
+            points.append((w, max(min(seconds), 1e-9)))
+        self.prices = PriceTable(points)
         if isinstance(self.drafter, ModelDrafter):
             draft_cache = self.drafter.draft.new_cache(1)
             t0 = self.clock.now()
