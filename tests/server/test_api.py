@@ -88,6 +88,47 @@ def test_stop_string_never_leaks(client: openai.OpenAI) -> None:
     assert "".join(pieces) == cut
 
 
+def test_several_prompts_and_n_choices(client: openai.OpenAI, tiny_lm: Any) -> None:
+    """A list of prompts (texts or token ids) gets `n` choices each, indexed prompt by prompt, each what the model
+    gives that prompt alone; a seeded choice j samples with seed + j. Streamed, the choices' chunks interleave, each
+    choice's text in order and ending with its own finish reason; usage counts each prompt once."""
+    prompts = [PROMPT, "import os", "class A:"]
+    ids = [tiny_lm.tokenizer.encode(p) for p in prompts]
+    want = [reference(tiny_lm, i, 8) for i in ids]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [w for w in want for _ in range(2)]
+    assert r.usage is not None and r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 48
+    r = client.completions.create(model=MODEL, prompt=ids[1:], max_tokens=8, temperature=0)  # lists of token ids
+    assert [c.text for c in r.choices] == want[1:]
+    sampled = dict(temperature=1.0, top_p=0.9, seed=11)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=10, **sampled)  # type: ignore[arg-type]
+    alone = [reference(tiny_lm, ids[0], 10, temperature=1.0, top_p=0.9, seed=11 + j) for j in range(3)]
+    assert [c.text for c in r.choices] == alone and len(set(alone)) == 3
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    texts, finished = [""] * 6, [0] * 6
+    for c in chunks:
+        for choice in c.choices:
+            assert not finished[choice.index]  # nothing of a choice after its finish reason
+            texts[choice.index] += choice.text
+            finished[choice.index] += choice.finish_reason is not None
+    assert texts == [w for w in want for _ in range(2)] and finished == [1] * 6
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 48
+    messages = [{"role": "user", "content": "To be, or not"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=6, **sampled)  # type: ignore[arg-type, call-overload]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=6, stream=True,  # type: ignore[arg-type, call-overload]
+                                            **sampled)  # fmt: skip
+    deltas = ["", ""]
+    roles = [0, 0]
+    for c in stream:
+        for choice in c.choices:
+            deltas[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+    assert deltas == [c.message.content for c in chat.choices] and roles == [1, 1]
+    assert deltas[0] != deltas[1]
+
+
 def test_seed_reproduces_sampling(client: openai.OpenAI) -> None:
     def ask(seed: int) -> str:
         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0.9,

@@ -82,6 +82,30 @@ def test_disconnect_while_waiting_for_whole_reply_frees_the_stream(serve: Any) -
     assert engine.stats().committed < 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_choices_of_a_request_end_together(serve: Any, tiny_lm: Any, stream: bool) -> None:
+    """Every stream of a request with several choices is freed when its client goes away, and when one of its
+    prompts fails in the engine (the request gets the error; the server goes on)."""
+    poison = tiny_lm.tokenizer.encode("fox")[0]
+    url, engine = serve(delay=0.05, poison=poison)
+    clean = [[t for t in range(first, first + 6) if t != poison] for first in (1, 9)]
+    body = {"model": MODEL, "prompt": clean, "n": 2, "max_tokens": 400, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            assert any(line.startswith("data:") for line, _ in zip(r.iter_lines(), range(6), strict=False))
+            assert engine.n_active == 4
+    else:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    assert wait_until(lambda: engine.n_active == 0 and engine.n_waiting == 0), "streams still held after disconnect"
+    assert engine.stats().committed < 400
+    body = {"model": MODEL, "prompt": [clean[0], [1, 2, poison]], "n": 2, "max_tokens": 200, "stream": stream}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert '"engine_error"' in r.text and (r.status_code == 200 if stream else r.status_code == 500)
+    assert wait_until(lambda: engine.n_active == 0 and engine.n_waiting == 0), "streams still held after a failure"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
 def test_overload_gets_429_and_the_queued_complete(serve: Any) -> None:
     url, _ = serve(delay=0.03, max_streams=2, max_queue=2)
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -88,21 +88,26 @@ class ServerState:
 
     # ---- admission ----------------------------------------------------------------------------------------------
 
-    def admit(self) -> None:
+    def admit(self, n: int = 1) -> None:
+        """Take `n` admission slots (one per choice: each is a stream of its own), or refuse."""
         if self.stopping:
             raise ServerStopping("the server is shutting down")
-        if self.in_flight >= self.capacity:
+        if n > self.capacity:
+            raise bad_request(f"the request asks for {n} choices (n times the prompts); this server holds at most "
+                              f"{self.capacity} at once", "n")  # fmt: skip
+        if self.in_flight + n > self.capacity:
             self.metrics.rejected.inc()
             waiting = max(1, self.in_flight - self.max_streams)
             raise Overloaded(f"the server is at capacity ({self.capacity} requests in flight); retry later",
                              retry_after_s=min(60, waiting))  # fmt: skip
-        self.in_flight += 1
+        self.in_flight += n
         self.metrics.in_flight.set(self.in_flight)
 
-    def release(self, gen: Generation | None) -> None:
-        self.in_flight -= 1
+    def release(self, gens: list[Generation], n: int) -> None:
+        """Give back `n` admission slots and end the streams of `gens`."""
+        self.in_flight -= n
         self.metrics.in_flight.set(self.in_flight)
-        if gen is not None:
+        for gen in gens:
             self.live.discard(gen)
             if gen.stream is not None:
                 gen.stream.cancel()
@@ -115,10 +120,10 @@ class ServerState:
             e.param = "model"  # type: ignore[attr-defined]
             raise e
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
-            return self.lm.tokenizer.encode(body.prompt)  # type: ignore[no-any-return]
-        ids = cast(list[int], body.prompt)  # the validator left one prompt: text or a list of ids
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.lm.tokenizer.encode(prompt)  # type: ignore[no-any-return]
+        ids = prompt
         vocab = int(self.lm.vocab_size)
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -147,50 +152,69 @@ class ServerState:
 
     # ---- serving ------------------------------------------------------------------------------------------------
 
-    async def serve(self, request: Request, body: SamplingFields, prompt_ids: list[int], limit: int | None,
-                    default: int | None, chat: bool, echo: str = "") -> Response:  # fmt: skip
+    async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
+                    limit: int | None, default: int | None, chat: bool) -> Response:  # fmt: skip
+        """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
+        choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
+        with seed + j, so that its choices differ and each can be reproduced alone."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
-        params = GenerationParams(
-            tuple(prompt_ids), self.budget(len(prompt_ids), limit, default), temperature=body.temperature,
-            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
-            logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
-            prompt_logprobs=bool(echo) and top_logprobs is not None,
-        )  # fmt: skip
-        self.admit()
-        gen: Generation | None = None
-        try:
-            gen = Generation(self.engine, self.lm.tokenizer, params, self.limits, self.cost_of)
-            gen.submit()
-            self.live.add(gen)
-        except BaseException:
-            self.release(gen)
-            raise
+        params = [
+            GenerationParams(
+                tuple(ids), self.budget(len(ids), limit, default), temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k, seed=None if body.seed is None else body.seed + j, stops=tuple(body.stop_list()),
+                logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
+                prompt_logprobs=bool(echo) and top_logprobs is not None,
+            )
+            for ids, echo in prompts
+            for j in range(body.n)
+        ]  # fmt: skip
+        echoes = [echo for _, echo in prompts for _ in range(body.n)]
+        gens = self.start(params)
         prefix = "chatcmpl" if chat else "cmpl"
         header = Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
         started = time.monotonic()
+        n_prompt = sum(len(ids) for ids, _ in prompts)  # each prompt counted once, however many choices it has
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(gen, header, echo, include_usage, started)
-            return EventStream(events, on_close=lambda: self._close(gen, endpoint, "200"))
+            events = self._events(gens, header, echoes, include_usage, started, n_prompt)
+            return EventStream(events, on_close=lambda: self._close(gens, endpoint, "200"))
         try:
-            text = echo + await self._collect(request, gen)
+            texts = await self._collect(request, gens)
         except BaseException as e:
-            self._close_sync(gen, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
+            self._close_sync(gens, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
             raise
-        self._account(gen, started)
-        self._close_sync(gen, endpoint, "200")
-        assert gen.finish_reason is not None
-        usage = header.usage(len(prompt_ids), gen.n_tokens)
-        logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
-        body_out = header.whole(text, gen.finish_reason, usage, gen.cost, logprobs)
-        return JSONResponse(body_out.model_dump(mode="json"))
+        for gen in gens:
+            self._account(gen, started)
+        self._close_sync(gens, endpoint, "200")
+        choices: list[tuple[str, str, BaseModel | None]] = []
+        for gen, echo, text in zip(gens, echoes, texts, strict=True):
+            assert gen.finish_reason is not None
+            logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
+            choices.append((echo + text, gen.finish_reason, logprobs))
+        usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
+        return JSONResponse(header.whole(choices, usage, total_cost(gens)).model_dump(mode="json"))
 
-    async def _collect(self, request: Request, gen: Generation) -> str:
-        """The whole reply; cancels the generation if the client goes away while waiting."""
+    def start(self, params: list[GenerationParams]) -> list[Generation]:
+        """Admit and submit one generation per choice (all or none)."""
+        self.admit(len(params))
+        gens: list[Generation] = []
+        try:
+            for p in params:
+                gen = Generation(self.engine, self.lm.tokenizer, p, self.limits, self.cost_of)
+                gen.submit()
+                gens.append(gen)
+                self.live.add(gen)
+        except BaseException:
+            self.release(gens, len(params))
+            raise
+        return gens
 
-        async def join() -> str:
+    async def _collect(self, request: Request, gens: list[Generation]) -> list[str]:
+        """The whole replies; cancels the generations if the client goes away while waiting."""
+
+        async def join(gen: Generation) -> str:
             return "".join([piece async for piece in gen.run()])
 
         async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
@@ -198,44 +222,36 @@ class ServerState:
                 while (await request.receive())["type"] != "http.disconnect":
                     pass
 
-        task, watch = asyncio.ensure_future(join()), asyncio.ensure_future(gone())
+        tasks = [asyncio.ensure_future(join(gen)) for gen in gens]
+        every: asyncio.Future[list[str]] = asyncio.gather(*tasks)
+        watch = asyncio.ensure_future(gone())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
+            await asyncio.wait([every, cast(asyncio.Future[Any], watch)], return_when=asyncio.FIRST_COMPLETED)
+            if every.done():
+                return every.result()
             self.metrics.cancelled.inc()
             raise ClientGone("the client disconnected")
         finally:
-            for t in (task, watch):
+            others: list[asyncio.Future[Any]] = [*tasks, every, watch]
+            for t in others:
                 if not t.done():
                     t.cancel()
                     with contextlib.suppress(BaseException):
                         await t
 
-    async def _events(self, gen: Generation, header: Header, echo: str, include_usage: bool,
-                      started: float) -> AsyncIterator[str]:  # fmt: skip
+    async def _events(self, gens: list[Generation], header: Header, echoes: list[str], include_usage: bool,
+                      started: float, n_prompt: int) -> AsyncIterator[str]:  # fmt: skip
+        """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
+        usage if asked, then [DONE]; an error ends it with an error event."""
         try:
-            if first := header.first():
-                yield first
-            # A scored echo waits for the prompt's entries, which the first reply token comes after.
-            late_echo = bool(echo) and gen.params.prompt_logprobs
-            if echo and not late_echo:
-                yield header.piece(echo)
-            sent = 0
-            async for piece in gen.run():
-                self.metrics.rate.add(gen.n_tokens - sent)
-                sent = gen.n_tokens
-                if late_echo:
-                    yield self._scored_echo(gen, header, echo)
-                    late_echo = False
-                yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)))
-            if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
-                yield self._scored_echo(gen, header, echo)
-            assert gen.finish_reason is not None
-            yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header, len(echo)))
+            choices = [self._choice_events(g, header, e, i) for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]
+            async with contextlib.aclosing(choices[0] if len(choices) == 1 else merged(choices)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             if include_usage:
-                yield header.usage_chunk(header.usage(len(gen.params.prompt_ids), gen.n_tokens))
-            self._account(gen, started, count_rate=False)
+                yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens)))
+            for gen in gens:
+                self._account(gen, started, count_rate=False)
         except asyncio.CancelledError:
             self.metrics.cancelled.inc()
             raise
@@ -243,13 +259,34 @@ class ServerState:
             yield sse_error(e)
         yield DONE
 
+    async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int) -> AsyncGenerator[str, None]:
+        """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes, its finish reason."""
+        if first := header.first(index):
+            yield first
+        # A scored echo waits for the prompt's entries, which the first reply token comes after.
+        late_echo = bool(echo) and gen.params.prompt_logprobs
+        if echo and not late_echo:
+            yield header.piece(echo, index=index)
+        sent = 0
+        async for piece in gen.run():
+            self.metrics.rate.add(gen.n_tokens - sent)
+            sent = gen.n_tokens
+            if late_echo:
+                yield self._scored_echo(gen, header, echo, index)
+                late_echo = False
+            yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)), index)
+        if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
+            yield self._scored_echo(gen, header, echo, index)
+        assert gen.finish_reason is not None
+        yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
+
     def _fresh_logprobs(self, gen: Generation, header: Header, offset: int = 0) -> BaseModel | None:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
         fresh = gen.take_logprobs()
         return logprobs_body(header.chat, fresh, self.token_text, offset) if fresh else None
 
-    def _scored_echo(self, gen: Generation, header: Header, echo: str) -> str:
-        return header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text))
+    def _scored_echo(self, gen: Generation, header: Header, echo: str, index: int) -> str:
+        return header.piece(echo, logprobs_body(False, gen.prompt_logprobs(), self.token_text), index)
 
     @staticmethod
     def _echoed(gen: Generation, n_echo: int, entries: Logprobs | None) -> Logprobs | None:
@@ -263,12 +300,12 @@ class ServerState:
             self.metrics.rate.add(gen.n_tokens)
         self.metrics.observe_request(len(gen.params.prompt_ids), gen.n_tokens, started, gen.first_token_at, gen.cost)
 
-    async def _close(self, gen: Generation, endpoint: str, status: str) -> None:
-        self._close_sync(gen, endpoint, status)
+    async def _close(self, gens: list[Generation], endpoint: str, status: str) -> None:
+        self._close_sync(gens, endpoint, status)
 
-    def _close_sync(self, gen: Generation, endpoint: str, status: str) -> None:
+    def _close_sync(self, gens: list[Generation], endpoint: str, status: str) -> None:
         self.metrics.requests.labels(endpoint, status).inc()
-        self.release(gen)
+        self.release(gens, len(gens))
 
     def shutdown(self) -> None:
         """Refuse new requests and cancel the running ones (their handlers then end cleanly)."""
@@ -276,6 +313,51 @@ class ServerState:
         for gen in list(self.live):
             if gen.stream is not None:
                 gen.stream.cancel()
+
+
+def total_cost(gens: list[Generation]) -> PagerCost:
+    """What a request's choices together cost the pager."""
+    costs = [gen.cost for gen in gens]
+    return PagerCost(
+        experts_fetched=sum(c.experts_fetched for c in costs),
+        bytes_fetched=sum(c.bytes_fetched for c in costs),
+        stall_ms=sum(c.stall_ms for c in costs),
+    )
+
+
+async def merged(sources: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
+    """The items of several async iterators, each source's in its order, as they come. An error in one source is
+    raised here (and ends the others); closing this ends them all."""
+    queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()  # None: a source has ended
+
+    async def pump(source: AsyncGenerator[str, None]) -> None:
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+            with contextlib.suppress(BaseException):
+                await source.aclose()
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
 
 
 class EventStream(StreamingResponse):
@@ -377,9 +459,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompt_ids = state.completion_prompt(body)
-        echo = state.lm.tokenizer.decode(prompt_ids) if body.echo else ""
-        return await state.serve(request, body, prompt_ids, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False, echo)
+        prompts = [state.completion_prompt(p) for p in body.prompts()]
+        echoes = [state.lm.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+        return await state.serve(request, body, list(zip(prompts, echoes, strict=True)), body.max_tokens,
+                                 DEFAULT_COMPLETION_TOKENS, False)  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -387,4 +470,4 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         prompt_ids = state.chat_prompt(body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.budget(len(prompt_ids), body.max_tokens, None)  # the one not used must fit too
-        return await state.serve(request, body, prompt_ids, body.token_limit(), None, True)
+        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True)

@@ -11,7 +11,7 @@ response and on the last streamed chunk: what the request cost the expert pager 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 Stop = str | list[str] | None
+MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bound on n
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -65,7 +66,7 @@ class SamplingFields(BaseModel):
     stop: Stop = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1, description="only n=1 is served")
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N, description="choices per prompt, each a stream of its own")
     user: str | None = None
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
@@ -136,12 +137,17 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: object) -> object:
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("exactly one prompt per request is served")
-            return v[0]
+    def _some_prompt(cls, v: object) -> object:
+        if isinstance(v, list) and v and isinstance(v[0], str | list) and len(v) > MAX_N:
+            raise ValueError(f"at most {MAX_N} prompts per request")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a text or a list of token ids, or a list of either (each its own choices)."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [cast(str | list[int], p)]
+        return cast(list[str | list[int]], p)
 
 
 class TextPart(BaseModel):

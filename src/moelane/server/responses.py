@@ -92,35 +92,38 @@ class Header:
     def usage(self, n_prompt: int, n_tokens: int) -> Usage:
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
 
-    def whole(
-        self, text: str, finish: str, usage: Usage, cost: PagerCost, logprobs: BaseModel | None = None
-    ) -> BaseModel:
+    def whole(self, choices: list[tuple[str, str, BaseModel | None]], usage: Usage, cost: PagerCost) -> BaseModel:
+        """The response of a finished request: one (text, finish reason, logprobs) per choice, by index."""
         ext = Extension(pager=cost)
         if self.chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
-            return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+            chat = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
+                    for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
+            return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=chat,
                                           usage=usage, moelane=ext)  # fmt: skip
-        c = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[c], usage=usage,
+        plain = [CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
+                 for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=plain, usage=usage,
                                   moelane=ext)  # fmt: skip
 
-    def first(self) -> str | None:
-        """The opening chunk (chat only: the assistant role)."""
+    def first(self, index: int = 0) -> str | None:
+        """The opening chunk of a choice (chat only: the assistant role)."""
         if not self.chat:
             return None
-        return event(self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))]))
+        return event(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
 
-    def piece(self, text: str, logprobs: BaseModel | None = None) -> str:
+    def piece(self, text: str, logprobs: BaseModel | None = None, index: int = 0) -> str:
         if self.chat:
-            return event(self._chunk([ChatChunkChoice(delta=Delta(content=text), logprobs=logprobs)]))  # type: ignore[arg-type]
-        return event(self._completion([CompletionChoice(text=text, finish_reason=None, logprobs=logprobs)]))  # type: ignore[arg-type]
+            return event(self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)]))  # type: ignore[arg-type]
+        choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)  # type: ignore[arg-type]
+        return event(self._completion([choice]))
 
-    def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None) -> str:
+    def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None, index: int = 0) -> str:
+        """A choice's last chunk: its finish reason, and what the request cost the pager so far."""
         ext = Extension(pager=cost)
         if self.chat:
-            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
+            choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
             return event(self._chunk([choice], moelane=ext))
-        choice_c = CompletionChoice(text="", finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
+        choice_c = CompletionChoice(index=index, text="", finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
         return event(self._completion([choice_c], moelane=ext))
 
     def usage_chunk(self, usage: Usage) -> str:
