@@ -97,6 +97,12 @@ class KVPool:
         self._free = list(range(n_slots - 1, old - 1, -1)) + self._free  # lowest slot first
         self._marked = False
 
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store row i's k/v [N, Hkv, D] at (slots[i], positions[i]): many streams' rows in one copy each."""
+        kp, vp = self.k[layer], self.v[layer]
+        kp[slots, :, positions] = k.to(kp.dtype)
+        vp[slots, :, positions] = v.to(vp.dtype)
+
     def mark_dynamic(self) -> None:
         """Let a compiled step take the slot count and capacity as symbols: one graph serves every pool. (Only then:
         importing the compiler costs ~70 MB, which an eager run need not pay.)"""

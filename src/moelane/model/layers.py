@@ -368,26 +368,28 @@ def attend_streams(
     if batch.pool is not None and batch.slots is not None and batch.keys is not None:
         return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
                              batch.keys, scale, window)  # fmt: skip
-    kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
-           for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
     group = q.shape[1] // k.shape[1]
-    if uniform(batch):  # one stream, or equal row counts and one capacity (a decode round): no per-stream slicing
-        b, n = len(kvs), batch.spans[0][1]
-        r = reach(max(batch.ends), batch.caches[0].capacity)
+    if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing
+        pool, b, n = batch.caches[0].pool, len(batch.caches), batch.spans[0][1]
+        slots = [c.slot for c in batch.caches]
+        pool.write(layer, torch.tensor(slots).repeat_interleave(n), batch.positions, k, v)
+        r = reach(max(batch.ends), pool.capacity)
         qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
         row_pos = packed_positions(batch.positions.view(b, n), group, n * group, r)
-        run = slot_run(batch)
+        run = slot_run(slots)
         if run is None:
-            k_all, v_all = torch.stack([kv[0][:, :r] for kv in kvs]), torch.stack([kv[1][:, :r] for kv in kvs])
-            tiles = attend_tiles(qp, k_all, v_all, row_pos, scale, window)
+            at = torch.tensor(slots)
+            tiles = attend_tiles(qp, pool.k[layer][at, :, :r], pool.v[layer][at, :, :r], row_pos, scale, window)
         else:  # the streams hold a run of their pool's slots: read their caches in place, in slot order
-            pool, lo, order = run
+            lo, order = run
             k_run, v_run = pool.k[layer][lo : lo + b, :, :r], pool.v[layer][lo : lo + b, :, :r]
             if order is None:
                 tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
             else:
                 tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
         return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
+    kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
+           for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
     groups: dict[tuple[int, int], list[int]] = {}
@@ -447,22 +449,21 @@ def attend_pooled(
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
 
 
-def slot_run(batch: Batch) -> tuple[KVPool, int, torch.Tensor | None] | None:
-    """(pool, first slot, the streams in slot order or None if already) when the batch's caches are a run of
-    consecutive slots of one pool, which attention can then read in place instead of stacking copies."""
-    pool, slots = batch.caches[0].pool, [c.slot for c in batch.caches]
+def slot_run(slots: list[int]) -> tuple[int, torch.Tensor | None] | None:
+    """(first slot, the streams in slot order or None if already) when the streams' slots of one pool are a run of
+    consecutive slots, which attention can then read in place instead of gathering copies."""
     lo = min(slots)
-    if max(slots) - lo != len(slots) - 1 or any(c.pool is not pool for c in batch.caches):
+    if max(slots) - lo != len(slots) - 1:
         return None  # (slots of one pool are distinct, so a span of len - 1 is a run)
     if all(slot == lo + i for i, slot in enumerate(slots)):
-        return pool, lo, None
-    return pool, lo, torch.tensor(sorted(range(len(slots)), key=slots.__getitem__))
+        return lo, None
+    return lo, torch.tensor(sorted(range(len(slots)), key=slots.__getitem__))
 
 
 def uniform(batch: Batch) -> bool:
-    """Whether every stream of the pass has the same row count and cache capacity (one attention group)."""
-    n, capacity = batch.spans[0][1], batch.caches[0].capacity
-    return all(m == n for _, m in batch.spans) and all(c.capacity == capacity for c in batch.caches)
+    """Whether every stream of the pass has the same row count and cache pool (one attention group)."""
+    n, pool = batch.spans[0][1], batch.caches[0].pool
+    return all(m == n for _, m in batch.spans) and all(c.pool is pool for c in batch.caches)
 
 
 class MLP(nn.Module):
