@@ -128,12 +128,8 @@ class KVCache:
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [n, Hkv, D] at `positions` [n]; return the layer's whole buffers [Hkv, C, D]."""
-        kc, vc = self.pool.k[layer][self.slot], self.pool.v[layer][self.slot]
-        if k.dtype != kc.dtype:
-            k, v = k.to(kc.dtype), v.to(vc.dtype)
-        kc.index_copy_(1, positions, k.transpose(0, 1))
-        vc.index_copy_(1, positions, v.transpose(0, 1))
-        return kc, vc
+        self.pool.write(layer, torch.full_like(positions, self.slot), positions, k, v)
+        return self.pool.k[layer][self.slot], self.pool.v[layer][self.slot]
 
 
 @dataclass(frozen=True, slots=True)

@@ -368,11 +368,11 @@ def attend_streams(
     if batch.pool is not None and batch.slots is not None and batch.keys is not None:
         return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
                              batch.keys, scale, window)  # fmt: skip
+    write_rows(layer, batch, k, v)
     group = q.shape[1] // k.shape[1]
     if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing
         pool, b, n = batch.caches[0].pool, len(batch.caches), batch.spans[0][1]
         slots = [c.slot for c in batch.caches]
-        pool.write(layer, torch.tensor(slots).repeat_interleave(n), batch.positions, k, v)
         r = reach(max(batch.ends), pool.capacity)
         qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
         row_pos = packed_positions(batch.positions.view(b, n), group, n * group, r)
@@ -388,8 +388,7 @@ def attend_streams(
             else:
                 tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
         return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
-    kvs = [cache.write(layer, batch.positions[first : first + n], k[first : first + n], v[first : first + n])
-           for (first, n), cache in zip(batch.spans, batch.caches, strict=True)]  # fmt: skip
+    kvs = [(c.pool.k[layer][c.slot], c.pool.v[layer][c.slot]) for c in batch.caches]
     qs = [q[first : first + n] for first, n in batch.spans]
     poss = [batch.positions[first : first + n] for first, n in batch.spans]
     groups: dict[tuple[int, int], list[int]] = {}
@@ -447,6 +446,21 @@ def attend_pooled(
     mask = mask[:, None, :].expand(n, n_kv, length).reshape(n * n_kv, 1, length)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
+
+
+def write_rows(layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Every row's new K/V [N, Hkv, D] into its stream's cache at its position: one copy per pool (K, then V), not
+    one per stream."""
+    by_pool: dict[KVPool, list[int]] = {}
+    for i, cache in enumerate(batch.caches):
+        by_pool.setdefault(cache.pool, []).append(i)
+    slots = torch.tensor([c.slot for c in batch.caches]).repeat_interleave(torch.tensor([n for _, n in batch.spans]))
+    for pool, members in by_pool.items():
+        if len(members) == len(batch.caches):
+            pool.write(layer, slots, batch.positions, k, v)
+        else:
+            rows = torch.cat([torch.arange(batch.spans[i][0], sum(batch.spans[i])) for i in members])
+            pool.write(layer, slots[rows], batch.positions[rows], k[rows], v[rows])
 
 
 def slot_run(slots: list[int]) -> tuple[int, torch.Tensor | None] | None:
