@@ -210,8 +210,9 @@ class Batch:
     """How the rows of one forward pass split into streams.
 
     `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions;
-    `ends[i]` the position after stream i's last row. The compiled decode step gives `pool`, `slots` [N] (each row's
-    cache slot in it) and `keys` (the key positions its attention reads: `arange(reach)`) instead.
+    `ends[i]` the position after stream i's last row; `slots` [N] each row's cache slot in its pool. The compiled
+    decode step gives `pool`, `slots` and `keys` (the key positions its attention reads: `arange(reach)`) instead
+    of caches.
     """
 
     spans: tuple[tuple[int, int], ...]
@@ -454,7 +455,10 @@ def write_rows(layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> No
     by_pool: dict[KVPool, list[int]] = {}
     for i, cache in enumerate(batch.caches):
         by_pool.setdefault(cache.pool, []).append(i)
-    slots = torch.tensor([c.slot for c in batch.caches]).repeat_interleave(torch.tensor([n for _, n in batch.spans]))
+    slots = batch.slots
+    if slots is None:  # a batch made by hand
+        counts = torch.tensor([n for _, n in batch.spans])
+        slots = torch.tensor([c.slot for c in batch.caches]).repeat_interleave(counts)
     for pool, members in by_pool.items():
         if len(members) == len(batch.caches):
             pool.write(layer, slots, batch.positions, k, v)

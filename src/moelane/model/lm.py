@@ -122,7 +122,8 @@ class LM:
         for r in rows:
             spans.append((first, len(r.token_ids)))
             first += len(r.token_ids)
-        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, tuple(r.end for r in rows))
+        slots = torch.tensor([r.cache.slot for r in rows]).repeat_interleave(torch.tensor([n for _, n in spans]))
+        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, tuple(r.end for r in rows), slots=slots)
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         hidden = self.model(tokens, batch, self.provider, routing)
         if self.observers:
