@@ -5,7 +5,7 @@ Requests ignore unknown fields (clients send many we do not use) but reject wron
 with a 400, and so do known OpenAI fields that ask for what the server does not do (tools, JSON modes, best_of,
 suffix) unless they are in their off state. Responses are plain pydantic models serialised with
 `model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
-response and on the last streamed chunk: what the request cost the expert pager (docs/server.md).
+response and on each choice's last streamed chunk: what it cost the expert pager (docs/server.md).
 """
 
 from __future__ import annotations

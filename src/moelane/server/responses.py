@@ -118,7 +118,7 @@ class Header:
         return event(self._completion([choice]))
 
     def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None, index: int = 0) -> str:
-        """A choice's last chunk: its finish reason, and what the request cost the pager so far."""
+        """A choice's last chunk: its finish reason, and what the choice cost the pager."""
         ext = Extension(pager=cost)
         if self.chat:
             choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
