@@ -14,7 +14,7 @@ Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -449,16 +449,18 @@ def attend_pooled(
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
 
 
+def row_slots(caches: Sequence[KVCache], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each row's cache slot in its pool, [N]: stream i's slot repeated for its rows (`Batch.slots`)."""
+    return torch.tensor([c.slot for c in caches]).repeat_interleave(torch.tensor([n for _, n in spans]))
+
+
 def write_rows(layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
     """Every row's new K/V [N, Hkv, D] into its stream's cache at its position: one copy per pool (K, then V), not
     one per stream."""
     by_pool: dict[KVPool, list[int]] = {}
     for i, cache in enumerate(batch.caches):
         by_pool.setdefault(cache.pool, []).append(i)
-    slots = batch.slots
-    if slots is None:  # a batch made by hand
-        counts = torch.tensor([n for _, n in batch.spans])
-        slots = torch.tensor([c.slot for c in batch.caches]).repeat_interleave(counts)
+    slots = batch.slots if batch.slots is not None else row_slots(batch.caches, batch.spans)  # (a batch made by hand)
     for pool, members in by_pool.items():
         if len(members) == len(batch.caches):
             pool.write(layer, slots, batch.positions, k, v)

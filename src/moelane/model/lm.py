@@ -29,7 +29,7 @@ import torch
 from moelane.errors import InputError
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
-from moelane.model.layers import Batch, reach
+from moelane.model.layers import Batch, reach, row_slots
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
@@ -122,8 +122,8 @@ class LM:
         for r in rows:
             spans.append((first, len(r.token_ids)))
             first += len(r.token_ids)
-        slots = torch.tensor([r.cache.slot for r in rows]).repeat_interleave(torch.tensor([n for _, n in spans]))
-        batch = Batch(tuple(spans), tuple(r.cache for r in rows), positions, tuple(r.end for r in rows), slots=slots)
+        caches = tuple(r.cache for r in rows)
+        batch = Batch(tuple(spans), caches, positions, tuple(r.end for r in rows), slots=row_slots(caches, spans))
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         hidden = self.model(tokens, batch, self.provider, routing)
         if self.observers:
