@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -123,11 +124,10 @@ class ServerState:
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.lm.tokenizer.encode(prompt)  # type: ignore[no-any-return]
-        ids = prompt
         vocab = int(self.lm.vocab_size)
-        if any(not 0 <= t < vocab for t in ids):
+        if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return ids
+        return prompt
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -159,17 +159,18 @@ class ServerState:
         with seed + j, so that its choices differ and each can be reproduced alone."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
-        params = [
+        per_prompt = [
             GenerationParams(
                 tuple(ids), self.budget(len(ids), limit, default), temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k, seed=None if body.seed is None else body.seed + j, stops=tuple(body.stop_list()),
+                top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None,
             )
             for ids, echo in prompts
-            for j in range(body.n)
         ]  # fmt: skip
+        params = [p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
+                  for p in per_prompt for j in range(body.n)]  # fmt: skip
         echoes = [echo for _, echo in prompts for _ in range(body.n)]
         gens = self.start(params)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -245,7 +246,7 @@ class ServerState:
         usage if asked, then [DONE]; an error ends it with an error event."""
         try:
             choices = [self._choice_events(g, header, e, i) for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]
-            async with contextlib.aclosing(choices[0] if len(choices) == 1 else merged(choices)) as chunks:
+            async with contextlib.aclosing(merged(choices)) as chunks:
                 async for chunk in chunks:
                     yield chunk
             if include_usage:
