@@ -152,8 +152,7 @@ def in_flags() -> Iterator[None]:
         raise InputError(f"--{name.replace('_', '-')} {rest}" if name in RUN_FLAGS else str(e)) from None
 
 
-RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "seed", "max_tokens", "logit_bias", "presence_penalty",
-                       "frequency_penalty"})  # fmt: skip
+RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "logit_bias", "presence_penalty", "frequency_penalty"})
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -161,12 +160,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     prompt = read_prompt(args.prompt)
+    if args.max_tokens < 1:  # (before the model loads)
+        raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     with in_flags():
         params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
                                  logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
                                  frequency_penalty=args.frequency_penalty)  # fmt: skip
-        if args.max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {args.max_tokens}")
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
     with in_flags():
         params.check_vocab(lm.vocab_size)
