@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from moelane.errors import InputError
 from moelane.server import errors
-from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_error
+from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_event
 from moelane.server.generation import Generation, GenerationParams, Limits
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.protocol import (
@@ -45,6 +45,9 @@ from moelane.server.protocol import (
 )
 from moelane.server.responses import DONE, Header, Logprobs, logprobs_body
 
+# A prompt text longer than this many characters per context token is measured by its head first: tokenising holds
+# the GIL, so a megabyte prompt refused only after a whole tokenisation would stall every stream for a second.
+MAX_CHARS_PER_TOKEN = 32
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
     "type": "object",
@@ -121,9 +124,19 @@ class ServerState:
             e.param = "model"  # type: ignore[attr-defined]
             raise e
 
+    def encode(self, text: str) -> list[int]:
+        """A prompt text's token ids; one whose head alone already holds twice the context is refused unread."""
+        context = int(self.lm.max_context)
+        head = context * MAX_CHARS_PER_TOKEN
+        if len(text) > head and (n_head := len(self.lm.tokenizer.encode(text[:head]))) >= 2 * context:
+            message = (f"the prompt has {n_head} tokens in its first {head} characters alone; this model's context "
+                       f"length is {context} tokens (prompt and completion together)")  # fmt: skip
+            raise bad_request(message, "prompt")
+        return self.lm.tokenizer.encode(text)  # type: ignore[no-any-return]
+
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.lm.tokenizer.encode(prompt)  # type: ignore[no-any-return]
+            return self.encode(prompt)
         vocab = int(self.lm.vocab_size)
         if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -131,7 +144,7 @@ class ServerState:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return self.lm.tokenizer.encode(self.lm.tokenizer.apply_chat_template(messages))  # type: ignore[no-any-return]
+        return self.encode(self.lm.tokenizer.apply_chat_template(messages))
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None) -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default."""
@@ -179,8 +192,9 @@ class ServerState:
         n_prompt = sum(len(ids) for ids, _ in prompts)  # each prompt counted once, however many choices it has
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(gens, header, echoes, include_usage, started, n_prompt)
-            return EventStream(events, on_close=lambda: self._close(gens, endpoint, "200"))
+            status = ["200"]  # how the stream ended, for the requests metric: set by _events
+            events = self._events(gens, header, echoes, include_usage, started, n_prompt, status)
+            return EventStream(events, on_close=lambda: self._close(gens, endpoint, status[0]))
         try:
             texts = await self._collect(request, gens)
         except BaseException as e:
@@ -233,7 +247,9 @@ class ServerState:
             self.metrics.cancelled.inc()
             raise ClientGone("the client disconnected")
         finally:
-            others: list[asyncio.Future[Any]] = [*tasks, every, watch]
+            # the gathering future first: cancelling it cancels the tasks, and awaiting it retrieves its outcome
+            # (a gather left holding a child's CancelledError is logged as "exception was never retrieved")
+            others: list[asyncio.Future[Any]] = [every, *tasks, watch]
             for t in others:
                 if not t.done():
                     t.cancel()
@@ -241,9 +257,10 @@ class ServerState:
                         await t
 
     async def _events(self, gens: list[Generation], header: Header, echoes: list[str], include_usage: bool,
-                      started: float, n_prompt: int) -> AsyncIterator[str]:  # fmt: skip
+                      started: float, n_prompt: int, status: list[str]) -> AsyncIterator[str]:  # fmt: skip
         """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
-        usage if asked, then [DONE]; an error ends it with an error event."""
+        usage if asked, then [DONE]; an error ends it with an error event. `status[0]` becomes the HTTP status the
+        request would have had unstreamed (499: the client went away)."""
         try:
             choices = [self._choice_events(g, header, e, i) for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]
             async with contextlib.aclosing(merged(choices)) as chunks:
@@ -255,9 +272,12 @@ class ServerState:
                 self._account(gen, started, count_rate=False)
         except asyncio.CancelledError:
             self.metrics.cancelled.inc()
+            status[0] = "499"
             raise
         except Exception as e:
-            yield sse_error(e)
+            code, body = errors.describe(e)
+            status[0] = str(code)
+            yield sse_event(body)
         yield DONE
 
     async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int) -> AsyncGenerator[str, None]:

@@ -67,20 +67,37 @@ def describe(exc: Exception) -> tuple[int, dict[str, Any]]:
     return 500, error_body("internal server error", "server_error", None, "internal_error")
 
 
-def sse_error(exc: Exception) -> str:
-    """The error as one server-sent event, for failures after a stream has started."""
-    return f"data: {json.dumps(describe(exc)[1])}\n\n"
+def sse_event(body: dict[str, Any]) -> str:
+    """An error body as one server-sent event, for failures after a stream has started."""
+    return f"data: {json.dumps(body)}\n\n"
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})  # pydantic's names of union members
+
+
+def _is_field(part: object) -> bool:
+    """Whether a pydantic error location part names a field or an index, not a union member it tried
+    (`str`, `list[int]`, `function-after[...]`, a model's class name)."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text != "body" and text not in UNION_TAGS and not any(c in text for c in "[-") and not text[:1].isupper()
+
+
+def validation_message(exc: RequestValidationError, content_type: str = "application/json") -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # the deepest: of a union's members' errors, that of the member the value was meant as ([1] for list[str])
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if param is None and "json" not in content_type.lower():
+        return f"the request body must be JSON sent as Content-Type: application/json (got {content_type!r})", None
+    if param is None and first.get("type") == "missing":
+        return "the request body is empty; it must be a JSON object", None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
@@ -97,7 +114,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
+        message, param = validation_message(exc, request.headers.get("content-type", ""))
         return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
 
     @app.exception_handler(HTTPException)

@@ -2,8 +2,9 @@
 values) and response bodies, plus moelane's one extension field.
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400, and so do known OpenAI fields that ask for what the server does not do (tools, JSON modes, best_of,
-suffix) unless they are in their off state. Responses are plain pydantic models serialised with
+with a 400, and so do known OpenAI fields that ask for what the server does not do (tools and tool choices, JSON
+modes, best_of, suffix, non-text content parts) unless they are in their off state; `null` in an optional field
+means its default, as OpenAI's schema allows. Responses are plain pydantic models serialised with
 `model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
 response and on each choice's last streamed chunk: what it cost the expert pager (docs/server.md).
 """
@@ -16,6 +17,7 @@ from typing import Annotated, Literal, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -30,7 +32,22 @@ MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bou
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body (or part of one). OpenAI's schema makes most optional fields nullable, and clients that
+    serialise every field send `null` for those they leave unset: null in an optional field means its default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
@@ -51,10 +68,8 @@ def _unsupported(what: str, *off: object) -> Callable[[object], object]:
     return check
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """Fields shared by both generation endpoints."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -75,6 +90,12 @@ class SamplingFields(BaseModel):
     # that silently lacks them.
     response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
+    functions: list[dict[str, object]] | None = None  # the deprecated form of tools
+    # "none" and "auto" (with no tools: none) are off; "required" or a named tool asks for a tool call
+    tool_choice: Annotated[object, AfterValidator(_unsupported("tool_choice other than 'none' or 'auto'", "none",
+                                                               "auto"))] = None  # fmt: skip
+    function_call: Annotated[object, AfterValidator(_unsupported("function_call other than 'none' or 'auto'", "none",
+                                                                 "auto"))] = None  # fmt: skip
 
     @field_validator("logit_bias")
     @classmethod
@@ -91,7 +112,7 @@ class SamplingFields(BaseModel):
             raise ValueError(f"response_format {v.type!r} is not supported (only 'text')")
         return v
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _tools(cls, v: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
         if v:
@@ -155,11 +176,24 @@ class TextPart(BaseModel):
     text: str
 
 
+def _text_content(v: object) -> object:
+    """A message's content as OpenAI takes it, with one clear message for what this server cannot read."""
+    if v is None or isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError("content must be a string or a list of content parts")
+    for part in v:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported by this server (only 'text')")
+    return v
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Role
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_content)] = None
     name: str | None = None
 
     @model_validator(mode="after")
