@@ -186,3 +186,30 @@ def test_a_prompt_far_over_the_context_is_refused_unread(tiny_lm: Any) -> None:
             assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == "prompt"
         assert max(tokenizer.lengths) <= tiny_lm.max_context * MAX_CHARS_PER_TOKEN
+
+
+def test_a_body_over_the_limit_gets_413_unread(tiny_lm: Any) -> None:
+    """By its Content-Length, and sent in chunks without one; the server goes on serving."""
+    app = create_app(make_engine(tiny_lm), tiny_lm, model_name=MODEL, max_body_bytes=4096)
+    with running(app) as base:
+        r = httpx.post(f"{base}/v1/completions", json={**GOOD, "prompt": "x" * 5000}, timeout=30)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "request_too_large"
+
+        def chunks() -> Any:
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 1000
+            yield b'"}'
+
+        r = httpx.post(f"{base}/v1/completions", content=chunks(), headers={"Content-Type": "application/json"},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 413, r.text
+        assert "larger than this server takes" in r.json()["error"]["message"]
+        assert httpx.post(f"{base}/v1/completions", json=GOOD, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_outside_int64_gets_400(url: str, seed: int) -> None:
+    r = post(url, "/v1/completions", {**GOOD, "seed": seed})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text

@@ -408,11 +408,12 @@ def create_app(
     cost_of: Callable[[Any], PagerCost] | None = None,
     pager_stats: PagerStats | None = None,
     manage_engine: bool = True,
+    max_body_bytes: int = errors.MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
     `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `cost_of(stream)` gives one request's
     pager cost (default zeros); `pager_stats()` the store's counters per level. `manage_engine`: the app's lifespan
-    starts and stops the engine thread."""
+    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     streams = max_streams if max_streams is not None else engine.config.max_streams
@@ -431,7 +432,7 @@ def create_app(
 
     app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
     app.state.moelane = state
-    errors.install(app)
+    errors.install(app, max_body_bytes)
     add_routes(app, state)
     app.openapi = lambda: openapi_schema(app, state)  # type: ignore[method-assign]
     return app

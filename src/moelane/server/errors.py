@@ -103,8 +103,42 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
-def install(app: FastAPI) -> None:
-    """Register the handlers on `app`."""
+MAX_BODY_BYTES = 64 << 20  # room for 128 prompts each filling a long context; a bigger body is refused unread
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before the server holds it in memory, by its
+    `Content-Length` when it has one, else as its chunks arrive."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        message = f"the request body is larger than this server takes ({self.limit} bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            body = error_body(message, "invalid_request_error", None, "request_too_large")
+            await JSONResponse(body, status_code=413)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            event = await receive()
+            seen += len(event.get("body", b""))
+            if seen > self.limit:  # raised inside FastAPI's body read, which re-raises HTTPException as is
+                raise HTTPException(413, message)
+            return event
+
+        await self.app(scope, limited, send)
+
+
+def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    """Register the handlers and the body limit on `app`."""
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(MoelaneError)
     async def _moelane(request: Request, exc: MoelaneError) -> JSONResponse:

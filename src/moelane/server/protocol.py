@@ -77,7 +77,7 @@ class SamplingFields(Body):
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=0, ge=0)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's bounds (int64)
     stop: Stop = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
