@@ -213,3 +213,24 @@ def test_a_body_over_the_limit_gets_413_unread(tiny_lm: Any) -> None:
 def test_a_seed_outside_int64_gets_400(url: str, seed: int) -> None:
     r = post(url, "/v1/completions", {**GOOD, "seed": seed})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics_count_a_request_of_several_choices_once(tiny_lm: Any, stream: bool) -> None:
+    """Prompt tokens agree with `usage` (each prompt once, however many choices), and the request's latency and
+    time to first token are observed once; completion tokens and token gaps are the choices'."""
+    with running(create_app(make_engine(tiny_lm), tiny_lm, model_name=MODEL)) as base:
+        body = {**GOOD, "prompt": ["def f", "class A"], "n": 2, "max_tokens": 3, "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None}  # fmt: skip
+        r = post(base, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        usage = [line for line in r.text.splitlines() if '"usage"' in line][-1] if stream else r.text
+        n_prompt = sum(len(tiny_lm.tokenizer.encode(p)) for p in body["prompt"])
+        assert f'"prompt_tokens":{n_prompt}' in usage.replace(" ", "")
+        lines = httpx.get(f"{base}/metrics").text.splitlines()
+        metrics = {line.split()[0]: float(line.split()[1]) for line in lines if line and line[0] != "#"}
+        assert metrics["moelane_prompt_tokens_total"] == n_prompt
+        assert metrics["moelane_completion_tokens_total"] == 4 * 3
+        assert metrics["moelane_request_seconds_count"] == 1
+        assert metrics["moelane_time_to_first_token_seconds_count"] == 1
+        assert metrics["moelane_inter_token_latency_seconds_count"] == 4

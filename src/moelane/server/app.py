@@ -200,8 +200,7 @@ class ServerState:
         except BaseException as e:
             self._close_sync(gens, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
             raise
-        for gen in gens:
-            self._account(gen, started)
+        self._account(gens, started, n_prompt)
         self._close_sync(gens, endpoint, "200")
         choices: list[tuple[str, str, BaseModel | None]] = []
         for gen, echo, text in zip(gens, echoes, texts, strict=True):
@@ -268,8 +267,7 @@ class ServerState:
                     yield chunk
             if include_usage:
                 yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens)))
-            for gen in gens:
-                self._account(gen, started, count_rate=False)
+            self._account(gens, started, n_prompt, count_rate=False)
         except asyncio.CancelledError:
             self.metrics.cancelled.inc()
             status[0] = "499"
@@ -316,10 +314,12 @@ class ServerState:
             return entries
         return gen.prompt_logprobs() + [(t, e, at + n_echo) for t, e, at in entries]
 
-    def _account(self, gen: Generation, started: float, count_rate: bool = True) -> None:
+    def _account(self, gens: list[Generation], started: float, n_prompt: int, count_rate: bool = True) -> None:
+        """A finished request in the metrics, once, however many choices it had."""
         if count_rate:
-            self.metrics.rate.add(gen.n_tokens)
-        self.metrics.observe_request(len(gen.params.prompt_ids), gen.n_tokens, started, gen.first_token_at, gen.cost)
+            self.metrics.rate.add(sum(gen.n_tokens for gen in gens))
+        choices = [(gen.n_tokens, gen.first_token_at) for gen in gens]
+        self.metrics.observe_request(n_prompt, started, choices, total_cost(gens))
 
     async def _close(self, gens: list[Generation], endpoint: str, status: str) -> None:
         self._close_sync(gens, endpoint, status)

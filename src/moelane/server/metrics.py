@@ -112,7 +112,7 @@ class ServerMetrics:
         self.in_flight = Gauge("moelane_requests_in_flight", "admitted generation requests", registry=r)
         self.ttft = Histogram("moelane_time_to_first_token_seconds", "submit to first committed token",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("moelane_inter_token_latency_seconds", "mean gap between tokens, per request",
+        self.itl = Histogram("moelane_inter_token_latency_seconds", "mean gap between tokens, per choice",
                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.latency = Histogram("moelane_request_seconds", "generation request wall time",
                                  buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
@@ -122,15 +122,19 @@ class ServerMetrics:
         r.register(EngineCollector(engine, self.rate, pager_stats))
 
     def observe_request(
-        self, n_prompt: int, n_tokens: int, started: float, first: float | None, cost: PagerCost
+        self, n_prompt: int, started: float, choices: list[tuple[int, float | None]], cost: PagerCost
     ) -> None:
+        """One finished request: its prompt tokens (each prompt once), and per choice (tokens, first token's
+        time). Latency and time to first token are the request's; the token gap is each choice's."""
         now = time.monotonic()
         self.prompt_tokens.inc(n_prompt)
-        self.completion_tokens.inc(n_tokens)
+        self.completion_tokens.inc(sum(n for n, _ in choices))
         self.latency.observe(now - started)
-        if first is not None:
-            self.ttft.observe(first - started)
-            if n_tokens > 1:
+        firsts = [first for _, first in choices if first is not None]
+        if firsts:
+            self.ttft.observe(min(firsts) - started)
+        for n_tokens, first in choices:
+            if first is not None and n_tokens > 1:
                 self.itl.observe((now - first) / (n_tokens - 1))
         self.req_experts.inc(cost.experts_fetched)
         self.req_bytes.inc(cost.bytes_fetched)
