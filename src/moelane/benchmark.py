@@ -28,12 +28,14 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="measure prefill/decode speed (one stream) or aggregate speed (--streams N)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_model_args(p)
-    p.add_argument("--tokens", type=int, default=128, help="tokens generated per stream (default 128)")
-    p.add_argument("--rounds", type=int, default=3, help="measurements to take the median of (default 3)")
+    p.add_argument("--tokens", type=int, default=128,
+                   help="tokens generated per stream (default 128; 2 to what the context holds)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measurements to take the median of, after one warm-up round (default 3)")  # fmt: skip
     p.add_argument("--streams", type=int, default=1, help="concurrent streams through the lanes engine (default 1)")
     p.add_argument("--drafter", choices=("none", "copy", "recall", "model"), default="none",
-                   help="drafter for --streams runs (default none)")  # fmt: skip
-    p.add_argument("--compile", action="store_true", help="compile the one-stream decode step")
+                   help="drafter for --streams N > 1 runs (default none)")  # fmt: skip
+    p.add_argument("--compile", action="store_true", help="compile the one-stream decode step (--streams 1 only)")
     p.set_defaults(func=cmd_bench)
 
 
@@ -48,11 +50,10 @@ def one_stream(lm: Any, tokens: int) -> dict[str, float]:
     return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": n / (t2 - t1) if n else 0.0}
 
 
-def many_streams(lm: Any, n_streams: int, tokens: int, drafter: str) -> dict[str, float]:
-    from moelane.lanes.config import EngineConfig
+def many_streams(lm: Any, n_streams: int, tokens: int, config: Any) -> dict[str, float]:
     from moelane.lanes.engine import Engine
 
-    engine = Engine(lm, EngineConfig(drafter=drafter, max_streams=max(n_streams, 1)))
+    engine = Engine(lm, config)
     prompts = [lm.tokenizer.encode(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))) for i in range(n_streams)]
     t0 = time.perf_counter()
     streams = [engine.submit(p, max_tokens=tokens) for p in prompts]
@@ -62,19 +63,44 @@ def many_streams(lm: Any, n_streams: int, tokens: int, drafter: str) -> dict[str
     return {"aggregate_tok_s": total / elapsed, "tokens": float(total)}
 
 
+def check_args(args: argparse.Namespace) -> Any:
+    """Settings that cannot work or would be ignored, said in one line before the model loads; -> the engine's
+    config for --streams N > 1 (None for one stream)."""
+    from moelane.errors import InputError
+    from moelane.lanes.config import EngineConfig
+
+    for flag, value, least in (("--tokens", args.tokens, 2), ("--rounds", args.rounds, 1),
+                               ("--streams", args.streams, 1)):  # fmt: skip
+        if value < least:
+            raise InputError(f"{flag} must be >= {least}, got {value}")
+    if args.streams == 1:
+        if args.drafter != "none":
+            raise InputError("--drafter applies to the lanes engine: it needs --streams N > 1")
+        return None
+    if args.compile:
+        raise InputError("--compile compiles the one-stream decode step: it does not apply with --streams N > 1")
+    rows = EngineConfig().max_rows
+    if args.streams > rows:
+        raise InputError(f"--streams must be at most {rows} (the rows of one engine round), got {args.streams}")
+    return EngineConfig(drafter=args.drafter, max_streams=args.streams)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from moelane.cli import load_model
     from moelane.errors import InputError
 
-    if args.tokens < 2 or args.rounds < 1 or args.streams < 1:
-        raise InputError("--tokens must be >= 2, --rounds and --streams >= 1")
-    lm = load_model(args, compile=args.compile and args.streams == 1)
+    config = check_args(args)
+    lm = load_model(args, compile=args.compile)
+    if (room := lm.max_context - len(lm.tokenizer.encode(max(PROMPTS, key=len)))) < args.tokens:
+        raise InputError(f"--tokens must be at most {room} (the model's context less the prompt), got {args.tokens}")
 
     def measure() -> dict[str, float]:
-        if args.streams == 1:
+        if config is None:
             return one_stream(lm, args.tokens)
-        return many_streams(lm, args.streams, args.tokens, args.drafter)
+        return many_streams(lm, args.streams, args.tokens, config)
 
+    print("warm-up round" + (" (compiling the decode step: 10-60 s the first time)" if args.compile else "") + "...",
+          file=sys.stderr, flush=True)  # fmt: skip
     measure()  # warm-up (and compile)
     results = []
     for r in range(args.rounds):

@@ -10,9 +10,13 @@ import argparse
 import contextlib
 import importlib
 import logging
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NoReturn
 
 from moelane.errors import InputError, MoelaneError
 
@@ -22,11 +26,19 @@ log = logging.getLogger("moelane")
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
 # Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
+MAX_THREADS = 256
 SUBCOMMANDS = ("moelane.server.commands", "moelane.pager.commands", "moelane.benchmark")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other bad input (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="moelane",
         description="Run Mixture-of-Experts language models that do not fit in fast memory, and serve them. "
         "With no --model, commands use the small MoE model shipped inside the package.",
@@ -46,8 +58,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-memory", metavar="X", help="budget for resident experts: bytes (512MiB, 2GiB) or a "
                    "share of all expert bytes (25%%); default: all experts resident")  # fmt: skip
     p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")
-    p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"), default="planner",
-                   help="eviction policy of the expert pool (with --expert-memory)")  # fmt: skip
+    p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"),
+                   help="eviction policy of the expert pool (with --expert-memory; default planner)")  # fmt: skip
     p.add_argument("--default-tier", choices=("native", "int8", "int4"), default="native",
                    help="precision of experts fetched on a miss (native: the checkpoint's own)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
@@ -93,7 +105,7 @@ def provider_factory(args: argparse.Namespace) -> Callable[..., object] | None:
         return None
     from moelane.pager.store import store_factory
 
-    return store_factory(args.expert_memory, args.host_memory, args.pager_policy, args.default_tier)
+    return store_factory(args.expert_memory, args.host_memory, args.pager_policy or "planner", args.default_tier)
 
 
 def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore[no-untyped-def]
@@ -104,7 +116,15 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             raise InputError(f"--threads must be at least 1, got {args.threads}")
+        if args.threads > MAX_THREADS:  # (OpenMP crashes on tens of thousands)
+            raise InputError(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if args.threads > cores:
+            log.warning("--threads %d is more than the %d cores this process may use: passes will be slower",
+                        args.threads, cores)  # fmt: skip
         torch.set_num_threads(args.threads)
+    if args.pager_policy and not args.expert_memory:
+        raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     factory = provider_factory(args)
     lm = moelane.load(args.model, dtype, provider=factory, compile=compile, progress=True)  # type: ignore[arg-type]
@@ -122,6 +142,8 @@ def read_prompt(arg: str) -> str:
     """The prompt text: the argument, or standard input for '-'. Bytes that are not UTF-8 (which Python hands over
     as lone surrogates) become U+FFFD, as a text editor would show them."""
     if arg == "-":
+        if sys.stdin.isatty():  # (else the wait for typed text would look like a hang)
+            print("reading the prompt from standard input; end it with Ctrl-D", file=sys.stderr, flush=True)
         return sys.stdin.buffer.read().decode("utf-8", "replace")
     try:
         return arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
@@ -162,6 +184,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if args.max_tokens < 1:  # (before the model loads)
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not math.isfinite(args.temperature):  # (inf would sample every token alike: noise)
+        raise InputError(f"--temperature must be a finite number, got {args.temperature}")
+    if args.trace:
+        check_output(args.trace, "--trace")
     with in_flags():
         params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
                                  logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
@@ -204,6 +230,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stats:
         print_stats(lm)
     return 0
+
+
+def check_output(path: str, flag: str) -> None:
+    """InputError, before any work is done, if `path` cannot become a file: it is a folder, or its folder is
+    missing or not writable. (Writers write a temporary file beside it and rename it over `path` once done.)"""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file name")
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: no such folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: cannot write in {folder} (permission denied)")
 
 
 def open_trace(path: str, lm):  # type: ignore[no-untyped-def]

@@ -75,7 +75,8 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 def read_config(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():
-        raise ModelLoadError(f"model folder not found: {folder}")
+        raise ModelLoadError(f"model folder is a file, not a folder: {folder}" if folder.exists()
+                             else f"model folder not found: {folder}")  # fmt: skip
     config = read_json(folder / "config.json", "config.json")
     if "model_type" not in config:
         raise ModelLoadError(f"config.json has no model_type: {folder / 'config.json'}")
@@ -94,7 +95,9 @@ def read_eos_ids(folder: Path, config: dict[str, Any]) -> frozenset[int]:
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):
-            ids.update(int(v) for v in value)
+            if not all(isinstance(v, int) for v in value):
+                raise ModelLoadError(f"eos_token_id must be a token id or a list of them, got {value!r}")
+            ids.update(value)
         if ids:
             break
     return frozenset(ids)
@@ -114,7 +117,7 @@ def shard_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
-    found = sorted(folder.glob("*.safetensors"))
+    found = sorted(f for f in folder.glob("*.safetensors") if f.is_file())
     if not found:
         raise ModelLoadError(f"no *.safetensors weights in {folder}")
     return found

@@ -6,7 +6,6 @@ folder's own Jinja template, rendered in a sandbox.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
@@ -21,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from moelane.errors import InputError, ModelLoadError
+from moelane.model.loader import read_json
 
 
 class Tokenizer:
@@ -35,10 +35,7 @@ class Tokenizer:
         self.config: dict[str, Any] = {}
         cfg = folder / "tokenizer_config.json"
         if cfg.is_file():
-            try:
-                self.config = json.loads(cfg.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise ModelLoadError(f"tokenizer_config.json is not valid JSON: {cfg} ({e})") from None
+            self.config = read_json(cfg, "tokenizer_config.json")
         self.chat_template: str | None = self.config.get("chat_template")
         eos_token = self._token_str("eos_token")
         self.eos_token = eos_token

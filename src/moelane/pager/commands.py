@@ -7,9 +7,12 @@ code; bad input raises `MoelaneError`. `moelane run --trace FILE` uses `recorder
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,26 +30,27 @@ AHEAD_POLICIES = ("lru+ahead", "planner+ahead", "planner:score+ahead")  # swept 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("trace", help="record, analyse and replay routing traces")
-    sub = p.add_subparsers(dest="trace_command", required=True)
+    sub = p.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
 
     rec = sub.add_parser("record", help="record routing traces of prompts run through a model")
-    rec.add_argument("--prompts", required=True, help='JSONL, one request a line: {"prompt": ..., "max_tokens": N}')
-    rec.add_argument("--out", required=True)
-    rec.add_argument("--model", default=None, help="model folder (default: the shipped default model)")
-    rec.add_argument("--max-tokens", type=int, default=64)
-    rec.add_argument("--prefill-chunk", type=int, default=64)
+    rec.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, one request a line: {"prompt": ...} '
+                     'with optional "max_tokens", "prefill_chunk" and "temperature" overriding the flags')  # fmt: skip
+    rec.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
+    rec.add_argument("--model", default=None, metavar="DIR", help="model folder (default: the shipped default model)")
+    rec.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default 64)")
+    rec.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill pass (default 64)")
     rec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with seed + request no.")
-    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--seed", type=int, default=0, help="sampling seed of the first request (default 0)")
     rec.set_defaults(func=cmd_record)
 
     an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles")
-    an.add_argument("file")
-    an.add_argument("--json", action="store_true")
-    an.add_argument("--plot", metavar="OUT.png")
+    an.add_argument("file", metavar="FILE", help="trace file (.trc)")
+    an.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    an.add_argument("--plot", metavar="OUT.png", help="also draw the coverage to OUT.png (needs matplotlib)")
     an.set_defaults(func=cmd_analyze)
 
     rp = sub.add_parser("replay", help="replay residency policies over a trace")
-    rp.add_argument("file")
+    rp.add_argument("file", metavar="FILE", help="trace file (.trc)")
     rp.add_argument(
         "--policy",
         action="append",
@@ -54,68 +58,128 @@ def add_parser(subparsers: Any) -> None:
         "prefetch the look-ahead's predictions (traces recorded with it); repeat the flag for several",
     )
     size = rp.add_mutually_exclusive_group()
-    size.add_argument("--slots", type=int)
-    size.add_argument("--budget", type=int, metavar="BYTES")
+    size.add_argument("--slots", type=int, help="pool size in experts")
+    size.add_argument("--budget", type=int, metavar="BYTES", help="pool size in bytes (experts at their tier's size)")
     size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
-    rp.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
+    size.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
     rp.add_argument("--plan-out", metavar="FILE", help="planner: write each published plan to FILE (atomically)")
-    rp.add_argument("--json", action="store_true")
-    rp.add_argument("--plot", metavar="OUT.png")
+    rp.add_argument("--json", action="store_true", help="print one JSON object per policy and pool size")
+    rp.add_argument("--plot", metavar="OUT.png", help="also draw the rows to OUT.png (needs matplotlib)")
     rp.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="storage bytes/s")
     rp.add_argument("--latency", type=float, default=DEFAULT_LATENCY, help="seconds per batched fetch")
     rp.add_argument("--compute-floor", type=float, default=DEFAULT_COMPUTE_FLOOR, help="seconds per token")
     rp.set_defaults(func=cmd_replay)
 
     sy = sub.add_parser("synth", help="write a synthetic trace")
-    sy.add_argument("--out", required=True)
-    for name, default in (("layers", 8), ("experts", 32), ("top-k", 4), ("requests", 4), ("prefill", 256),
-                          ("chunk", 64), ("decode", 128), ("shift-every", 0), ("seed", 0)):  # fmt: skip
-        sy.add_argument(f"--{name}", type=int, default=default)
-    sy.add_argument("--skew", type=float, default=1.0)
-    sy.add_argument("--locality", type=float, default=2.0)
+    sy.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
+    for name, default, least, what in SYNTH_INTS:
+        sy.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default {default}; >= {least})")
+    sy.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (default 1; >= 0)")
+    sy.add_argument("--locality", type=float, default=2.0,
+                    help="score bonus for the experts the previous token used (default 2; >= 0)")  # fmt: skip
     sy.set_defaults(func=cmd_synth)
 
 
+# `trace synth` integer flags: name, default, least value, meaning
+SYNTH_INTS = (
+    ("layers", 8, 1, "MoE layers"), ("experts", 32, 1, "experts per layer"),
+    ("top-k", 4, 1, "experts per token and layer, at most --experts"), ("requests", 4, 1, "requests"),
+    ("prefill", 256, 0, "prompt tokens per request"), ("chunk", 64, 1, "prompt tokens per prefill pass"),
+    ("decode", 128, 0, "generated tokens per request"), ("shift-every", 0, 0, "tokens between topic shifts, 0: none"),
+    ("seed", 0, 0, "random seed"),
+)  # fmt: skip
+
+
 def _load(path: str) -> Trace:
+    if Path(path).is_dir():
+        raise InputError(f"{path} is a folder, not a trace file")
     if not Path(path).is_file():
         raise InputError(f"no such trace file: {path}")
-    return read_trace(path)
+    try:
+        trace = read_trace(path)
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    if trace.n_segments == 0:
+        raise InputError(f"{path}: the trace holds no whole segment (nothing was recorded, or it was cut short)")
+    return trace
+
+
+def _check_plot(path: str | None) -> None:
+    """Before any work: --plot needs matplotlib and a place to write."""
+    if path is not None:
+        from moelane.cli import check_output
+        from moelane.pager.plots import _pyplot
+
+        check_output(path, "--plot")
+        _pyplot()
+
+
+def _check_number(flag: str, value: float, least: float, strict: bool = False) -> None:
+    if not (math.isfinite(value) and (value > least if strict else value >= least)):
+        raise InputError(f"{flag} must be a finite number {'>' if strict else '>='} {least:g}, got {value}")
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     import moelane
+    from moelane.cli import check_output
     from moelane.model.sampling import SamplingParams
     from moelane.pager.recorder import open_recorder
 
-    requests = _read_prompts(args.prompts)
-    lm = moelane.load(args.model)
+    temperature, seed = getattr(args, "temperature", 0.0), getattr(args, "seed", 0)
+    defaults = {"max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "temperature": temperature}
+    _check_request(defaults, lambda key: "--" + key.replace("_", "-"))  # the flags, then each line, before loading
+    requests = _read_prompts(args.prompts, defaults)
+    check_output(args.out, "--out")
+    lm = moelane.load(args.model, progress=True)
     with open_recorder(args.out, lm, model=args.model or "default") as recorder:
-        for i, req in enumerate(requests):
+        for i, req in enumerate(tqdm(requests, desc="recording", unit="request", leave=False, delay=1.0)):
             recorder.stream = i
             ids = lm.tokenizer.encode(req["prompt"])
-            n = int(req.get("max_tokens", args.max_tokens))
-            chunk = int(req.get("prefill_chunk", args.prefill_chunk))
-            temperature = float(req.get("temperature", getattr(args, "temperature", 0.0)))
-            params = (
-                SamplingParams(temperature, 0.95, 0, getattr(args, "seed", 0) + i) if temperature else SamplingParams()
-            )
+            n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
+            params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
             sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
     log.info("recorded %d segments of %d requests to %s", recorder.n_segments, len(requests), args.out)
     return 0
 
 
-def _read_prompts(path: str) -> list[dict[str, Any]]:
+def _read_prompts(path: str, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests of a JSONL file, each with every setting (the flags' `defaults` where a line has none)."""
+    if Path(path).is_dir():
+        raise InputError(f"--prompts {path} is a folder; give a JSONL file")
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-        requests = [json.loads(line) for line in lines]
-    except (OSError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read prompts from {path}: {e}") from None
-    if not requests or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in requests):
-        raise InputError(f'{path}: every line must be a JSON object with a "prompt" string')
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read prompts from {path}: {getattr(e, 'strerror', None) or e}") from None
+    requests = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path} line {no}: not JSON ({e})") from None
+        if not isinstance(req, dict) or not isinstance(req.get("prompt"), str) or not req["prompt"]:
+            raise InputError(f'{path} line {no}: must be a JSON object with a non-empty "prompt" string')
+        requests.append(_check_request({**defaults, **req}, functools.partial("{} line {}: {}".format, path, no)))
+    if not requests:
+        raise InputError(f"{path} holds no request (one JSON object a line)")
     return requests
 
 
+def _check_request(req: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
+    """`req` if its settings can be run, else InputError naming the setting as `name(key)` says it."""
+    for key in ("max_tokens", "prefill_chunk"):
+        if isinstance(n := req[key], bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"{name(key)} must be an integer >= 1, got {n!r}")
+    if isinstance(t := req["temperature"], bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t >= 0):
+        raise InputError(f"{name('temperature')} must be a finite number >= 0, got {t!r}")
+    return req
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
+    _check_plot(args.plot)
     report = analyze(_load(args.file))
     if args.plot:
         from moelane.pager.plots import plot_analysis
@@ -170,11 +234,16 @@ def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    _check_number("--bandwidth", args.bandwidth, 0, strict=True)
+    _check_number("--latency", args.latency, 0)
+    _check_number("--compute-floor", args.compute_floor, 0)
+    if args.plan_out:
+        from moelane.cli import check_output
+
+        check_output(args.plan_out, "--plan-out")
+    _check_plot(args.plot)
     trace = _load(args.file)
-    try:
-        cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
     if args.sweep:
         default = SWEEP_POLICIES + (AHEAD_POLICIES if trace.lookahead is not None else ())
         rows = sweep(trace, list(args.policy or default), default_capacities(trace), cost)
@@ -208,9 +277,18 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    from moelane.cli import check_output
     from moelane.pager.synth import SynthConfig, synth_trace
     from moelane.pager.trace import write_trace
 
+    for name, _, least, _ in SYNTH_INTS:
+        if (value := getattr(args, name.replace("-", "_"))) < least:
+            raise InputError(f"--{name} must be >= {least}, got {value}")
+    if args.top_k > args.experts:
+        raise InputError(f"--top-k must be at most --experts ({args.experts}), got {args.top_k}")
+    _check_number("--skew", args.skew, 0)
+    _check_number("--locality", args.locality, 0)
+    check_output(args.out, "--out")
     try:
         cfg = SynthConfig(
             n_layers=args.layers, n_experts=args.experts, top_k=args.top_k, n_requests=args.requests,

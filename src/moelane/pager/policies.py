@@ -204,6 +204,8 @@ def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str 
         if name == "lfu" and not args:
             return LFU()
         if name == "recent-k" and len(args) <= 1:
+            if args and int(args[0]) < 1:
+                raise MoelaneError(f"bad policy {spec!r}: recent-k:K takes K >= 1 (the last K steps' experts)")
             return RecentK(int(args[0]) if args else None)
         if name == "ema" and len(args) == 1:
             return EMA(float(args[0]))

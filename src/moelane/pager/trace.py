@@ -3,9 +3,10 @@
 A trace is a file header (model shape, bytes per expert at each precision tier) followed by one record per segment
 (forward pass), which may also carry the next-layer look-ahead's predictions (SPEC 2.8) so that replay can prefetch
 as the live store does. Each record is self-delimiting and checksummed and is flushed when written, so a trace cut
-short by a crash reads back to its last whole segment. In memory a trace is a few numpy arrays indexed by token, with
-segment boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments, L MoE layers,
-K top-k.
+short by a crash reads back to its last whole segment (the file is created at the first segment, so a run that fails
+before recording anything leaves an earlier file in place). In memory a trace is a few numpy arrays indexed by
+token, with segment boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments,
+L MoE layers, K top-k.
 """
 
 from __future__ import annotations
@@ -175,16 +176,27 @@ def _encode_streams(stream_ids: IntArray) -> list[list[int]]:
 
 
 class TraceWriter:
-    """Appends segment records to a trace file; each record is flushed as written. Use as a context manager."""
+    """Appends segment records to a trace file; each record is flushed as written. Use as a context manager. The
+    file is created at the first segment (or at a clean close with none), so a run that fails before recording
+    anything leaves an earlier file at `path` as it was."""
 
     def __init__(self, path: str | Path, header: TraceHeader, level: int = 1) -> None:
         self.header = header
+        self.path = Path(path)
         self._level = level
         self._next_index = 0
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
-        body = json.dumps(header.to_dict()).encode()
-        self._f.write(MAGIC + struct.pack("<I", len(body)) + body)
-        self._f.flush()
+        self._f: BinaryIO | None = None
+
+    def _file(self) -> BinaryIO:
+        if self._f is None:
+            try:
+                self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+            except OSError as e:
+                raise TraceError(f"cannot write a trace to {self.path}: {e.strerror or e}") from None
+            body = json.dumps(self.header.to_dict()).encode()
+            self._f.write(MAGIC + struct.pack("<I", len(body)) + body)
+            self._f.flush()
+        return self._f
 
     def write_segment(
         self,
@@ -219,19 +231,24 @@ class TraceWriter:
         payload = zlib.compress(ids.astype(h.id_dtype()).tobytes() + q.tobytes() + extra, self._level)
         index = self._next_index
         crc = zlib.crc32(payload, zlib.crc32(meta))
-        self._f.write(SEG_STRUCT.pack(SEG_MAGIC, index, n_tokens, len(meta), len(payload), crc) + meta + payload)
-        self._f.flush()
+        f = self._file()
+        f.write(SEG_STRUCT.pack(SEG_MAGIC, index, n_tokens, len(meta), len(payload), crc) + meta + payload)
+        f.flush()
         self._next_index += 1
         return index
 
-    def close(self) -> None:
-        self._f.close()
+    def close(self, failed: bool = False) -> None:
+        """Finish the trace; after a failure with nothing recorded, leave `path` untouched."""
+        if self._f is None and not failed:
+            self._file()
+        if self._f is not None:
+            self._f.close()
 
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def _read_header(f: BinaryIO, path: Path) -> TraceHeader:

@@ -1,0 +1,247 @@
+"""The command line against bad and odd input: one line on stderr naming the problem (and the flag), exit code 2, no
+traceback, no output file clobbered; and `--help` that explains every flag. Most cases are refused before a model
+loads; the rest load the shipped model."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from moelane.assets import default_model_path
+from moelane.cli import build_parser, main, read_prompt
+from moelane.pager.trace import TraceWriter, read_trace, write_trace
+
+from .pager.helpers import small_trace
+
+TRACE = Path(__file__).parent / "fixtures" / "traces" / "default.trc"
+
+
+def cli_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of a refused command (argparse's errors included)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line.rsplit("\r", 1)[-1] for line in err.split("\n")]  # (a progress bar redraws itself with \r)
+    lines = [line for line in lines if line.strip()]
+    assert code == 2 and len(lines) == 1 and ": error: " in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    """A folder of links to the shipped model's files, to break one at a time."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in default_model_path().iterdir():
+        (folder / f.name).symlink_to(f)
+    return folder
+
+
+# ---- argparse's own errors ------------------------------------------------------------------------------------
+
+
+def test_parser_errors_are_one_line_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--max-tokens: invalid int value: 'abc'" in cli_error(["run", "--max-tokens", "abc", "hi"], capsys)
+    assert "required: COMMAND" in cli_error(["trace"], capsys)  # (was the internal name trace_command)
+    assert "not allowed with argument --sweep" in cli_error(
+        ["trace", "replay", str(TRACE), "--sweep", "--slots", "9"], capsys
+    )
+
+
+def test_every_flag_is_explained_by_help() -> None:
+    parser = build_parser()
+    commands = {"run": None, "bench": None, "trace": ("record", "analyze", "replay", "synth")}
+    top = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, subs in commands.items():
+        parsers = [top.choices[name]]
+        if subs:
+            inner = next(a for a in parsers[0]._actions if isinstance(a, argparse._SubParsersAction))
+            parsers = [inner.choices[s] for s in subs]
+        for p in parsers:
+            for action in p._actions:
+                assert action.help, f"{p.prog} {action.option_strings or action.dest} has no help"
+
+
+# ---- run ------------------------------------------------------------------------------------------------------
+
+
+def test_run_refuses_impossible_settings_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--threads must be at most" in cli_error(["run", "--threads", "100000", "hi"], capsys)  # (was a segfault)
+    assert "--temperature must be a finite number" in cli_error(["run", "--temperature", "inf", "hi"], capsys)
+    assert "--pager-policy" in cli_error(["run", "--pager-policy", "lru", "hi"], capsys)  # (was silently ignored)
+    assert "no such folder" in cli_error(["run", "--trace", str(tmp_path / "no" / "t.trc"), "hi"], capsys)
+    assert "is a folder" in cli_error(["run", "--trace", str(tmp_path), "hi"], capsys)
+
+
+def test_run_keeps_an_earlier_trace_when_it_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.trc"
+    trace.write_text("an earlier trace")
+    assert "empty prompt" in cli_error(["run", "--trace", str(trace), "--max-tokens", "2", ""], capsys)
+    assert trace.read_text() == "an earlier trace" and os.listdir(tmp_path) == ["t.trc"]
+
+
+def test_run_says_it_waits_for_a_prompt_typed_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Terminal(io.TextIOWrapper):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal(io.BytesIO("déjà vu".encode())))
+    assert read_prompt("-") == "déjà vu" and "reading the prompt from standard input" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"piped")))
+    assert read_prompt("-") == "piped" and capsys.readouterr().err == ""
+
+
+def test_broken_model_folders_are_one_line(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = ["run", "--model", str(model), "--max-tokens", "2", "hi"]
+    (model / "tokenizer_config.json").unlink()
+    (model / "tokenizer_config.json").write_text("[]")
+    assert "tokenizer_config.json must hold a JSON object" in cli_error(run, capsys)
+    (model / "tokenizer_config.json").write_text("{}")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").mkdir()
+    assert "no *.safetensors weights" in cli_error(run, capsys)
+    file = tmp_path / "file"
+    file.write_text("")
+    assert "is a file, not a folder" in cli_error(["run", "--model", str(file), "hi"], capsys)
+
+
+def test_eos_ids_that_are_not_ids_are_one_line(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": ["x"]}))
+    (model / "generation_config.json").unlink()
+    assert "eos_token_id must be" in cli_error(["run", "--model", str(model), "hi"], capsys)
+
+
+# ---- trace ----------------------------------------------------------------------------------------------------
+
+
+def test_trace_files_that_hold_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "is a folder" in cli_error(["trace", "analyze", str(tmp_path)], capsys)
+    data = TRACE.read_bytes()
+    header_only = tmp_path / "h.trc"
+    header_only.write_bytes(data[: 12 + struct.unpack("<I", data[8:12])[0]])
+    for argv in (["analyze"], ["replay", "--sweep"], ["replay", "--slots", "100000"]):  # (replay said 100% hits)
+        cmd, *flags = argv
+        assert "holds no whole segment" in cli_error(["trace", cmd, str(header_only), *flags], capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--bandwidth", "nan"], "--bandwidth must be a finite number > 0"),
+        (["--latency", "nan"], "--latency must be a finite number >= 0"),
+        (["--compute-floor", "inf"], "--compute-floor must be a finite number >= 0"),
+        (["--policy", "recent-k:-1"], "recent-k:K takes K >= 1"),
+        (["--plan-out", "/nonexistent/p.json"], "--plan-out /nonexistent/p.json: no such folder"),
+    ],
+)
+def test_replay_refuses_settings_that_give_nan_or_crash(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in cli_error(["trace", "replay", str(TRACE), "--fraction", "0.5", *flags], capsys)
+
+
+@pytest.mark.parametrize(
+    ("line", "flags", "message"),
+    [
+        ('{"prompt": "hi", "max_tokens": "x"}', [], "line 1: max_tokens must be an integer >= 1, got 'x'"),
+        ('{"prompt": "hi", "temperature": -1}', [], "line 1: temperature must be a finite number >= 0"),
+        ('{"prompt": "hi", "prefill_chunk": 0}', [], "line 1: prefill_chunk must be an integer >= 1"),
+        ('{"prompt": ""}', [], 'line 1: must be a JSON object with a non-empty "prompt"'),
+        ("{bad", [], "line 1: not JSON"),
+        ('{"prompt": "hi"}', ["--prefill-chunk", "-1"], "--prefill-chunk must be an integer >= 1"),
+        ('{"prompt": "hi"}', ["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        ('{"prompt": "hi"}', ["--out", "/nonexistent/t.trc"], "--out /nonexistent/t.trc: no such folder"),
+    ],
+)
+def test_record_checks_every_request_before_loading(
+    line: str, flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(line + "\n")
+    out = tmp_path / "t.trc"
+    out.write_text("an earlier trace")
+    assert message in cli_error(["trace", "record", "--prompts", str(prompts), "--out", str(out), *flags], capsys)
+    assert out.read_text() == "an earlier trace"
+
+
+def test_record_refuses_prompts_that_are_not_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'\xff\xfe{"prompt": "hi"}\n')
+    out = str(tmp_path / "t.trc")
+    assert "cannot read prompts" in cli_error(["trace", "record", "--prompts", str(prompts), "--out", out], capsys)
+    assert "is a folder" in cli_error(["trace", "record", "--prompts", str(tmp_path), "--out", out], capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--skew", "nan"], "--skew must be a finite number >= 0"),
+        (["--locality", "inf"], "--locality must be a finite number >= 0"),
+        (["--layers", "0"], "--layers must be >= 1"),
+        (["--top-k", "99"], "--top-k must be at most --experts (32)"),
+    ],
+)
+def test_synth_names_the_flag(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in cli_error(["trace", "synth", "--out", str(tmp_path / "s.trc"), *flags], capsys)
+
+
+def test_synth_into_a_folder_or_nowhere(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "is a folder" in cli_error(["trace", "synth", "--out", str(tmp_path)], capsys)
+    assert "no such folder" in cli_error(["trace", "synth", "--out", str(tmp_path / "no" / "s.trc")], capsys)
+
+
+def test_a_trace_writer_that_fails_before_recording_leaves_the_earlier_file(tmp_path: Path) -> None:
+    """A run that fails before its first segment leaves an earlier trace as it was; one that fails later keeps what
+    it recorded (as a crash would: the trace reads back to its last whole segment)."""
+    path = tmp_path / "t.trc"
+    write_trace(path, small_trace(0))
+    before = path.read_bytes()
+    t = small_trace(1)
+    with pytest.raises(RuntimeError), TraceWriter(path, t.header):
+        raise RuntimeError("the run failed")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["t.trc"]
+    with pytest.raises(RuntimeError), TraceWriter(path, t.header) as w:
+        seg = t.segment(0)
+        w.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids)
+        raise RuntimeError("the run failed")
+    assert read_trace(path).n_segments == 1
+    with TraceWriter(path, t.header):
+        pass
+    assert read_trace(path).n_segments == 0
+
+
+# ---- bench ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--streams", "99999"], "--streams must be at most 256"),  # (was a traceback after loading)
+        (["--streams", "2", "--compile"], "--compile compiles the one-stream decode step"),  # (was ignored)
+        (["--drafter", "copy"], "--drafter applies to the lanes engine"),  # (was ignored)
+        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ],
+)
+def test_bench_refuses_settings_it_would_crash_on_or_ignore(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in cli_error(["bench", *flags], capsys)
+
+
+def test_bench_refuses_more_tokens_than_the_context_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--tokens must be at most" in cli_error(["bench", "--tokens", "99999999", "--rounds", "1"], capsys)
