@@ -4,7 +4,8 @@ Each case saves a random transformers model (odd sizes, GQA, top-k > 1, a dense 
 loads it with `moelane.load`, and compares in fp32 (logits within 1e-4, greedy ids identical) and in bf16 (greedy ids
 identical to transformers' bf16 run). The reference uses eager attention (sdpa rounds differently in bf16) and its
 default grouped_mm experts, which need expert widths that are multiples of 8. Which layers are MoE is checked against
-transformers' own placement in every case.
+transformers' own placement in every case. Hub configs that leave keys out, or say more than transformers writes, are
+checked by editing config.json; settings no family implements must be refused at load with one line.
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def test_deepseek_moe_layer_placement() -> None:
         ("deepseek_v2", dict(num_key_value_heads=2), "MLA needs num_key_value_heads"),
         ("qwen3", dict(use_sliding_window=True, sliding_window=16, layer_types=None), "has no layer_types"),
         ("llama", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "unsupported rope scaling"),
+        ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "bad rope parameters"),
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window is not supported"),
+        ("mixtral", dict(sliding_window=-5), "sliding_window must be a positive number"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -178,6 +182,51 @@ def test_bad_configs_raise_model_load_error(family: str, config: dict, message: 
     base = {**FAMILY_CONFIGS[family][2], "model_type": family}
     with pytest.raises(ModelLoadError, match=re.escape(message)):
         importlib.import_module(f"moelane.model.{family}").build({**base, **config})
+
+
+def edit_config(folder: Path, **changes: Any) -> Path:
+    """Rewrite config.json as hub configs have it: keys changed, or left out where a change is None."""
+    config = {**json.loads((folder / "config.json").read_text()), **changes}
+    kept = {k: v for k, v in config.items() if k not in changes or v is not None}
+    (folder / "config.json").write_text(json.dumps(kept))
+    return folder
+
+
+# Hub configs that leave keys out or say more than transformers writes: (case id, family, config.json changes)
+EDITED: list[tuple[str, str, dict[str, Any]]] = [
+    ("mixtral-no-rope_theta", "mixtral", dict(rope_parameters=None)),  # Mixtral's default theta is 1e6, not 1e4
+    ("deepseek_v2-no-n_shared_experts", "deepseek_v2", dict(n_shared_experts=None)),  # default 2, not none
+    ("llama-sliding_window", "llama", dict(sliding_window=7)),  # Llama has no window, whatever the config says
+    ("qwen3-sliding_window-no-flag", "qwen3", dict(sliding_window=7, use_sliding_window=None, layer_types=None)),
+    ("qwen3_moe-tied-with-own-head", "qwen3_moe", dict(tie_word_embeddings=True)),  # the checkpoint's head is used
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "family", "changes"), EDITED, ids=[c[0] for c in EDITED])
+def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, changes: dict, tmp_path: Path) -> None:
+    folder = edit_config(random_model(family, tmp_path), **changes)
+    ref, lm = reference(folder, torch.float32), moelane.load(folder)
+    prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+        (dict(num_experts_per_tok=0), "num_experts_per_tok must be 1 to the 10 experts, got 0"),
+        (dict(num_experts_per_tok=11), "num_experts_per_tok must be 1 to the 10 experts, got 11"),
+        (dict(num_experts_per_tok=None), "num_experts_per_tok must be 1 to the 10 experts, got None"),
+        (dict(num_experts=None, num_local_experts=None), "missing or has a bad value for 'num_experts'"),
+    ],
+)
+def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp_path: Path) -> None:
+    """Settings no family implements fail at load with one line, not with wrong logits or a traceback at the first
+    pass."""
+    folder = edit_config(random_model("qwen3_moe", tmp_path), **changes)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        moelane.load(folder)
 
 
 COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",

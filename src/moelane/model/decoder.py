@@ -93,11 +93,17 @@ class Decoder(nn.Module):
         return linear(hidden, self.lm_head.weight).float()
 
 
-def config_get(config: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first of several hub spellings present in a config (e.g. num_experts / num_local_experts)."""
+REQUIRED = object()
+
+
+def config_get(config: dict[str, Any], *names: str, default: Any = REQUIRED) -> Any:
+    """The first of several hub spellings present in a config (e.g. num_experts / num_local_experts); KeyError
+    naming the first spelling when none is there and there is no `default` (`load` turns it into a clear line)."""
     for name in names:
         if config.get(name) is not None:
             return config[name]
+    if default is REQUIRED:
+        raise KeyError(names[0])
     return default
 
 
@@ -109,25 +115,27 @@ def is_moe_layer(config: dict[str, Any], i: int) -> bool:
     return (i + 1) % step == 0
 
 
-def sliding_windows(config: dict[str, Any]) -> list[int | None]:
-    """Per layer, its sliding attention window (None: full attention).
+def sliding_windows(config: dict[str, Any], flagged: bool) -> list[int | None]:
+    """Per layer, its sliding attention window (None: full attention), as transformers reads the config.
 
-    Windowed layers are those `layer_types` marks "sliding_attention" (transformers writes the list into config.json);
-    without `layer_types`, every layer is windowed when `sliding_window` is set (Mixtral) unless `use_sliding_window`
-    is false (Qwen). Old Qwen configs with `use_sliding_window: true` and no `layer_types` are refused: their layer
-    rule differs by family and version.
+    Mixtral (`flagged` false): `sliding_window`, when set, windows every layer. Qwen (`flagged`): only when
+    `use_sliding_window` is true (its default is false), and then the layers `layer_types` marks
+    "sliding_attention" (transformers writes the list into config.json); a Qwen config with `use_sliding_window: true`
+    and no `layer_types` is refused: the layer rule differs by family and version. Llama has no windows.
     """
     from moelane.errors import ModelLoadError
 
     n_layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
+    if not window or (flagged and not config.get("use_sliding_window")):
         return [None] * n_layers
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive number of positions, got {window!r}")
+    if not flagged:
+        return [window] * n_layers
     types = config.get("layer_types")
     if types is None:
-        if "use_sliding_window" in config:
-            raise ModelLoadError("config.json sets use_sliding_window but has no layer_types to say which layers")
-        return [int(window)] * n_layers
+        raise ModelLoadError("config.json sets use_sliding_window but has no layer_types to say which layers")
     if len(types) != n_layers:
         raise ModelLoadError(f"config.json has {len(types)} layer_types for {n_layers} layers")
-    return [int(window) if t == "sliding_attention" else None for t in types]
+    return [window if t == "sliding_attention" else None for t in types]

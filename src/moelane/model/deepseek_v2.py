@@ -14,6 +14,10 @@ when `norm_topk_prob` (and k > 1), otherwise multiplied by `routed_scaling_facto
 and ignores `norm_topk_prob`; the released checkpoints have it false, where both agree). `n_shared_experts` always-on
 experts (one MLP of `n_shared_experts * moe_intermediate_size`) are added. Layers below `first_k_dense_replace`
 are dense, and above it every `moe_layer_freq`-th.
+
+A config without `q_lora_rank` or `n_shared_experts` gets transformers' defaults (1536, 2), so a checkpoint that does
+not match them is refused (missing tensors, other shapes) instead of loading with its shared experts or low-rank q
+ignored; an explicit null means none, as in DeepSeek's code.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class LatentAttention(nn.Module):
         self.n_heads = n_heads
         self.nope, self.rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
         self.v_dim = config["v_head_dim"]
-        self.kv_rank, self.q_rank = config["kv_lora_rank"], config.get("q_lora_rank")
+        self.kv_rank, self.q_rank = config["kv_lora_rank"], config.get("q_lora_rank", 1536)
         qk_dim, bias = self.nope + self.rope_dim, bool(config.get("attention_bias"))
         if self.q_rank is None:
             self.q_proj = nn.Linear(hidden, n_heads * qk_dim, bias=False)
@@ -118,7 +122,7 @@ class DeepseekMoe(nn.Module):
         super().__init__()
         hidden = config["hidden_size"]
         self.gate = nn.Linear(hidden, n_experts(config), bias=False)
-        n_shared = config.get("n_shared_experts") or 0
+        n_shared = config.get("n_shared_experts", 2) or 0
         width = n_shared * config["moe_intermediate_size"]
         self.shared_experts = MLP(hidden, width, bool(config.get("mlp_bias"))) if n_shared else None
         self.top_k, self.method = config["num_experts_per_tok"], config.get("topk_method") or "greedy"

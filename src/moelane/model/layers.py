@@ -92,9 +92,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and scaling, wherever the config keeps them (top level, `rope_parameters`, `rope_scaling`)."""
-    params: dict[str, Any] = {"rope_theta": config.get("rope_theta", 10000.0), "rope_type": "default"}
+def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
+    """rope_theta and scaling, wherever the config keeps them (top level, `rope_parameters`, `rope_scaling`);
+    `default_theta` where none says (the family's transformers default: Mixtral's is 1e6)."""
+    params: dict[str, Any] = {"rope_theta": config.get("rope_theta") or default_theta, "rope_type": "default"}
     for key in ("rope_parameters", "rope_scaling"):
         extra = config.get(key)
         if isinstance(extra, dict):
@@ -117,6 +118,8 @@ class Rope:
 
         base = float(params["rope_theta"])
         kind = params.get("rope_type", "default")
+        if base <= 1 or (kind != "default" and float(params.get("factor") or 1.0) <= 0):
+            raise ModelLoadError(f"bad rope parameters: rope_theta {base} (must be > 1), factor {params.get('factor')}")
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         factor = 1.0
         if kind == "linear":
@@ -138,8 +141,8 @@ class Rope:
 def yarn(
     inv: torch.Tensor, params: dict[str, Any], dim: int, base: float, max_positions: int
 ) -> tuple[torch.Tensor, float]:
-    factor = float(params["factor"])
     original = int(params.get("original_max_position_embeddings") or max_positions)
+    factor = float(params.get("factor") or max_positions / original)  # none: the context's growth, as transformers
     beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
 
     def mscale(scale: float, m: float = 1.0) -> float:

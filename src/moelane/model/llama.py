@@ -1,5 +1,6 @@
 """Llama (2, 3, 3.1, 3.2) and other dense Llama-shaped models: GQA, `attention_bias` on q/k/v/o, `mlp_bias`,
-Llama 3.1 rope scaling. No experts: `moe_layers` is empty and `n_experts` is 0. Also the dense builder qwen3 uses."""
+Llama 3.1 rope scaling; no sliding window (transformers ignores `sliding_window` for Llama). No experts: `moe_layers`
+is empty and `n_experts` is 0. Also the dense builder qwen3 uses."""
 
 from __future__ import annotations
 
@@ -18,18 +19,19 @@ def expert_prefix(layer: int) -> str:
 
 
 def build(config: dict[str, Any]) -> Decoder:
-    return build_dense(config, qk_norm=None)
+    return build_dense(config, qk_norm=None, sliding=False)
 
 
-def build_dense(config: dict[str, Any], qk_norm: str | None) -> Decoder:
-    """A dense decoder: attention (optionally with per-head q/k norm) and a SwiGLU MLP in every layer."""
+def build_dense(config: dict[str, Any], qk_norm: str | None, sliding: bool) -> Decoder:
+    """A dense decoder: attention (optionally with per-head q/k norm) and a SwiGLU MLP in every layer; `sliding`:
+    Qwen's sliding-window layers (`sliding_windows`), where Llama has none whatever `sliding_window` says."""
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
     n_heads = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_heads
     head_dim = config.get("head_dim") or hidden // n_heads
     n_layers = config["num_hidden_layers"]
     bias, mlp_bias = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
-    windows = sliding_windows(config)
+    windows = sliding_windows(config, flagged=True) if sliding else [None] * n_layers
 
     def make_attention(i: int) -> nn.Module:
         return Attention(hidden, n_heads, n_kv, head_dim, bias, qk_norm, eps, o_bias=bias, window=windows[i])

@@ -23,6 +23,7 @@ from moelane.model.loader import (
     find_expert_handles,
     read_config,
     read_eos_ids,
+    read_tensor,
     read_tensor_into,
     scan_checkpoint,
 )
@@ -30,6 +31,7 @@ from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "qwen3", "llama")
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
@@ -57,7 +59,10 @@ def load(
     folder = Path(path)
     config = read_config(folder)
     family = family_module(config["model_type"])
+    if config.get("hidden_act", "silu") not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
     try:
+        check_top_k(family, config)
         model = family.build(config)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
@@ -72,6 +77,13 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def check_top_k(family: ModuleType, config: dict[str, object]) -> None:
+    """A model with experts routes each token to 1..n_experts of them (0 or more would fail only at the first pass)."""
+    n_experts, top_k = int(family.n_experts(config)), config.get("num_experts_per_tok")
+    if n_experts > 0 and (not isinstance(top_k, int) or not 1 <= top_k <= n_experts):
+        raise ModelLoadError(f"num_experts_per_tok must be 1 to the {n_experts} experts, got {top_k}")
 
 
 def expert_handles(
@@ -116,12 +128,24 @@ def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], d
     unexpected = sorted(set(refs) - set(own))
     if unexpected:
         log.warning("ignoring %d checkpoint tensors the model does not use (e.g. %s)", len(unexpected), unexpected[0])
-    tied = {"lm_head.weight"} if model.lm_head.weight is model.model.embed_tokens.weight else set[str]()
-    missing = sorted(set(own) - set(refs) - tied)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    missing = sorted(set(own) - set(refs) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
+    head = refs.pop("lm_head.weight", None) if tied else None
     with torch.no_grad():
         for name, ref in refs.items():
             if name in own:
                 read_tensor_into(ref, own[name])
+        if head is not None:
+            untie_if_different(model, head)
     model.eval()
+
+
+def untie_if_different(model: Decoder, head: TensorRef) -> None:
+    """A config that ties the LM head to the embeddings but a checkpoint that also holds `lm_head.weight`: as in
+    transformers, the checkpoint's head is used, so the weights stay shared only where the two are equal."""
+    weight = read_tensor(head, model.lm_head.weight.dtype)
+    if not torch.equal(weight, model.model.embed_tokens.weight):
+        log.warning("config.json ties the LM head to the embeddings, but the checkpoint's lm_head differs: using it")
+        model.lm_head.weight = torch.nn.Parameter(weight)

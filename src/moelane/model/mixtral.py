@@ -34,7 +34,7 @@ def build(config: dict[str, Any]) -> Decoder:
     head_dim = config.get("head_dim") or hidden // n_heads
     top_k = config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
-    windows = sliding_windows(config)
+    windows = sliding_windows(config, flagged=False)
 
     def make_attention(i: int) -> nn.Module:
         return Attention(hidden, n_heads, n_kv, head_dim, eps=eps, window=windows[i])
@@ -42,7 +42,8 @@ def build(config: dict[str, Any]) -> Decoder:
     def make_mlp(i: int) -> nn.Module:
         return SparseMoe(hidden, n_experts(config), top_k, norm=True)
 
-    rope = Rope.build(rope_parameters(config), head_dim, config.get("max_position_embeddings", 32768))
+    max_pos = config.get("max_position_embeddings", 32768)
+    rope = Rope.build(rope_parameters(config, default_theta=1e6), head_dim, max_pos)  # (transformers' default theta)
     return Decoder(
         config["vocab_size"], hidden, eps, n_layers, make_attention, make_mlp, rope,
         bool(config.get("tie_word_embeddings")), list(range(n_layers)), (n_kv, head_dim, head_dim),

@@ -49,7 +49,7 @@ def build(config: dict[str, Any]) -> Decoder:
     top_k = config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
     moe_layers = [i for i in range(n_layers) if n_experts(config) > 0 and is_moe_layer(config, i)]
-    windows = sliding_windows(config)
+    windows = sliding_windows(config, flagged=True)
     bias = bool(config.get("qkv_bias", True))  # transformers' default; released configs leave it out
 
     def make_attention(i: int) -> nn.Module:

@@ -12,4 +12,4 @@ __all__ = ["EXPERT_NAMES", "build", "expert_prefix", "expert_width", "n_experts"
 
 
 def build(config: dict[str, Any]) -> Decoder:
-    return build_dense(config, qk_norm="head")
+    return build_dense(config, qk_norm="head", sliding=True)

@@ -1,5 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B and kin): GQA with per-head q/k RMSNorm, softmax top-k router, optional renormalisation
-(`norm_topk_prob`), dense layers where `mlp_only_layers` / `decoder_sparse_step` say so."""
+(`norm_topk_prob`), dense layers where `mlp_only_layers` / `decoder_sparse_step` say so. No sliding window: the
+released checkpoints have none, and a config that sets `use_sliding_window` is refused, since implementations disagree
+on which layers it applies to (transformers 5.24 windows every layer and ignores `max_window_layers`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelane.errors import ModelLoadError
 from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get, is_moe_layer
 from moelane.model.layers import Attention, Rope, linear, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
@@ -33,6 +36,8 @@ class SparseMoe(nn.Module):
 
 
 def build(config: dict[str, Any]) -> Decoder:
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        raise ModelLoadError("qwen3_moe with use_sliding_window is not supported (which layers slide is not agreed)")
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
     n_heads = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads") or n_heads
