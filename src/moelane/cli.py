@@ -108,6 +108,11 @@ def provider_factory(args: argparse.Namespace) -> Callable[..., object] | None:
     return store_factory(args.expert_memory, args.host_memory, args.pager_policy or "planner", args.default_tier)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore[no-untyped-def]
     import torch
 
@@ -118,8 +123,7 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
             raise InputError(f"--threads must be at least 1, got {args.threads}")
         if args.threads > MAX_THREADS:  # (OpenMP crashes on tens of thousands)
             raise InputError(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if args.threads > cores:
+        if args.threads > (cores := usable_cores()):
             log.warning("--threads %d is more than the %d cores this process may use: passes will be slower",
                         args.threads, cores)  # fmt: skip
         torch.set_num_threads(args.threads)

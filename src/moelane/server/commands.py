@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+MAX_DEPTH = 64  # most draft rows a stream may hold in a round (each is a row of the pass)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,8 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="never compile (same as --compile off)")  # fmt: skip
     p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
                    help="shared guard that turns drafting off where it does not pay (auto: engine's)")  # fmt: skip
-    p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16)")
-    p.add_argument("--max-depth", type=int, default=8, help="most draft tokens per stream and round (default 8)")
+    p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16; at most 256)")
+    p.add_argument("--max-depth", type=int, default=8,
+                   help="most draft tokens per stream and round (default 8; at most 64)")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a stream slot; beyond that: 429 (default 64)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
@@ -50,13 +53,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="seconds a request may wait for its next token, queueing included (default 120)")  # fmt: skip
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds running requests get to finish on shutdown (default 30)")  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's log level (default info: one line per request)")  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
 
 def build(args: argparse.Namespace) -> Any:
     """The app for these arguments (loads the model, builds the engine; the app's lifespan starts it)."""
-    from moelane.cli import load_model
+    from moelane.cli import load_model, usable_cores
     from moelane.lanes.config import EngineConfig
     from moelane.lanes.engine import Engine
     from moelane.server.app import create_app
@@ -66,7 +70,7 @@ def build(args: argparse.Namespace) -> Any:
     if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
         # Leave a core to the HTTP thread (measured on 2 cores, before model loading moved off the main thread:
         # 1 compute thread served one client at 65 tok/s, 2 threads at 27).
-        args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        args.threads = max(1, usable_cores() - 1)
 
     compile = wants_compile(args)
     drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
@@ -74,7 +78,7 @@ def build(args: argparse.Namespace) -> Any:
     def make() -> tuple[Any, Engine]:
         lm = load_model(args, compile=compile)
         if compile:
-            log.warning("compiling the decode step (10-40 s the first time; later starts use the cache)...")
+            log.warning("compiling the decode step (10-60 s the first time; later starts use the cache)...")
             lm.warm_up(1, 1)
         if hasattr(lm.provider, "attach"):
             lm.provider.attach(lm)
@@ -106,15 +110,20 @@ def check_args(args: argparse.Namespace) -> None:
     """Settings that cannot work, said in one line before the model loads; and whether the address can be bound
     (a port in use would otherwise be found only after loading)."""
     from moelane.errors import InputError
+    from moelane.lanes.config import EngineConfig
 
-    limits = [("--max-streams", args.max_streams, 1), ("--max-depth", args.max_depth, 0),
-              ("--max-queue", args.max_queue, 0), ("--grace", args.grace, 0)]  # fmt: skip
-    for name, value, least in limits:
-        if value < least:
-            raise InputError(f"{name} must be at least {least}, got {value}")
+    limits = [("--max-streams", args.max_streams, 1, EngineConfig().max_rows),
+              ("--max-depth", args.max_depth, 0, MAX_DEPTH)]  # fmt: skip
+    for name, value, least, most in limits:
+        if not least <= value <= most:
+            raise InputError(f"{name} must be in {least}-{most}, got {value}")
+    if args.max_queue < 0:
+        raise InputError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 0 <= args.grace < math.inf:
+        raise InputError(f"--grace must be a finite number of seconds >= 0, got {args.grace}")
     for name, value in (("--request-timeout", args.request_timeout), ("--idle-timeout", args.idle_timeout)):
-        if not value > 0:
-            raise InputError(f"{name} must be more than 0 seconds, got {value}")
+        if not 0 < value < math.inf:
+            raise InputError(f"{name} must be a finite number of seconds > 0, got {value}")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
     try:
