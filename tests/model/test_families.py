@@ -219,6 +219,9 @@ def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, 
         (dict(num_experts_per_tok=11), "num_experts_per_tok must be 1 to the 10 experts, got 11"),
         (dict(num_experts_per_tok=None), "num_experts_per_tok must be 1 to the 10 experts, got None"),
         (dict(num_experts=None, num_local_experts=None), "missing or has a bad value for 'num_experts'"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a whole number >= 1, got 0"),
+        (dict(max_position_embeddings=0), "max_position_embeddings must be a whole number >= 1, got 0"),
+        (dict(hidden_size="64"), "hidden_size must be a whole number >= 1, got '64'"),
     ],
 )
 def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp_path: Path) -> None:

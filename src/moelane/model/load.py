@@ -62,6 +62,7 @@ def load(
     if config.get("hidden_act", "silu") not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
     try:
+        check_sizes(config)
         check_top_k(family, config)
         model = family.build(config)
     except (KeyError, TypeError, ValueError) as e:
@@ -77,6 +78,14 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def check_sizes(config: dict[str, object]) -> None:
+    """The sizes every family needs are whole numbers >= 1 (0 layers would load a model that computes nothing)."""
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"config.json: {key} must be a whole number >= 1, got {value!r}")
 
 
 def check_top_k(family: ModuleType, config: dict[str, object]) -> None:
