@@ -54,6 +54,8 @@ def test_parser_errors_are_one_line_naming_the_flag(capsys: pytest.CaptureFixtur
     assert "not allowed with argument --sweep" in cli_error(
         ["trace", "replay", str(TRACE), "--sweep", "--slots", "9"], capsys
     )
+    assert "prompt of several words goes in quotes" in cli_error(["run", "hi", "there"], capsys)
+    assert "quotes" not in cli_error(["trace", "synth", "--out", "x.trc", "extra"], capsys)
 
 
 def test_every_flag_is_explained_by_help() -> None:

@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        hint = " (a prompt of several words goes in quotes)" if args.func is cmd_run else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     # Denormal floats (tiny attention probabilities, tiny weights) are ~100x slower on x86 and change no token.
     torch.set_flush_denormal(True)
     logging.basicConfig(
