@@ -204,6 +204,11 @@ def test_stop_tokens_cancel_and_errors() -> None:
         engine.submit([1], logit_bias={VOCAB: 1.0})
     with pytest.raises(InputError, match="presence_penalty"):
         engine.submit([1], presence_penalty=2.5)
+    with pytest.raises(InputError, match="not text"):
+        engine.submit("3 4 5", max_tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="must be integers"):
+        engine.submit([3, 4.5], max_tokens=3)  # type: ignore[list-item]
+    assert engine.submit(torch.tensor([3, 4, 5]), max_tokens=3).prompt_ids == [3, 4, 5]  # type: ignore[arg-type]
 
 
 class PoisonedTarget(FakeTarget):

@@ -38,6 +38,7 @@ from moelane.lanes.lane import Lane
 from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, prompt_logprobs_of, verify
 from moelane.lanes.stream import Stream
 from moelane.model.cache import Rows
+from moelane.model.lm import token_id_list
 from moelane.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -177,15 +178,9 @@ class Engine:
             raise InputError(str(e)) from None
         if not params.greedy and params.seed is None:
             params = replace(params, seed=secrets.randbits(62))
-        prompt = list(token_ids)
-        if not prompt:
-            raise InputError("empty prompt")
+        prompt = token_id_list(token_ids, self.target.vocab_size, self.target.max_context)
         if max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
-        if min(prompt) < 0 or max(prompt) >= self.target.vocab_size:
-            raise InputError(f"token id out of range for a vocabulary of {self.target.vocab_size}")
-        if len(prompt) + 1 > self.target.max_context:
-            raise InputError(f"prompt of {len(prompt)} tokens does not fit the context of {self.target.max_context}")
         max_tokens = min(max_tokens, self.target.max_context - len(prompt))
         stop_ids = self.target.eos_ids | frozenset(stop_token_ids or ())
         with self._cv:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import secrets
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -38,6 +39,24 @@ from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 log = logging.getLogger(__name__)
 CACHE_BUCKET = 256  # KV capacities are rounded up to this, so streams' caches often share one (batched attention)
 STEP_ROWS = 16  # the most rows one call of the compiled decode step takes; more are split over calls
+
+
+def token_id_list(token_ids: Iterable[int], vocab_size: int, max_context: int) -> list[int]:
+    """A prompt's token ids as a list of ints (numpy and 0-d tensor integers too), or InputError: text, floats, an
+    empty prompt, ids outside [0, vocab_size), or more than the context holds with room for one new token."""
+    if isinstance(token_ids, str | bytes):
+        raise InputError("token ids must be integers, not text (encode the text with the model's tokenizer)")
+    try:
+        ids = [operator.index(t) for t in token_ids]
+    except TypeError:
+        raise InputError("token ids must be integers") from None
+    if not ids:
+        raise InputError("empty prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InputError(f"token id out of range for a vocabulary of {vocab_size}")
+    if len(ids) + 1 > max_context:
+        raise InputError(f"prompt of {len(ids)} tokens does not fit the context of {max_context}")
+    return ids
 
 
 class LM:
@@ -259,10 +278,7 @@ class LM:
             params = dataclasses.replace(params, seed=secrets.randbits(62))
         if max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not prompt_ids:
-            raise InputError("empty prompt")
-        if len(prompt_ids) + 1 > self.max_context:
-            raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_context}")
+        prompt_ids = token_id_list(prompt_ids, self.vocab_size, self.max_context)
         max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
         stop_ids = self.eos_ids if stop_ids is None else stop_ids
         cache = self.cache_for(len(prompt_ids), max_tokens)
