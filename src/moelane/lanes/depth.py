@@ -39,7 +39,8 @@ class Acceptance:
         self.rounds = 0
 
     def observe(self, n_offered: int, n_accepted: int) -> None:
-        """Fold in one round: drafts 0..n_accepted-1 landed, draft n_accepted (if offered) did not."""
+        """Fold in one round: drafts 0..n_accepted-1 landed, draft n_accepted (if offered) did not. A round that
+        offered none changes no estimate but counts toward the probe."""
         assert 0 <= n_accepted <= n_offered <= len(self.p)
         for k in range(min(n_accepted + 1, n_offered)):
             hit = 1.0 if k < n_accepted else 0.0

@@ -301,9 +301,11 @@ class Engine:
         reason = commit(window, tokens, logprobs_of(window, logits, tokens, lane.top_logprobs or 0) if asked else None)
         if prefilling:
             self._counts["prefill_tokens"] += len(window.feed)
-        if window.commits and mode == DRAFTED and had_drafts:
+        if tokens and mode == DRAFTED:  # (tokens: the window commits)
+            # every drafted-mode round moves the stream's probe clock, those that hold nothing too: a stream the depth
+            # rule priced down to no drafts (whose drafter then proposes nothing) must still probe to recover
             lane.acceptance.observe(len(window.drafts), len(tokens) - 1)
-            if self.drafter is not None:
+            if had_drafts and self.drafter is not None:
                 self.drafter.feedback(lane, len(window.drafts), len(tokens) - 1)
         self._counts["holds"] += len(window.drafts)
         self._counts["accepted"] += max(0, len(tokens) - 1)
