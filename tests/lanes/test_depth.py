@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from moelane.lanes.depth import ACCEPT_PRIORS, ACCEPT_RATE, Acceptance, PriceTable, Seat, allocate
+from moelane.lanes.depth import ACCEPT_PRIORS, ACCEPT_RATE, Acceptance, PriceTable, Seat, allocate, probe_round
 
 
 def test_priors_and_update() -> None:
@@ -69,12 +69,12 @@ def test_expensive_rows_mean_no_drafts_and_limits_hold() -> None:
 
 
 def test_every_eighth_round_probes_one_deeper() -> None:
+    """Every stream at once (a draft model's probe is then one draft pass every 8 rounds), a priced-out one too."""
     prices = PriceTable([(1, 1.0), (2, 1.3), (64, 30.0)])
-    acc = Acceptance(8)
-    seats = [Seat(1, True, 8, acc)]
-    depths = []
-    for _ in range(16):
-        depths.append(allocate(seats, prices, 64)[0])
-        acc.rounds += 1
-    base = allocate(seats, prices, 64, probe=False)[0]
-    assert [i for i, d in enumerate(depths) if d == base + 1] == [7, 15]
+    seats = [Seat(1, True, 8, Acceptance(8)), Seat(1, True, 8, Acceptance(8))]
+    base = allocate(seats, prices, 64)
+    depths = [allocate(seats, prices, 64, probe=probe_round(i)) for i in range(16)]
+    assert [i for i, d in enumerate(depths) if d != base] == [7, 15]
+    assert depths[7] == [d + 1 for d in base]
+    assert allocate(seats, prices, 64, draft_price=100.0) == [0, 0]
+    assert allocate(seats, prices, 64, draft_price=100.0, probe=True) == [1, 1]

@@ -180,8 +180,8 @@ def test_guard_keeps_a_draft_model_only_where_it_pays() -> None:
 
 def test_a_draft_model_priced_out_recovers_by_probing() -> None:
     """A draft model whose first passes are slow (a cold start) is priced out by the depth rule; its probes, every
-    8th round of the stream whether or not it held drafts, measure it again once it is cheap, and drafting resumes.
-    (Counting only rounds that held drafts, a stream priced down to none never probed again.)"""
+    8th round of the engine, measure it again once it is cheap, and drafting resumes. (When probes counted only a
+    stream's rounds that held drafts, a stream priced down to none never probed again.)"""
     clock = FakeClock()
     calls = [0]
 

@@ -7,8 +7,10 @@ or 1 at rate 0.15). A stream at depth d expects `1 + sum_{j<d} prod_{k<=j} p[k]`
 In a shared round the allocation starts from every stream's base rows (its next input token, or its prefill chunk)
 and adds draft rows greedily, highest landing chance first across streams, keeping the allocation with the best
 expected committed tokens per unit of round cost. A round's cost is `price(rows) + draft_price * deepest draft`
-(the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of a stream it probes one
-deeper than the allocation chose, so that a low estimate can recover.
+(the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of the engine each stream
+probes one deeper than the allocation chose, so that a low estimate (or a draft price measured high once) can
+recover; all streams probe in the same round, so a draft model's probe costs one draft pass every 8 rounds, not one
+in most rounds.
 
 Prices come from a `PriceTable`: cost of a round by rows, linearly interpolated between known widths (and
 extrapolated from the last two beyond them). A fixed table never changes; a timed one folds in measured rounds.
@@ -32,20 +34,17 @@ DEFAULT_PRICES: tuple[tuple[int, float], ...] = ((1, 1.0), (16, 2.0), (64, 5.0),
 class Acceptance:
     """One stream's acceptance by depth."""
 
-    __slots__ = ("p", "rounds")
+    __slots__ = ("p",)
 
     def __init__(self, max_depth: int) -> None:
         self.p = [ACCEPT_PRIORS[k] if k < len(ACCEPT_PRIORS) else ACCEPT_TAIL for k in range(max_depth)]
-        self.rounds = 0
 
     def observe(self, n_offered: int, n_accepted: int) -> None:
-        """Fold in one round: drafts 0..n_accepted-1 landed, draft n_accepted (if offered) did not. A round that
-        offered none changes no estimate but counts toward the probe."""
+        """Fold in one round: drafts 0..n_accepted-1 landed, draft n_accepted (if offered) did not."""
         assert 0 <= n_accepted <= n_offered <= len(self.p)
         for k in range(min(n_accepted + 1, n_offered)):
             hit = 1.0 if k < n_accepted else 0.0
             self.p[k] += ACCEPT_RATE * (hit - self.p[k])
-        self.rounds += 1
 
     def landing(self, k: int) -> float:
         """Chance that draft k (0-based) lands: the product of p[0..k]."""
@@ -56,10 +55,6 @@ class Acceptance:
 
     def expected(self, depth: int) -> float:
         return 1.0 + sum(self.landing(k) for k in range(depth))
-
-    @property
-    def probing(self) -> bool:
-        return self.rounds % PROBE_EVERY == PROBE_EVERY - 1
 
 
 class PriceTable:
@@ -108,10 +103,16 @@ class Seat:
     acceptance: Acceptance
 
 
+def probe_round(index: int) -> bool:
+    """Whether the engine's round `index` (from 0) is one where every stream probes one draft deeper."""
+    return index % PROBE_EVERY == PROBE_EVERY - 1
+
+
 def allocate(
-    seats: Sequence[Seat], prices: PriceTable, max_rows: int, draft_price: float = 0.0, probe: bool = True
+    seats: Sequence[Seat], prices: PriceTable, max_rows: int, draft_price: float = 0.0, probe: bool = False
 ) -> list[int]:
-    """Draft rows per seat, maximising expected committed tokens per unit of round cost."""
+    """Draft rows per seat, maximising expected committed tokens per unit of round cost; in a `probe` round each
+    committing seat then holds one more (rows permitting)."""
     depths = [0] * len(seats)
     rows = sum(s.base_rows for s in seats)
     tokens = float(sum(1 for s in seats if s.commits))
@@ -136,7 +137,7 @@ def allocate(
     if probe:
         spare = max_rows - sum(s.base_rows for s in seats) - sum(best_depths)
         for i, s in enumerate(seats):
-            if spare > 0 and s.commits and s.acceptance.probing and best_depths[i] < s.max_drafts:
+            if spare > 0 and s.commits and best_depths[i] < s.max_drafts:
                 best_depths[i] += 1
                 spare -= 1
     return best_depths

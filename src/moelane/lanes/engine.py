@@ -31,7 +31,7 @@ import torch
 from moelane.errors import InputError
 from moelane.lanes.clock import Clock, RealClock
 from moelane.lanes.config import EngineConfig
-from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate
+from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate, probe_round
 from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
@@ -226,7 +226,7 @@ class Engine:
         """One round over `chosen`: plan windows, verify all in one pass, commit, draft the next round."""
         start = self.clock.now() if self._span_start is None else self._span_start
         mode = self._mode(len(chosen))
-        windows = plan_windows(chosen, mode == DRAFTED, self.prices, self.config.max_rows)
+        windows = plan_windows(chosen, mode == DRAFTED, self.prices, self.config.max_rows, probe_round(self._round))
         # What the guard does not count: a round that feeds a prompt chunk (it measures the prompt, not the mode), and
         # a drafted round that holds no drafts (a plain round in all but name).
         measured = (
@@ -301,11 +301,9 @@ class Engine:
         reason = commit(window, tokens, logprobs_of(window, logits, tokens, lane.top_logprobs or 0) if asked else None)
         if prefilling:
             self._counts["prefill_tokens"] += len(window.feed)
-        if tokens and mode == DRAFTED:  # (tokens: the window commits)
-            # every drafted-mode round moves the stream's probe clock, those that hold nothing too: a stream the depth
-            # rule priced down to no drafts (whose drafter then proposes nothing) must still probe to recover
+        if window.commits and mode == DRAFTED and had_drafts:
             lane.acceptance.observe(len(window.drafts), len(tokens) - 1)
-            if had_drafts and self.drafter is not None:
+            if self.drafter is not None:
                 self.drafter.feedback(lane, len(window.drafts), len(tokens) - 1)
         self._counts["holds"] += len(window.drafts)
         self._counts["accepted"] += max(0, len(tokens) - 1)
@@ -336,7 +334,8 @@ class Engine:
         if self.drafter.costs_passes:
             seats = [Seat(min(x.n_pending, self.config.prefill_chunk), True, d, x.acceptance)
                      for x, d in zip(lanes, depths, strict=True)]  # fmt: skip
-            depths = allocate(seats, self.prices, self.config.max_rows, self.draft_price)
+            # (the round these drafts are for is self._round: this one's index was already counted)
+            depths = allocate(seats, self.prices, self.config.max_rows, self.draft_price, probe_round(self._round))
         t0 = self.clock.now()
         proposals = self.drafter.propose(lanes, depths)
         if self.config.timed and self.drafter.costs_passes and max(depths, default=0) > 0:

@@ -59,13 +59,15 @@ def choose(lanes: Sequence[Lane], max_streams: int, max_rows: int, prefill_chunk
     return chosen
 
 
-def plan_windows(chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: PriceTable, max_rows: int) -> list[Window]:
+def plan_windows(
+    chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: PriceTable, max_rows: int, probe: bool = False
+) -> list[Window]:
     seats = [
         Seat(base, lane.n_fed + base == len(lane.tokens), min(len(lane.drafts), lane.room) if drafted else 0,
              lane.acceptance)
         for lane, base in chosen
     ]  # fmt: skip
-    depths = allocate(seats, prices, max_rows) if drafted else [0] * len(seats)
+    depths = allocate(seats, prices, max_rows, probe=probe) if drafted else [0] * len(seats)
     return [
         Window(lane, lane.tokens[lane.n_fed : lane.n_fed + base], lane.drafts[:depth])
         for (lane, base), depth in zip(chosen, depths, strict=True)
