@@ -54,6 +54,16 @@ def make_engine(lm: Any, delay: float = 0.0, poison: int | None = None, **config
     return Engine(target, EngineConfig(**{"drafter": "none", "timed": False, "max_streams": 16, **config}))
 
 
+def wait_until(cond: Any, timeout: float = 10.0) -> bool:
+    """Poll `cond` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
 @contextmanager
 def running(app: Any) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port in a thread; yields the base URL."""

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from moelane.server.app import MAX_CHARS_PER_TOKEN, create_app
-from tests.server.conftest import MODEL, make_engine, running
+from tests.server.conftest import MODEL, make_engine, running, wait_until
 
 GOOD = {"model": MODEL, "prompt": "def f", "max_tokens": 3, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
@@ -30,15 +30,6 @@ def url(tiny_lm: Any) -> Any:
 
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body, timeout=30)
-
-
-def wait_until(cond: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return bool(cond())
 
 
 def test_null_means_the_default(url: str) -> None:

@@ -5,7 +5,6 @@ that request alone; timeouts cancel; shutdown lets running streams finish."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,18 +15,9 @@ import pytest
 from moelane.server.app import create_app
 from moelane.server.generation import Limits
 from tests.helpers import TEXT
-from tests.server.conftest import MODEL, make_engine, running
+from tests.server.conftest import MODEL, make_engine, running, wait_until
 
 PROMPTS = [TEXT[i * 7 : i * 7 + 12 + i] for i in range(16)]
-
-
-def wait_until(cond: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return bool(cond())
 
 
 def ask(url: str, prompt: str, stream: bool, max_tokens: int = 16) -> str:
