@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import importlib
 import logging
-import math
 import os
 import sys
 import time
@@ -25,8 +24,8 @@ log = logging.getLogger("moelane")
 # Measured on the shipped model (2 cores): eager decode 93-151 tok/s, compiled 480-770, warm-up 10 s (cached) to 60 s
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
+MAX_THREADS = 256  # (OpenMP crashes on tens of thousands)
 # Subcommands owned by other areas: module path of an `add_parser(subparsers)` function.
-MAX_THREADS = 256
 SUBCOMMANDS = ("moelane.server.commands", "moelane.pager.commands", "moelane.benchmark")
 
 
@@ -121,7 +120,7 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             raise InputError(f"--threads must be at least 1, got {args.threads}")
-        if args.threads > MAX_THREADS:  # (OpenMP crashes on tens of thousands)
+        if args.threads > MAX_THREADS:
             raise InputError(f"--threads must be at most {MAX_THREADS}, got {args.threads}")
         if args.threads > (cores := usable_cores()):
             log.warning("--threads %d is more than the %d cores this process may use: passes will be slower",
@@ -188,8 +187,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if args.max_tokens < 1:  # (before the model loads)
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if not math.isfinite(args.temperature):  # (inf would sample every token alike: noise)
-        raise InputError(f"--temperature must be a finite number, got {args.temperature}")
     if args.trace:
         check_output(args.trace, "--trace")
     with in_flags():
@@ -238,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def check_output(path: str, flag: str) -> None:
     """InputError, before any work is done, if `path` cannot become a file: it is a folder, or its folder is
-    missing or not writable. (Writers write a temporary file beside it and rename it over `path` once done.)"""
+    missing or not writable."""
     target = Path(path)
     folder = target.parent
     if target.is_dir():

@@ -200,6 +200,8 @@ def test_stop_tokens_cancel_and_errors() -> None:
         engine.submit([VOCAB], max_tokens=3)
     with pytest.raises(InputError):
         engine.submit([1], temperature=-1.0)
+    with pytest.raises(InputError, match="finite"):
+        engine.submit([1], temperature=float("inf"))
     with pytest.raises(InputError, match="logit_bias token id"):
         engine.submit([1], logit_bias={VOCAB: 1.0})
     with pytest.raises(InputError, match="presence_penalty"):
