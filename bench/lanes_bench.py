@@ -148,7 +148,7 @@ def main() -> None:
     if args.drafter == "model":
         from moelane.lanes.engine import load_draft_model
 
-        draft = moelane.load(args.draft) if args.draft else load_draft_model()
+        draft = load_draft_model(args.draft)  # its decode step compiled (the engine's default)
     # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead
     lm.eos_ids = frozenset()
     setting = {"model": args.model or "shipped", "drafter": args.drafter, "tokens": args.tokens, "rev": git_rev(),

@@ -4,6 +4,7 @@ acceptance matrix (24 prompts, 1-16 streams, every drafter, guard on and off, th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import pytest
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
+from moelane.lanes.engine import load_draft_model
+from moelane.model.lm import LM
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
 from tests.lanes.reference import prompts, submit_kwargs
@@ -68,6 +71,30 @@ def test_tiny_model_replies_equal_solo_decode(tiny, tiny_cases, config: dict[str
         assert stats.holds > 0
 
 
+def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
+    """The draft model the engine loads runs its generated rows (and short catch-ups) through its compiled decode
+    step; drafts are held and every reply still equals the solo decode."""
+    lm, eager = tiny
+    draft = load_draft_model(eager.folder)
+    assert draft.compiled
+    calls: list[int] = []
+    step = draft._compiled
+    draft._compiled = lambda rows, pool, keys: calls.append(len(rows)) or step(rows, pool, keys)
+    stats = check_identity(lm, draft, tiny_cases, 16, drafter="model", max_streams=3, timed=False)
+    assert stats.holds > 0 and calls
+
+
+def test_a_draft_model_that_cannot_compile_runs_eagerly(tiny, monkeypatch, caplog) -> None:
+    def broken(self: Any, n_prompt: int, max_tokens: int) -> None:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore")
+
+    monkeypatch.setattr(LM, "warm_up", broken)
+    with caplog.at_level(logging.WARNING):
+        draft = load_draft_model(tiny[1].folder)
+    assert not draft.compile_enabled
+    assert "runs eagerly" in caplog.text and "No working C++ compiler" in caplog.text and "more" not in caplog.text
+
+
 @pytest.fixture(scope="module")
 def shipped() -> tuple[Any, Any]:
     try:
@@ -75,8 +102,6 @@ def shipped() -> tuple[Any, Any]:
     except Exception as e:  # the shipped model is not in this checkout yet
         pytest.skip(f"no shipped model: {e}")
     try:
-        from moelane.lanes.engine import load_draft_model
-
         draft = load_draft_model()
     except Exception:
         draft = None

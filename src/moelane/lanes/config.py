@@ -26,6 +26,8 @@ class EngineConfig:
     recall_tokens: tokens kept in the recall store.
     overlap:       run each forward pass on a worker thread while the engine thread does the host work that does
                    not depend on it (admitting and indexing streams).
+    compile_draft: compile the decode step of the draft model the engine loads itself (drafter "model" without a
+                   `draft` given): a draft level is then one compiled call.
     """
 
     drafter: str = "none"
@@ -40,6 +42,7 @@ class EngineConfig:
     min_match: int = 6
     recall_tokens: int = 1 << 20
     overlap: bool = False
+    compile_draft: bool = True
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:

@@ -233,6 +233,10 @@ class LM:
         self._step_rows = STEP_ROWS if whole else 1
         self._step_provider = self.provider if whole else HostSide(self.provider)
 
+    def disable_compile(self) -> None:
+        """Run every pass eagerly again."""
+        self._compiled = None
+
     @property
     def compile_enabled(self) -> bool:
         return self._compiled is not None

@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="run the streams' generated rows (drafts included) through the compiled decode step, all "
                    "streams in one call (several times faster per stream; prompt rows still share eager passes). "
                    "Compiles once at start-up, 10-60 s, cached for later starts. auto: on when every expert is "
-                   "resident (default)")  # fmt: skip
+                   "resident (default). The draft model of --drafter model is compiled unless off")  # fmt: skip
     p.add_argument("--eager", dest="compile", action="store_const", const="off",
                    help="never compile (same as --compile off)")  # fmt: skip
     p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
@@ -83,7 +83,8 @@ def build(args: argparse.Namespace) -> Any:
         if hasattr(lm.provider, "attach"):
             lm.provider.attach(lm)
         guard = {"auto": None, "on": True, "off": False}[args.guard]
-        config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth)
+        config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
+                              compile_draft=args.compile != "off")  # fmt: skip
         return lm, Engine(lm, config)  # (which fits its rounds to what an expert store's pool holds)
 
     # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
