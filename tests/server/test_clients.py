@@ -6,6 +6,7 @@ and the server's log and metrics stay true."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import socket
 import time
@@ -52,6 +53,17 @@ def test_null_means_the_default(url: str) -> None:
     for required in ("model", "prompt"):
         r = post(url, "/v1/completions", {**GOOD, required: None})
         assert r.status_code == 400 and r.json()["error"]["param"] == required, r.text
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)])
+def test_with_include_usage_every_other_chunk_says_usage_null(url: str, path: str, body: dict[str, Any]) -> None:
+    """As OpenAI streams it: clients that read `chunk.usage` on every chunk find the key."""
+    r = post(url, path, {**body, "stream": True, "stream_options": {"include_usage": True}, "n": 2})
+    chunks = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    assert r.status_code == 200 and len(chunks) > 3 and r.text.endswith("data: [DONE]\n\n")
+    *rest, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert all("usage" in c and c["usage"] is None and c["choices"] for c in rest)
 
 
 @pytest.mark.parametrize(

@@ -187,13 +187,13 @@ class ServerState:
         echoes = [echo for _, echo in prompts for _ in range(body.n)]
         gens = self.start(params)
         prefix = "chatcmpl" if chat else "cmpl"
-        header = Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat)
+        usage_chunk = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+        header = Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat, usage_chunk)
         started = time.monotonic()
         n_prompt = sum(len(ids) for ids, _ in prompts)  # each prompt counted once, however many choices it has
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             status = ["200"]  # how the stream ended, for the requests metric: set by _events
-            events = self._events(gens, header, echoes, include_usage, started, n_prompt, status)
+            events = self._events(gens, header, echoes, started, n_prompt, status)
             return EventStream(events, on_close=lambda: self._close(gens, endpoint, status[0]))
         try:
             texts = await self._collect(request, gens)
@@ -255,8 +255,8 @@ class ServerState:
                     with contextlib.suppress(BaseException):
                         await t
 
-    async def _events(self, gens: list[Generation], header: Header, echoes: list[str], include_usage: bool,
-                      started: float, n_prompt: int, status: list[str]) -> AsyncIterator[str]:  # fmt: skip
+    async def _events(self, gens: list[Generation], header: Header, echoes: list[str], started: float,
+                      n_prompt: int, status: list[str]) -> AsyncIterator[str]:  # fmt: skip
         """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
         usage if asked, then [DONE]; an error ends it with an error event. `status[0]` becomes the HTTP status the
         request would have had unstreamed (499: the client went away)."""
@@ -265,7 +265,7 @@ class ServerState:
             async with contextlib.aclosing(merged(choices)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-            if include_usage:
+            if header.include_usage:
                 yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens)))
             self._account(gens, started, n_prompt, count_rate=False)
         except asyncio.CancelledError:

@@ -2,7 +2,8 @@
 `Generation`. Pure formatting: no engine, no I/O.
 
 Stream layout (both endpoints): content chunks as text arrives; one chunk with `finish_reason` and the `moelane`
-extension; a chunk with `usage` and no choices when the client asked (`stream_options.include_usage`); `[DONE]`.
+extension; a chunk with `usage` and no choices when the client asked (`stream_options.include_usage`: then, as
+OpenAI does, every other chunk carries `"usage": null`); `[DONE]`.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def logprobs_body(chat: bool, entries: Logprobs | None, text_of: Callable[[int],
     )
 
 
-def event(body: BaseModel) -> str:
+def event(body: BaseModel, null_usage: bool = False) -> str:
+    """One server-sent event; unset optional fields left out (`usage` kept as null with `null_usage`)."""
     data = body.model_dump(mode="json")
-    for key in ("usage", "moelane"):
+    for key in ("moelane",) if null_usage else ("usage", "moelane"):
         if data.get(key, 0) is None:
             del data[key]
     for choice in data.get("choices", ()):
@@ -88,6 +90,7 @@ class Header:
     created: int
     model: str
     chat: bool
+    include_usage: bool = False  # streamed with a usage chunk: every other chunk says "usage": null
 
     def usage(self, n_prompt: int, n_tokens: int) -> Usage:
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
@@ -109,27 +112,31 @@ class Header:
         """The opening chunk of a choice (chat only: the assistant role)."""
         if not self.chat:
             return None
-        return event(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
+        return self._event(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
 
     def piece(self, text: str, logprobs: BaseModel | None = None, index: int = 0) -> str:
         if self.chat:
-            return event(self._chunk([ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)]))  # type: ignore[arg-type]
+            delta = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)  # type: ignore[arg-type]
+            return self._event(self._chunk([delta]))
         choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)  # type: ignore[arg-type]
-        return event(self._completion([choice]))
+        return self._event(self._completion([choice]))
 
     def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None, index: int = 0) -> str:
         """A choice's last chunk: its finish reason, and what the choice cost the pager."""
         ext = Extension(pager=cost)
         if self.chat:
             choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
-            return event(self._chunk([choice], moelane=ext))
+            return self._event(self._chunk([choice], moelane=ext))
         choice_c = CompletionChoice(index=index, text="", finish_reason=finish, logprobs=logprobs)  # type: ignore[arg-type]
-        return event(self._completion([choice_c], moelane=ext))
+        return self._event(self._completion([choice_c], moelane=ext))
 
     def usage_chunk(self, usage: Usage) -> str:
         if self.chat:
-            return event(self._chunk([], usage=usage))
-        return event(self._completion([], usage=usage))
+            return self._event(self._chunk([], usage=usage))
+        return self._event(self._completion([], usage=usage))
+
+    def _event(self, body: BaseModel) -> str:
+        return event(body, null_usage=self.include_usage)
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, **extra)  # type: ignore[arg-type]
