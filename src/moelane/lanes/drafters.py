@@ -248,18 +248,18 @@ class ModelDrafter:
         dc.fed = []
         return dc
 
-    def prepare(self, lanes: Sequence[Lane]) -> None:
+    def prepare(self, lanes: Sequence[Lane], leave: int = 1) -> None:
         """Catch the draft caches up with the streams' tokens (a joining stream's prompt, or the tokens committed
-        while the stream did not draft): all but the last token, which `propose` feeds."""
+        while the stream did not draft), all but the last `leave`, which `propose` feeds."""
         caches = {lane.id: self._sync(lane) for lane in lanes}
         while True:
-            todo = [x for x in lanes if caches[x.id].n_fed < len(x.tokens) - 1]
+            todo = [x for x in lanes if caches[x.id].n_fed < len(x.tokens) - leave]
             if not todo:
                 return
             rows = []
             for x in todo:
                 dc = caches[x.id]
-                end = min(dc.n_fed + self.prefill_chunk, len(x.tokens) - 1)
+                end = min(dc.n_fed + self.prefill_chunk, len(x.tokens) - leave)
                 rows.append(self._rows(x, dc, x.tokens[dc.n_fed : end]))
             self.draft.forward(rows, last_only=True)
             for x, r in zip(todo, rows, strict=True):

@@ -44,6 +44,8 @@ from moelane.model.sampling import SamplingParams
 log = logging.getLogger(__name__)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_PRICE_RATE = 0.2
+STEADY_FEED = 2  # a draft model's first feed in a round while it drafts every round: the last accepted draft (fed
+# only if it is verified) and the target's own token
 MAX_TOP_LOGPROBS = 20
 
 
@@ -349,9 +351,11 @@ class Engine:
                      for x, d in zip(lanes, depths, strict=True)]  # fmt: skip
             # (the round these drafts are for is self._round: this one's index was already counted)
             depths = allocate(seats, self.prices, self.config.max_rows, self.draft_price, probe_round(self._round))
-            # Tokens committed while a stream held no drafts are fed to the draft model first, apart: the price
-            # measured below is of one draft level, not of a catch-up (which priced drafting out once it stopped).
-            self.drafter.prepare([x for x, d in zip(lanes, depths, strict=True) if d > 0])
+        if isinstance(self.drafter, ModelDrafter):
+            # Tokens committed while a stream held no drafts are fed to the draft model first, apart, so that the
+            # price measured below is of a draft level as it is while drafting goes on (its first feed: the model's
+            # token, after the last accepted draft), not of a catch-up, which priced drafting out once it stopped.
+            self.drafter.prepare([x for x, d in zip(lanes, depths, strict=True) if d > 0], leave=STEADY_FEED)
         t0 = self.clock.now()
         proposals = self.drafter.propose(lanes, depths)
         if self.config.timed and self.drafter.costs_passes and max(depths, default=0) > 0:
@@ -401,11 +405,14 @@ class Engine:
                 seconds.append(self.clock.now() - t0)
             points.append((w, max(min(seconds), 1e-9)))
         self.prices = PriceTable(points)
-        if isinstance(self.drafter, ModelDrafter):
+        if isinstance(self.drafter, ModelDrafter):  # a level: one generated row (the compiled step, if any)
             draft_cache = self.drafter.draft.new_cache(1)
-            t0 = self.clock.now()
-            self.drafter.draft.forward([Rows(draft_cache, [0], 0)])
-            self.draft_price = self.clock.now() - t0
+            seconds = []
+            for _ in range(2):
+                t0 = self.clock.now()
+                self.drafter.draft.forward([Rows(draft_cache, [0], 0, decode=True)])
+                seconds.append(self.clock.now() - t0)
+            self.draft_price = min(seconds)
 
     # ---- threaded mode ------------------------------------------------------------------------------------------
 
