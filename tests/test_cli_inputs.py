@@ -56,6 +56,10 @@ def test_parser_errors_are_one_line_naming_the_flag(capsys: pytest.CaptureFixtur
     )
     assert "prompt of several words goes in quotes" in cli_error(["run", "hi", "there"], capsys)
     assert "quotes" not in cli_error(["trace", "synth", "--out", "x.trc", "extra"], capsys)
+    # --eager is --compile off: with --compile as well, one of them would be dropped without a word
+    both = ["run", "--compile", "on", "--eager", "hi"]
+    assert "--eager: not allowed with argument --compile" in cli_error(both, capsys)
+    assert "--compile: not allowed with argument --eager" in cli_error(["serve", "--eager", "--compile", "on"], capsys)
 
 
 def test_every_flag_is_explained_by_help() -> None:

@@ -7,6 +7,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 import moelane
 from moelane.cli import build_parser, main
 from moelane.errors import InputError, ModelLoadError
+from moelane.lanes.drafters import CopyDrafter, ModelDrafter
 from moelane.model.cache import Rows
 from moelane.model.layers import reach
 from moelane.model.sampling import SamplingParams, adjusted, sample
@@ -171,7 +173,8 @@ def test_eager_flag_turns_compilation_off() -> None:
     parse = build_parser().parse_args
     assert parse(["run", "hi"]).compile == "auto"
     assert parse(["run", "--eager", "hi"]).compile == "off"
-    assert parse(["run", "--compile", "on", "--eager", "hi"]).compile == "off"
+    with pytest.raises(SystemExit):  # one or the other
+        parse(["run", "--compile", "on", "--eager", "hi"])
 
 
 # ---- generation ------------------------------------------------------------------------------------------------
@@ -182,6 +185,47 @@ def test_cli_run_streams_reply_and_summary(folder: Path, lm: moelane.LM, capsys:
     out, err = capsys.readouterr()
     assert out.rstrip("\n") == lm.generate("def fib", max_tokens=12)
     assert "prompt" in err and "decode" in err and "tok/s" in err
+
+
+@pytest.mark.parametrize("drafter", ["copy", "model"])
+def test_cli_run_with_a_drafter_prints_the_very_same_reply(
+    drafter: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run --drafter` verifies drafts several tokens a round through the lanes engine (shipped model and draft):
+    greedy and seeded sampled replies are those of one-token steps, and drafts were made."""
+    cls = {"copy": CopyDrafter, "model": ModelDrafter}[drafter]
+    proposals: list[int] = []
+    real = cls.propose
+    monkeypatch.setattr(cls, "propose", lambda self, *a: proposals.append(1) or real(self, *a))  # type: ignore[func-returns-value]
+    lm = moelane.load()
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat"
+    for extra, params in (
+        ([], SamplingParams()),
+        (["--temperature", "0.8", "--seed", "5"], SamplingParams(0.8, seed=5)),
+    ):
+        assert main(["run", "--eager", "--drafter", drafter, "--max-tokens", "40", *extra, prompt]) == 0
+        want = lm.tokenizer.decode(list(lm.generate_ids(lm.tokenizer.encode(prompt), 40, params)))
+        assert capsys.readouterr().out.rstrip("\n") == want
+    assert proposals
+
+
+def test_cli_run_with_a_drafter_says_a_failed_pass_in_one_line(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pass that fails mid-reply (a shard found truncated, say) ends the run with its error in one line, as
+    without a drafter: not the engine's logged tracebacks."""
+    real, calls = moelane.LM.forward, [0]
+
+    def failing(self: moelane.LM, *a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 20:  # (the engine's price calibration makes 14 passes first)
+            raise ModelLoadError("truncated shard model.safetensors: expert 3 of layer 1 ends at byte 12")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(moelane.LM, "forward", failing)
+    run = ["run", "--model", str(folder), "--eager", "--drafter", "copy", "--max-tokens", "40", "hi"]
+    assert "expert 3 of layer 1" in cli_error(run, capsys)
+    assert "--trace records one token a step" in cli_error([*run, "--trace", "t.trc"], capsys)
 
 
 def test_cli_run_takes_logit_bias_and_penalties(

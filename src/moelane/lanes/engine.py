@@ -269,9 +269,9 @@ class Engine:
                 continue
             try:
                 self._round_of(choose([lane], 1, self.config.max_rows, self.config.prefill_chunk))
-            except Exception:
+            except Exception as e:
                 log.exception("lanes stream %d failed alone; ending it", lane.stream.id)
-                self._retire(lane, "error")
+                self._retire(lane, "error", e)
         self._span_start = None
 
     def run_until_idle(self) -> None:
@@ -383,14 +383,14 @@ class Engine:
                 joined.append(lane)
         return joined
 
-    def _retire(self, lane: Lane, reason: str) -> None:
+    def _retire(self, lane: Lane, reason: str, error: BaseException | None = None) -> None:
         if lane in self._active:
             self._active.remove(lane)
         if self.drafter is not None:
             self.drafter.release(lane)
         lane.cache, lane.drafts = None, []
         self._counts["finished"] += 1
-        lane.stream._finish(reason)
+        lane.stream._finish(reason, error)
 
     def _calibrate(self) -> None:
         """Measure the price of a pass by width (and of a draft pass) before serving."""

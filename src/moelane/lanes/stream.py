@@ -37,6 +37,7 @@ class Stream:
         self._logprobs: list[TokenLogprob] = []  # one per token, when the request asked for them
         self._prompt_logprobs: list[TokenLogprob | None] = []  # one per prompt token (None for the first), if asked
         self._finish_reason: str | None = None
+        self.error: BaseException | None = None  # what ended it, when finish_reason is "error"
         self._cancel_requested = False
         self._changed = threading.Condition()
         self._listeners: list[Callable[[list[int] | None], None]] = []
@@ -134,11 +135,11 @@ class Stream:
                 for listener in self._listeners:
                     _call(listener, list(token_ids))
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
         assert reason in FINISH_REASONS, reason
         with self._changed:
             if self._finish_reason is None:
-                self._finish_reason = reason
+                self._finish_reason, self.error = reason, error
                 for listener in self._listeners:
                     _call(listener, None)
             self._changed.notify_all()

@@ -34,13 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--drafter", choices=("auto", *DRAFTERS), default="auto",
                    help="how the engine drafts tokens to verify (default auto: none with a compiled decode step, "
                    "recall without)")  # fmt: skip
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="run the streams' generated rows (drafts included) through the compiled decode step, all "
-                   "streams in one call (several times faster per stream; prompt rows still share eager passes). "
-                   "Compiles once at start-up, 10-60 s, cached for later starts. auto: on when every expert is "
-                   "resident (default). The draft model of --drafter model is compiled unless off")  # fmt: skip
-    p.add_argument("--eager", dest="compile", action="store_const", const="off",
-                   help="never compile (same as --compile off)")  # fmt: skip
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                     help="run the streams' generated rows (drafts included) through the compiled decode step, all "
+                     "streams in one call (several times faster per stream; prompt rows still share eager passes). "
+                     "Compiles once at start-up, 10-60 s, cached for later starts. auto: on when every expert is "
+                     "resident (default). The draft model of --drafter model is compiled unless off")  # fmt: skip
+    how.add_argument("--eager", dest="compile", action="store_const", const="off",
+                     help="never compile (same as --compile off)")  # fmt: skip
     p.add_argument("--guard", choices=("auto", "on", "off"), default="auto",
                    help="shared guard that turns drafting off where it does not pay (auto: engine's)")  # fmt: skip
     p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16; at most 256)")
