@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
 from moelane.lanes.engine import load_draft_model
+from moelane.model.cache import Rows
 from moelane.model.lm import LM
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
@@ -82,6 +84,10 @@ def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     draft._compiled = lambda rows, pool, keys: calls.append(len(rows)) or step(rows, pool, keys)
     stats = check_identity(lm, draft, tiny_cases, 16, drafter="model", max_streams=3, timed=False)
     assert stats.holds > 0 and calls
+    check_identity(lm, draft, tiny_cases, 16, drafter="model", max_streams=3, guard=False)  # timed: calibrated too
+    # a one-position cache (reach 1: not a shape of the compiled step) runs eagerly, where it once crashed Dynamo
+    lone = draft.forward([Rows(draft.new_cache(1), [3], 0, decode=True)])[0]
+    assert torch.equal(lone, eager.forward([Rows(eager.new_cache(1), [3], 0)])[0])
 
 
 def test_a_draft_model_that_cannot_compile_runs_eagerly(tiny, monkeypatch, caplog) -> None:

@@ -406,7 +406,7 @@ class Engine:
             points.append((w, max(min(seconds), 1e-9)))
         self.prices = PriceTable(points)
         if isinstance(self.drafter, ModelDrafter):  # a level: one generated row (the compiled step, if any)
-            draft_cache = self.drafter.draft.new_cache(1)
+            draft_cache = self.drafter.draft.cache_for(1, 1)
             seconds = []
             for _ in range(2):
                 t0 = self.clock.now()

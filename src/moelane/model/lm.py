@@ -131,6 +131,8 @@ class LM:
             for r in rows:
                 r.cache.pool.prepare(r.cache.slot, reach(furthest[r.cache.capacity], r.cache.capacity))
             if self.compiled and any(r.decode for r in rows):
+                # (a cache of one position is read at a reach of 1, which the step's graph rules out: eager)
+                rows = [dataclasses.replace(r, decode=False) if r.cache.capacity < 2 else r for r in rows]
                 return self._forward_split(rows, phase, last_only)
             return self._forward_eager(rows, phase, last_only)
 
