@@ -33,6 +33,7 @@ class SlowTarget:
 
     def __init__(self, lm: Any, delay: float = 0.0, poison: int | None = None) -> None:
         self.lm, self.delay, self.poison = lm, delay, poison
+        self.error: Exception = RuntimeError("poisoned pass (test)")  # what a poisoned pass raises
         self.vocab_size, self.eos_ids, self.max_context = lm.vocab_size, lm.eos_ids, lm.max_context
 
     def new_cache(self, capacity: int) -> Any:
@@ -43,7 +44,7 @@ class SlowTarget:
 
     def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
         if self.poison is not None and any(self.poison in r.token_ids for r in rows):
-            raise RuntimeError("poisoned pass (test)")
+            raise self.error
         if self.delay:
             time.sleep(self.delay)
         return self.lm.forward(rows, *args, **kwargs)

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from moelane.errors import ModelLoadError
 from moelane.server.app import create_app
 from moelane.server.generation import Limits
 from tests.helpers import TEXT
@@ -118,6 +119,7 @@ def test_engine_failure_fails_that_request_only(serve: Any, tiny_lm: Any) -> Non
     bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, poison], "max_tokens": 4},
                      timeout=30)  # fmt: skip
     assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
+    assert "poisoned" not in bad.text  # (a bug's own words are for the log, not the client)
     good = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4,
                                                      "temperature": 0}, timeout=30)  # fmt: skip
     assert good.status_code == 200
@@ -144,3 +146,14 @@ def test_shutdown_lets_running_streams_finish(tiny_lm: Any) -> None:
     thread.join(timeout=30)
     assert out and len(out[0]) > 0
     assert engine.n_active == 0 and app.state.moelane.in_flight == 0
+
+
+def test_an_engine_failure_of_ours_says_what_it_was(serve: Any, tiny_lm: Any) -> None:
+    """A failure moelane knows (a shard found truncated mid-run, say) reaches the client in its own words."""
+    poison = tiny_lm.tokenizer.encode("fox")[0]
+    url, engine = serve(poison=poison)
+    engine.target.error = ModelLoadError("truncated shard model.safetensors: expert 3 of layer 1 ends at byte 12")
+    bad = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, poison], "max_tokens": 4},
+                     timeout=30)  # fmt: skip
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
+    assert "expert 3 of layer 1" in bad.json()["error"]["message"]

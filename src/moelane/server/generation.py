@@ -170,7 +170,7 @@ class Generation:
                     return
             if tail := self._tail():
                 yield tail
-            self.finish_reason = _finish(stream.finish_reason) if self.params.max_tokens else "length"
+            self.finish_reason = _finish(stream.finish_reason, stream.error) if self.params.max_tokens else "length"
         finally:
             stream.cancel()  # no-op once finished; frees the slot at the next round otherwise
 
@@ -234,9 +234,10 @@ class Generation:
         return text + self._stops.flush()
 
 
-def _finish(engine_reason: str | None) -> str:
+def _finish(engine_reason: str | None, error: BaseException | None = None) -> str:
     if engine_reason in ("stop", "length"):
         return engine_reason
-    if engine_reason == "error":
-        raise EngineError("the engine failed while generating this request")
+    if engine_reason == "error":  # a failure of ours (a truncated shard, say) says what it was; a bug does not
+        said = f": {error}" if isinstance(error, MoelaneError) else ""
+        raise EngineError(f"the engine failed while generating this request{said}")
     raise EngineError(f"the request was ended by the engine ({engine_reason})")
