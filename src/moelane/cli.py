@@ -217,12 +217,13 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
         lm.warm_up(len(prompt_ids), args.max_tokens)
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
+    tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
     t_first, n_new = 0.0, 0
     with contextlib.ExitStack() as stack:
         if args.trace:
             stack.enter_context(open_trace(args.trace, lm))
-        for token in generate(lm, prompt_ids, args, params):
+        for token in tokens:
             if n_new == 0:
                 t_first = time.perf_counter()
             n_new += 1
@@ -243,10 +244,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Iterator[int]:  # type: ignore[no-untyped-def]
     """The reply's tokens as they come: one-token steps, or (`--drafter`) rounds of the lanes engine with one stream,
-    which verify drafts several at a time and commit the very same tokens."""
+    which verify drafts several at a time and commit the very same tokens. The engine (its price calibration, a
+    draft model's compiling) is set up here, before the first token is asked for."""
     if args.drafter == "none":
-        yield from lm.generate_ids(prompt_ids, args.max_tokens, params)
-        return
+        return lm.generate_ids(prompt_ids, args.max_tokens, params)  # type: ignore[no-any-return]
     from moelane.lanes.config import EngineConfig
     from moelane.lanes.engine import Engine
 
@@ -258,6 +259,11 @@ def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Ite
     stream = engine.submit(prompt_ids, args.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
                            logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
                            frequency_penalty=params.frequency_penalty)  # fmt: skip
+    return rounds(engine, stream)
+
+
+def rounds(engine, stream) -> Iterator[int]:  # type: ignore[no-untyped-def]
+    """`stream`'s tokens as the engine's rounds commit them (this thread runs the rounds)."""
     seen = 0
     while engine.step():
         while seen < len(stream.token_ids):
