@@ -253,9 +253,12 @@ def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Ite
 
     config = EngineConfig(drafter=args.drafter, max_streams=1, prefill_chunk=lm.prefill_chunk,
                           compile_draft=args.compile != "off")  # fmt: skip
-    # A failed round is logged with its traceback for a server's operator; here the error is said once, below.
-    logging.getLogger("moelane.lanes.engine").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
+    if config.drafter == "model" and config.compile_draft:
+        print("compiling the draft model's decode step (the first run takes a while; later runs use the cache)...",
+              file=sys.stderr, flush=True)  # fmt: skip
     engine = Engine(lm, config)
+    # A failed round is logged with its traceback for a server's operator; here the error is said once, by `rounds`.
+    logging.getLogger("moelane.lanes.engine").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
     stream = engine.submit(prompt_ids, args.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
                            logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
                            frequency_penalty=params.frequency_penalty)  # fmt: skip

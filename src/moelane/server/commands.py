@@ -86,6 +86,8 @@ def build(args: argparse.Namespace) -> Any:
         guard = {"auto": None, "on": True, "off": False}[args.guard]
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
                               compile_draft=args.compile != "off")  # fmt: skip
+        if drafter == "model" and config.compile_draft:
+            log.warning("compiling the draft model's decode step (10-30 s the first time; later starts: cached)...")
         return lm, Engine(lm, config)  # (which fits its rounds to what an expert store's pool holds)
 
     # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
