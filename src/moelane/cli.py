@@ -188,7 +188,6 @@ RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "logit_bias", "presence_
 
 def cmd_run(args: argparse.Namespace) -> int:
     from moelane.model.lm import sampling_params
-    from moelane.model.tokenizer import Detokenizer, StopFilter
 
     prompt = read_prompt(args.prompt)
     if args.max_tokens < 1:  # (before the model loads)
@@ -202,6 +201,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
                                  frequency_penalty=args.frequency_penalty)  # fmt: skip
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
+    try:
+        return run_loaded(lm, args, prompt, params)
+    finally:
+        lm.close()  # an expert store's threads end before the interpreter does (else it may abort at exit)
+
+
+def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # type: ignore[no-untyped-def]
+    from moelane.model.tokenizer import Detokenizer, StopFilter
+
     with in_flags():
         params.check_vocab(lm.vocab_size)
     if args.chat:

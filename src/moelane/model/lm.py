@@ -235,6 +235,12 @@ class LM:
         self._step_rows = STEP_ROWS if whole else 1
         self._step_provider = self.provider if whole else HostSide(self.provider)
 
+    def close(self) -> None:
+        """Release what the expert provider holds (an expert store's threads and files); the LM is not used after."""
+        close = getattr(self.provider, "close", None)
+        if close is not None:
+            close()
+
     def disable_compile(self) -> None:
         """Run every pass eagerly again."""
         self._compiled = None

@@ -120,6 +120,7 @@ class ExpertStore:
         self.sources: list[str] = []
         self.listeners: list[RoutingListener] = []
         self.live_planner: LivePlanner | None = None
+        self._attachment: Attachment | None = None
         self._cond = threading.Condition()
         self._local = threading.local()
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
@@ -432,7 +433,10 @@ class ExpertStore:
     def attach(self, lm: Any, lookahead: bool = True, cooc: bool = True, planner: bool | None = None) -> Attachment:
         """Hook a loaded LM: release leases right after each MoE block, run the predictors, and (by default when
         the policy is "planner") drive the planner from the LM's routing and obey its plans."""
-        return attach(lm, self, lookahead, cooc, self.config.policy == "planner" if planner is None else planner)
+        self._attachment = attach(
+            lm, self, lookahead, cooc, self.config.policy == "planner" if planner is None else planner
+        )
+        return self._attachment
 
     def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig:
         """The planner's settings for this store: its shape, stored bytes per tier, a budget of exactly the pool's
@@ -448,6 +452,12 @@ class ExpertStore:
         return PlannerConfig(**{**settings, **overrides})
 
     def close(self) -> None:
+        """Stop every thread of the store (fetches, predictors, the live planner) and close its files. Before the
+        process exits: a thread still running torch work while the interpreter shuts down aborts it ("terminate
+        called without an active exception", exit code 134, seen once in ~10 runs of `moelane run`)."""
+        if self._attachment is not None:
+            self._attachment.detach()
+            self._attachment = None
         self._pool.close()
         self.storage.close()
 

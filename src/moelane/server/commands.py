@@ -148,7 +148,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.grace)  # fmt: skip
     name = app.state.moelane.model_name
     log.warning("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
     return 0
 
 
