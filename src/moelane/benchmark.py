@@ -87,10 +87,18 @@ def check_args(args: argparse.Namespace) -> Any:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from moelane.cli import load_model
-    from moelane.errors import InputError
 
     config = check_args(args)
     lm = load_model(args, compile=args.compile)
+    try:
+        return bench_loaded(lm, args, config)
+    finally:
+        lm.close()  # an expert store's threads end before the interpreter does
+
+
+def bench_loaded(lm, args: argparse.Namespace, config: Any) -> int:  # type: ignore[no-untyped-def]
+    from moelane.errors import InputError
+
     if (room := lm.max_context - len(lm.tokenizer.encode(max(PROMPTS, key=len)))) < args.tokens:
         raise InputError(f"--tokens must be at most {room} (the model's context less the prompt), got {args.tokens}")
 
