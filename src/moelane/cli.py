@@ -172,18 +172,18 @@ def logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "logit_bias", "presence_penalty", "frequency_penalty"})
+
+
 @contextlib.contextmanager
-def in_flags() -> Iterator[None]:
+def in_flags(names: frozenset[str] = RUN_FLAGS) -> Iterator[None]:
     """Errors in a setting's own words (`top_p must be ...`, as the API and the server say them) name the flag the
-    user typed instead (`--top-p must be ...`)."""
+    user typed instead (`--top-p must be ...`), for the settings in `names`."""
     try:
         yield
     except (InputError, ValueError) as e:
         name, _, rest = str(e).partition(" ")
-        raise InputError(f"--{name.replace('_', '-')} {rest}" if name in RUN_FLAGS else str(e)) from None
-
-
-RUN_FLAGS = frozenset({"temperature", "top_p", "top_k", "logit_bias", "presence_penalty", "frequency_penalty"})
+        raise InputError(f"--{name.replace('_', '-')} {rest}" if name in names else str(e)) from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:

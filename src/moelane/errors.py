@@ -1,6 +1,8 @@
 """User-facing errors. The CLI turns any `MoelaneError` into one line on stderr and exit code 2; the server turns it
 into an OpenAI-style error body. Internal invariants use `assert`, never these."""
 
+import math
+
 
 class MoelaneError(Exception):
     """A problem the user can fix: bad input, a bad model folder, an impossible setting."""
@@ -12,3 +14,10 @@ class ModelLoadError(MoelaneError):
 
 class InputError(MoelaneError):
     """A request that cannot be served as asked (prompt too long, bad sampling setting, ...)."""
+
+
+def check_number(name: str, value: float, least: float, strict: bool = False) -> None:
+    """ValueError unless `value` is a finite number >= `least` (> with `strict`), said as "`name` must be ..." (the
+    CLI's `in_flags` names the flag instead)."""
+    if not (math.isfinite(value) and (value > least if strict else value >= least)):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {least:g}, got {value}")

@@ -1,4 +1,6 @@
 import itertools
+import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from moelane.pager.belady import Belady
 from moelane.pager.policies import EMA, LFU, LRU, PlannerPolicy, RecentK, make_policy
 from moelane.pager.replay import CostModel, PhaseStats, Simulator, replay
 from moelane.pager.sweep import lru_sweep
+from moelane.pager.synth import SynthConfig
 from moelane.pager.trace import Trace
 
 from .helpers import random_trace, reference_replay, small_trace, steps_of, with_lookahead
@@ -226,3 +229,19 @@ def test_lookahead_policies_need_a_trace_that_carries_it() -> None:
         replay(small_trace(0), make_policy("planner+ahead"), 10)
     with pytest.raises(MoelaneError, match="belady"):
         make_policy("belady+ahead")
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: CostModel(bandwidth=math.nan), "bandwidth must be a finite number > 0"),
+        (lambda: CostModel(latency=math.inf), "latency must be a finite number >= 0"),
+        (lambda: CostModel(compute_floor=-1.0), "compute_floor must be a finite number >= 0"),
+        (lambda: SynthConfig(skew=math.nan), "skew must be a finite number >= 0"),
+        (lambda: SynthConfig(locality=math.inf), "locality must be a finite number >= 0"),
+    ],
+)
+def test_costs_and_synthetic_settings_refuse_nan_and_inf(make: Any, message: str) -> None:
+    """Checked where they are defined (the CLI names the flag: `in_flags`); NaN once passed `< 0` checks."""
+    with pytest.raises(ValueError, match=message):
+        make()

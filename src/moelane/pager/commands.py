@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.errors import InputError, MoelaneError
+from moelane.errors import InputError
 from moelane.pager.analyze import analyze
 from moelane.pager.policies import make_policy
 from moelane.pager.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
@@ -112,11 +112,6 @@ def _check_plot(path: str | None) -> None:
 
         check_output(path, "--plot")
         _pyplot()
-
-
-def _check_number(flag: str, value: float, least: float, strict: bool = False) -> None:
-    if not (math.isfinite(value) and (value > least if strict else value >= least)):
-        raise InputError(f"{flag} must be a finite number {'>' if strict else '>='} {least:g}, got {value}")
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -234,16 +229,14 @@ def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    _check_number("--bandwidth", args.bandwidth, 0, strict=True)
-    _check_number("--latency", args.latency, 0)
-    _check_number("--compute-floor", args.compute_floor, 0)
-    if args.plan_out:
-        from moelane.cli import check_output
+    from moelane.cli import check_output, in_flags
 
+    with in_flags(frozenset({"bandwidth", "latency", "compute_floor"})):
+        cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
+    if args.plan_out:
         check_output(args.plan_out, "--plan-out")
     _check_plot(args.plot)
     trace = _load(args.file)
-    cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
     if args.sweep:
         default = SWEEP_POLICIES + (AHEAD_POLICIES if trace.lookahead is not None else ())
         rows = sweep(trace, list(args.policy or default), default_capacities(trace), cost)
@@ -277,7 +270,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moelane.cli import check_output
+    from moelane.cli import check_output, in_flags
     from moelane.pager.synth import SynthConfig, synth_trace
     from moelane.pager.trace import write_trace
 
@@ -286,16 +279,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
             raise InputError(f"--{name} must be >= {least}, got {value}")
     if args.top_k > args.experts:
         raise InputError(f"--top-k must be at most --experts ({args.experts}), got {args.top_k}")
-    _check_number("--skew", args.skew, 0)
-    _check_number("--locality", args.locality, 0)
-    check_output(args.out, "--out")
-    try:
+    with in_flags(frozenset({"skew", "locality"})):
         cfg = SynthConfig(
             n_layers=args.layers, n_experts=args.experts, top_k=args.top_k, n_requests=args.requests,
             prefill_tokens=args.prefill, prefill_chunk=args.chunk, decode_tokens=args.decode, skew=args.skew,
             locality=args.locality, shift_every=args.shift_every, seed=args.seed,
         )  # fmt: skip
-    except ValueError as e:
-        raise MoelaneError(str(e)) from None
+    check_output(args.out, "--out")
     write_trace(args.out, synth_trace(cfg))
     return 0

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from moelane.errors import MoelaneError
+from moelane.errors import MoelaneError, check_number
 from moelane.pager.lrutoken import lru_token
 from moelane.pager.plan import Plan
 from moelane.pager.trace import IntArray, Segment, Trace, TraceHeader, token_flat_ids
@@ -50,8 +50,9 @@ class CostModel:
     compute_floor: float = DEFAULT_COMPUTE_FLOOR  # s per token with every expert resident
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0 or self.compute_floor < 0:
-            raise ValueError("bandwidth must be > 0, latency and compute_floor >= 0")
+        check_number("bandwidth", self.bandwidth, 0, strict=True)
+        check_number("latency", self.latency, 0)
+        check_number("compute_floor", self.compute_floor, 0)
 
     def stall(self, miss_bytes: float, n_batches: int) -> float:
         return n_batches * self.latency + miss_bytes / self.bandwidth

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from moelane.errors import check_number
 from moelane.pager.trace import Segment, Trace, TraceHeader, trace_from_segments
 
 
@@ -39,8 +40,10 @@ class SynthConfig:
             raise ValueError(f"bad shape L={self.n_layers} E={self.n_experts} K={self.top_k}")
         if self.n_requests < 1 or self.prefill_tokens < 0 or self.decode_tokens < 0 or self.prefill_chunk < 1:
             raise ValueError("n_requests >= 1, prefill/decode tokens >= 0 and prefill_chunk >= 1 are required")
-        if self.skew < 0 or self.locality < 0 or not 0.0 <= self.topic_weight <= 1.0 or self.shift_every < 0:
-            raise ValueError("skew, locality, shift_every must be >= 0 and topic_weight in [0, 1]")
+        check_number("skew", self.skew, 0)
+        check_number("locality", self.locality, 0)
+        if not 0.0 <= self.topic_weight <= 1.0 or self.shift_every < 0:
+            raise ValueError("shift_every must be >= 0 and topic_weight in [0, 1]")
 
     def header(self) -> TraceHeader:
         b = self.expert_bytes
