@@ -393,26 +393,24 @@ class Engine:
         lane.stream._finish(reason, error)
 
     def _calibrate(self) -> None:
-        """Measure the price of a pass by width (and of a draft pass) before serving."""
+        """Measure the price of a pass by width (and of a draft pass) before serving: the best of two passes each,
+        of generated rows (as rounds feed them; through the compiled step, if any)."""
+
+        def best_of_two(model: Any, rows: Rows) -> float:
+            seconds = []
+            for _ in range(2):
+                t0 = self.clock.now()
+                model.forward([rows])
+                seconds.append(self.clock.now() - t0)
+            return min(seconds)
+
         widths = [w for w in CALIBRATION_WIDTHS if w <= self.config.max_rows]
         cache = self.target.new_cache(widths[-1])
-        points = []
-        for w in widths:
-            seconds = []
-            for _ in range(2):
-                t0 = self.clock.now()
-                self.target.forward([Rows(cache, [0] * w, 0, decode=True)])  # priced as generated rows are
-                seconds.append(self.clock.now() - t0)
-            points.append((w, max(min(seconds), 1e-9)))
+        points = [(w, max(best_of_two(self.target, Rows(cache, [0] * w, 0, decode=True)), 1e-9)) for w in widths]
         self.prices = PriceTable(points)
-        if isinstance(self.drafter, ModelDrafter):  # a level: one generated row (the compiled step, if any)
-            draft_cache = self.drafter.draft.cache_for(1, 1)
-            seconds = []
-            for _ in range(2):
-                t0 = self.clock.now()
-                self.drafter.draft.forward([Rows(draft_cache, [0], 0, decode=True)])
-                seconds.append(self.clock.now() - t0)
-            self.draft_price = min(seconds)
+        if isinstance(self.drafter, ModelDrafter):  # a level: one row
+            draft = self.drafter.draft
+            self.draft_price = best_of_two(draft, Rows(draft.cache_for(1, 1), [0], 0, decode=True))
 
     # ---- threaded mode ------------------------------------------------------------------------------------------
 
