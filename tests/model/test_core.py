@@ -342,7 +342,8 @@ def test_streams_attend_in_one_batched_call_bit_for_bit(lm: moelane.LM) -> None:
 
 def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path) -> None:
     """A decode round's streams attend over their caches read in place when they hold a run of their pool's slots
-    (in slot order or not) and over stacked copies when they do not; each stream's logits equal its solo pass."""
+    (in slot order or not) and over gathered copies when they do not, also beside another pool's streams (one
+    with two rows); each stream's logits equal its solo pass."""
     lm = moelane.load(folder)  # pools of its own: four caches hold slots 0-3
     prompts = [[(i * 13 + j * 5) % 290 for j in range(9 + 4 * i)] for i in range(4)]
     solo = []
@@ -361,6 +362,22 @@ def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path)
         for i, logits in zip(members, step, strict=True):
             assert torch.equal(logits, solo[i])
         del caches  # the pool goes back to its first size
+    # beside streams of another pool, interleaved: each pool's streams read their run of slots in place
+    wide = []
+    for p in prompts:
+        cache = lm.new_cache(512)
+        lm.forward([Rows(cache, p, 0)])
+        wide.append(lm.forward([Rows(cache, [7], len(p))])[0])
+    del cache
+    narrow = sorted((lm.new_cache(256) for _ in prompts), key=lambda c: c.slot)
+    broad = sorted((lm.new_cache(512) for _ in prompts[:3]), key=lambda c: c.slot)
+    for i, p in enumerate(prompts):
+        lm.forward([Rows(narrow[i], p, 0)] + ([Rows(broad[i], p, 0)] if i < 3 else []))
+    order = [(narrow, 0), (broad, 1), (narrow, 2), (broad, 0), (narrow, 1), (narrow, 3), (broad, 2)]
+    step = lm.forward([Rows(caches[i], [7, 8][: 1 + (caches is broad and i == 1)], len(prompts[i]))
+                       for caches, i in order])  # fmt: skip
+    for (caches, i), logits in zip(order, step, strict=True):
+        assert torch.equal(logits[:1], (wide if caches is broad else solo)[i])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

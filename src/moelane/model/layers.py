@@ -250,37 +250,10 @@ def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
     return rows.transpose(-4, -3).reshape(*lead, n, n_kv * group, d_v)
 
 
-def attend_batched(
-    qs: list[torch.Tensor],
-    ks: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    positions: list[torch.Tensor],
-    scale: float,
-    window: int | None = None,
-) -> list[torch.Tensor]:
-    """Causal attention of B streams' query rows, each over its own cache read to one length; the streams' packed
-    query rows (`pack_queries`) come to the same tile count.
-
-    qs[i] [n_i, Hq, D]; ks[i] [Hkv, L, D]; vs[i] [Hkv, L, Dv]; positions[i] [n_i]. Keys past a row's position are
-    masked, so stale entries beyond a stream's length (rolled-back drafts) never count. With a sliding `window`, a
-    row sees only the `window` keys ending at its own position. Each stream's packed query rows meet its own K/V in
-    one batched matrix product over B x Hkv matrices of the same shapes as alone, so a stream's numbers do not depend
-    on B (tested bit for bit). Returns [n_i, Hq, Dv] per stream."""
-    n_kv, length = ks[0].shape[0], ks[0].shape[1]
-    group = qs[0].shape[1] // n_kv
-    qp = torch.stack([pack_queries(q, n_kv) for q in qs])  # [B, Hkv, M, D]
-    k = ks[0][None] if len(ks) == 1 else torch.stack(ks)  # [B, Hkv, L, D]
-    v = vs[0][None] if len(vs) == 1 else torch.stack(vs)
-    real = max(p.shape[0] for p in positions) * group
-    row_pos = torch.stack([packed_positions(p, group, real, length) for p in positions])
-    out = attend_tiles(qp, k, v, row_pos, scale, window)
-    return [unpack(out[i], q.shape[0], group) for i, q in enumerate(qs)]
-
-
 def attend_tiles(
     qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """The batched products of `attend_streams` and `attend_batched`: qp [B, Hkv, M, D] (packed query rows, M a
+    """The batched products of `attend_group`: qp [B, Hkv, M, D] (packed query rows, M a
     whole number of tiles), k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real
     ones) -> [B, Hkv, M, Dv].
 
@@ -367,46 +340,73 @@ def attend_streams(
     window: int | None = None,
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
-    share a capacity and whose packed query rows (`pack_queries`) come to the same tiles go through one batched call.
-    q [N, Hq, D], k/v [N, Hkv, D]."""
+    are slots of one pool and whose packed query rows (`pack_queries`) come to the same tiles go through one batched
+    call (`attend_group`). q [N, Hq, D], k/v [N, Hkv, D]."""
     if batch.pool is not None and batch.slots is not None and batch.keys is not None:
         return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
                              batch.keys, scale, window)  # fmt: skip
     write_rows(layer, batch, k, v)
-    group = q.shape[1] // k.shape[1]
+    counts = [n for _, n in batch.spans]
     if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing
-        pool, b, n = batch.caches[0].pool, len(batch.caches), batch.spans[0][1]
-        slots = [c.slot for c in batch.caches]
-        r = reach(max(batch.ends), pool.capacity)
-        qp = pack_queries(q.view(b, n, *q.shape[1:]), k.shape[1])  # [B, Hkv, M, D]
-        row_pos = packed_positions(batch.positions.view(b, n), group, n * group, r)
-        run = slot_run(slots)
-        if run is None:
-            at = torch.tensor(slots)
-            tiles = attend_tiles(qp, pool.k[layer][at, :, :r], pool.v[layer][at, :, :r], row_pos, scale, window)
-        else:  # the streams hold a run of their pool's slots: read their caches in place, in slot order
-            lo, order = run
-            k_run, v_run = pool.k[layer][lo : lo + b, :, :r], pool.v[layer][lo : lo + b, :, :r]
-            if order is None:
-                tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
-            else:
-                tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
-        return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
-    kvs = [(c.pool.k[layer][c.slot], c.pool.v[layer][c.slot]) for c in batch.caches]
-    qs = [q[first : first + n] for first, n in batch.spans]
-    poss = [batch.positions[first : first + n] for first, n in batch.spans]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, ((_, n), cache) in enumerate(zip(batch.spans, batch.caches, strict=True)):
-        groups.setdefault((cache.capacity, -(-n * group // TILE)), []).append(i)
-    out: list[torch.Tensor] = [q[:0]] * len(qs)
+        return attend_group(q, batch.positions, counts, batch.caches, max(batch.ends), layer, scale, window)
+    group = q.shape[1] // k.shape[1]
+    groups: dict[tuple[KVPool, int], list[int]] = {}
+    for i, (n, cache) in enumerate(zip(counts, batch.caches, strict=True)):
+        groups.setdefault((cache.pool, -(-n * group // TILE)), []).append(i)
+    out: torch.Tensor | None = None
     for members in groups.values():
-        r = reach(max(batch.ends[i] for i in members), batch.caches[members[0]].capacity)
-        results = attend_batched([qs[i] for i in members], [kvs[i][0][:, :r] for i in members],
-                                 [kvs[i][1][:, :r] for i in members], [poss[i] for i in members], scale,
-                                 window)  # fmt: skip
-        for i, result in zip(members, results, strict=True):
-            out[i] = result
-    return torch.cat(out, dim=0)
+        rows = torch.cat([torch.arange(batch.spans[i][0], sum(batch.spans[i])) for i in members])
+        result = attend_group(q[rows], batch.positions[rows], [counts[i] for i in members],
+                              [batch.caches[i] for i in members], max(batch.ends[i] for i in members), layer, scale,
+                              window)  # fmt: skip
+        if out is None:
+            out = result.new_empty(q.shape[0], *result.shape[1:])
+        out[rows] = result
+    assert out is not None
+    return out
+
+
+def attend_group(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    counts: list[int],
+    caches: Sequence[KVCache],
+    end: int,
+    layer: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of B streams whose caches are slots of one pool and whose packed query rows (`pack_queries`) come
+    to the same tiles: q [N, Hq, D] (stream i's `counts[i]` rows, stream after stream), positions [N] -> [N, Hq, Dv].
+    Each stream's packed rows meet its own K/V, read to the reach of `end`, in one batched matrix product over
+    B x Hkv matrices of the same shapes as alone, so a stream's numbers do not depend on B (tested bit for bit).
+    When the streams hold a run of consecutive slots, their caches are read in place instead of gathered."""
+    pool, b, n = caches[0].pool, len(caches), counts[0]
+    n_kv = pool.shapes[layer][0]
+    group = q.shape[1] // n_kv
+    r = reach(end, pool.capacity)
+    if all(m == n for m in counts):
+        qp = pack_queries(q.view(b, n, *q.shape[1:]), n_kv)  # [B, Hkv, M, D]
+        row_pos = packed_positions(positions.view(b, n), group, n * group, r)
+    else:
+        qp = torch.stack([pack_queries(x, n_kv) for x in q.split_with_sizes(counts)])
+        real = max(counts) * group
+        row_pos = torch.stack([packed_positions(p, group, real, r) for p in positions.split_with_sizes(counts)])
+    slots = [c.slot for c in caches]
+    run = slot_run(slots)
+    if run is None:
+        at = torch.tensor(slots)
+        tiles = attend_tiles(qp, pool.k[layer][at, :, :r], pool.v[layer][at, :, :r], row_pos, scale, window)
+    else:  # a run of the pool's slots: their caches read in place, in slot order
+        lo, order = run
+        k_run, v_run = pool.k[layer][lo : lo + b, :, :r], pool.v[layer][lo : lo + b, :, :r]
+        if order is None:
+            tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
+        else:
+            tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
+    if all(m == n for m in counts):
+        return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
+    return torch.cat([unpack(t, m, group) for t, m in zip(tiles, counts, strict=True)])
 
 
 def attend_pooled(
