@@ -8,6 +8,7 @@ whenever the experts are paged (a compiled step needs them all resident) and for
 
     python bench/attention_bench.py c645f6e HEAD
     python bench/attention_bench.py main HEAD --streams 1,8,16 --position 2000 --threads 2
+    python bench/attention_bench.py main HEAD --streams 8,16 --position 300 --capacity 512 --pools 2
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--position", type=int, default=1000, help="the streams' position (their reach follows)")
     ap.add_argument("--capacity", type=int, default=2048, help="the caches' capacity")
+    ap.add_argument("--pools", type=int, default=1,
+                    help="spread the streams over this many pools, of capacities --capacity, +256, +512, ... "
+                         "(stream i in pool i mod N: streams of varied prompt and reply lengths)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=7, help="alternated rounds; medians reported")
     ap.add_argument("--calls", type=int, default=30, help="calls per round")
     ap.add_argument("--threads", type=int, default=1)
@@ -72,12 +76,12 @@ def main() -> None:
             n_heads, n_kv, d = SHAPES[shape]
             for n in (int(x) for x in args.streams.split(",")):
                 torch.manual_seed(0)
-                pool = KVPool({0: (n_kv, d, d)}, args.capacity, torch.float32)
-                caches = [KVCache(pool) for _ in range(n)]
+                pools = [KVPool({0: (n_kv, d, d)}, args.capacity + 256 * j, torch.float32) for j in range(args.pools)]
+                caches = [KVCache(pools[i % args.pools]) for i in range(n)]
                 for c in caches:
-                    pool.prepare(c.slot, args.capacity)
-                    pool.k[0][c.slot].normal_()
-                    pool.v[0][c.slot].normal_()
+                    c.pool.prepare(c.slot, c.capacity)
+                    c.pool.k[0][c.slot].normal_()
+                    c.pool.v[0][c.slot].normal_()
                 positions = torch.tensor([args.position + i for i in range(n)])
                 q, k, v = torch.randn(n, n_heads, d), torch.randn(n, n_kv, d), torch.randn(n, n_kv, d)
 
@@ -93,7 +97,7 @@ def main() -> None:
                             calls[build]()
                         us[build].append((time.perf_counter() - t0) / args.calls * 1e6)
                 median = {b: round(statistics.median(t), 1) for b, t in us.items()}
-                print(json.dumps({"shape": shape, "heads": [n_heads, n_kv, d], "streams": n,
+                print(json.dumps({"shape": shape, "heads": [n_heads, n_kv, d], "streams": n, "pools": args.pools,
                                   "position": args.position, "us_per_layer": median,
                                   "A_over_B": round(median["A"] / median["B"], 2), "same_bits": same,
                                   "threads": args.threads, "revs": args.revs}), flush=True)  # fmt: skip
