@@ -647,6 +647,25 @@ def test_chat_templates_written_for_transformers_render(folder: Path, tmp_path: 
         tok.apply_chat_template(messages[:3])
 
 
+def test_chat_templates_are_found_where_transformers_finds_them(folder: Path, tmp_path: Path) -> None:
+    """`chat_template.jinja` (what transformers 5 saves, and GLM-4.5's repositories ship) wins over
+    tokenizer_config.json's; a list of named templates gives its "default"; none at all is one clear InputError."""
+    from moelane.model.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "hi"}]
+    dst = broken_copy(folder, tmp_path)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "[{{ messages[0].content }}]"}]
+    (dst / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    assert Tokenizer(dst, frozenset()).apply_chat_template(messages) == "[hi]"
+    (dst / "chat_template.jinja").write_text("<{{ messages[0].content }}>", encoding="utf-8")
+    assert Tokenizer(dst, frozenset()).apply_chat_template(messages) == "<hi>"
+    (dst / "chat_template.jinja").unlink()
+    (dst / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+    with pytest.raises(InputError, match="this model has no chat template"):
+        Tokenizer(dst, frozenset()).apply_chat_template(messages)
+
+
 def test_a_cache_is_zeroed_as_far_as_passes_read_it(long_folder: Path) -> None:
     """A slot is zeroed block by block as its reach grows, not whole when taken (a cache reserving the whole
     context commits memory only for what its stream has used); whatever a freed slot held (NaN here) never reaches

@@ -36,7 +36,7 @@ class Tokenizer:
         cfg = folder / "tokenizer_config.json"
         if cfg.is_file():
             self.config = read_json(cfg, "tokenizer_config.json")
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.chat_template = read_chat_template(folder, self.config)
         eos_token = self._token_str("eos_token")
         self.eos_token = eos_token
         ids = set(eos_ids)
@@ -70,7 +70,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise InputError("this model has no chat template (tokenizer_config.json has no chat_template)")
+            raise InputError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
+                             "has no chat_template)")  # fmt: skip
         try:
             template = chat_environment().from_string(self.chat_template)
             return template.render(
@@ -83,6 +84,22 @@ class Tokenizer:
             raise InputError(f"the chat template refused the messages: {e}") from None
         except TemplateError as e:
             raise InputError(f"chat template failed: {e}") from None
+
+
+def read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """The chat template where transformers finds it: `chat_template.jinja` beside the tokenizer (what transformers 5
+    saves and newer hub repositories ship; it wins), else tokenizer_config.json's `chat_template`, a string or a list
+    of named templates, of which "default"."""
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {path}: {e}") from None
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    return value if isinstance(value, str) else None
 
 
 class TemplateRaised(Exception):
