@@ -58,6 +58,9 @@ def random_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> 
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's router bias: big enough to change choices
+                b.add_(torch.randn_like(b) * 0.05)
     return save_model(model, folder, params["vocab_size"])
 
 
@@ -80,6 +83,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=20, q_lora_rank=None,
         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, routed_scaling_factor=1.5, topk_method="greedy",
         norm_topk_prob=False, eos_token_id=None, bos_token_id=None)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        COMMON, head_dim=16, intermediate_size=72, moe_intermediate_size=24, n_routed_experts=12,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, n_group=1,
+        topk_group=1, norm_topk_prob=True, eos_token_id=None, pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

@@ -41,6 +41,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=24, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                              mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    ("glm4_moe", "glm4_moe", {}),
+    ("glm4_moe-groups-qknorm-scaled", "glm4_moe", dict(
+        n_group=4, topk_group=2, use_qk_norm=True, routed_scaling_factor=2.5, norm_topk_prob=False,
+        attention_bias=False, partial_rotary_factor=0.75, first_k_dense_replace=0)),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -153,6 +157,32 @@ def test_deepseek_norm_topk_prob_renormalises_instead_of_scaling(tmp_path: Path)
     assert not torch.allclose(plain.weights[0].sum(-1), torch.ones_like(sums[0]))
 
 
+def test_glm_router_stays_fp32_and_its_mtp_layer_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """GLM's router weight and score bias load in fp32 into a bf16 model, as the reference keeps them (the bias
+    decides near-ties between experts); the checkpoint's multi-token-prediction layer (one past the decoder's) is
+    skipped without a warning and changes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    folder = random_model("glm4_moe", tmp_path / "glm")
+    prompt = token_ids(N_PROMPT, 300, 1)
+    plain = moelane.load(folder).logits(prompt)
+    weights = load_file(folder / "model.safetensors")
+    mtp = "model.layers.3."  # the layer after the decoder's three
+    extra = {mtp + "eh_proj.weight": torch.randn(48, 96), mtp + "mlp.gate.weight": torch.randn(12, 48),
+             mtp + "mlp.experts.0.gate_proj.weight": torch.randn(24, 48)}  # fmt: skip
+    save_file({**weights, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        lm = moelane.load(folder)
+    assert not caplog.records
+    assert torch.equal(lm.logits(prompt), plain)
+    bf16 = moelane.load(folder, dtype=torch.bfloat16)
+    gate = bf16.model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.weight, weights["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(gate.e_score_correction_bias, weights["model.layers.1.mlp.gate.e_score_correction_bias"])
+    assert bf16.model.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.bfloat16
+
+
 def test_deepseek_moe_layer_placement() -> None:
     from moelane.model.deepseek_v2 import is_moe_layer
 
@@ -172,6 +202,10 @@ def test_deepseek_moe_layer_placement() -> None:
         ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "bad rope parameters"),
         ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window is not supported"),
         ("mixtral", dict(sliding_window=-5), "sliding_window must be a positive number"),
+        ("glm4_moe", dict(n_group=5, topk_group=2), "n_group dividing the 12 experts"),
+        ("glm4_moe", dict(n_group=4, topk_group=5), "1 <= topk_group <= n_group"),
+        ("glm4_moe", dict(n_group=4, topk_group=1, num_experts_per_tok=4), "exceeds the experts of the 1 groups"),
+        ("glm4_moe", dict(partial_rotary_factor=0.1), "partial_rotary_factor gives 1 rotary dims"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -199,6 +233,9 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     ("llama-sliding_window", "llama", dict(sliding_window=7)),  # Llama has no window, whatever the config says
     ("qwen3-sliding_window-no-flag", "qwen3", dict(sliding_window=7, use_sliding_window=None, layer_types=None)),
     ("qwen3_moe-tied-with-own-head", "qwen3_moe", dict(tie_word_embeddings=True)),  # the checkpoint's head is used
+    # GLM's hub configs keep rope_theta and partial_rotary_factor at the top level; without it, half the head turns
+    ("glm4_moe-top-level-rope", "glm4_moe", dict(rope_parameters=None, rope_theta=5e4, partial_rotary_factor=0.75)),
+    ("glm4_moe-no-partial_rotary_factor", "glm4_moe", dict(rope_parameters=dict(rope_theta=1e4, rope_type="default"))),
 ]  # fmt: skip
 
 
@@ -233,7 +270,8 @@ def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp
 
 
 COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",
-                                         "deepseek_v2-group-qlora-yarn", "qwen3-tied-bias-window",
+                                         "deepseek_v2-group-qlora-yarn", "glm4_moe-groups-qknorm-scaled",
+                                         "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

@@ -279,7 +279,8 @@ def attend_tiles(
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE), q/k/v bias (Qwen2), o bias (Llama),
-    q/k/v clipping (OLMoE `clip_qkv`) and a sliding window (Mixtral, Qwen sliding layers)."""
+    q/k/v clipping (OLMoE `clip_qkv`), a sliding window (Mixtral, Qwen sliding layers) and partial rotary
+    embeddings (GLM: only the first `rotary_dim` dims of each head)."""
 
     def __init__(
         self,
@@ -293,9 +294,11 @@ class Attention(nn.Module):
         o_bias: bool = False,
         clip: float | None = None,
         window: int | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
@@ -325,7 +328,12 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # partial rotary (GLM): the first rotary_dim dims of each head turn, Llama-style halves; the rest stay
+            r = self.rotary_dim
+            q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         out = attend_streams(q, k, v, layer, batch, self.scale, self.window)
         return linear(out.reshape(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 

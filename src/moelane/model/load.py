@@ -1,7 +1,9 @@
 """`load(path)`: a Hugging Face model folder -> `LM`, with experts left on disk for the provider to fetch.
 
 Families are found by `model_type` through an import of `moelane.model.<model_type>`; each family module has
-`build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`.
+`build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`,
+`ignored(config, name)` (checkpoint tensors it skips without a word) and `KEEP_FP32` (parameter name endings kept in
+fp32 whatever the dtype).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from moelane.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "qwen3", "llama")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe", "qwen3", "llama")
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
@@ -70,7 +72,8 @@ def load(
     refs = scan_checkpoint(folder)
     handles = expert_handles(family, model.moe_layers, config, refs)
     expert_names = {ref for hs in handles.values() for h in hs for ref in h.tensors.values()}
-    dense = {name: ref for name, ref in refs.items() if ref not in expert_names}
+    skip = getattr(family, "ignored", lambda config, name: False)
+    dense = {name: ref for name, ref in refs.items() if ref not in expert_names and not skip(config, name)}
     load_dense(model, family, dense, dtype)
     tokenizer = Tokenizer(folder, read_eos_ids(folder, config))
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
@@ -128,6 +131,9 @@ def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], d
     if hasattr(family, "sanitize"):
         refs = family.sanitize(refs)  # renames only
     model.to(dtype)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(getattr(family, "KEEP_FP32", ())):
+            tensor.data = tensor.data.float()
     own = model.state_dict()
     for name, ref in refs.items():
         if name in own and tuple(own[name].shape) != ref.shape:
