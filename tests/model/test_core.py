@@ -660,6 +660,11 @@ def test_chat_templates_are_found_where_transformers_finds_them(folder: Path, tm
     assert Tokenizer(dst, frozenset()).apply_chat_template(messages) == "[hi]"
     (dst / "chat_template.jinja").write_text("<{{ messages[0].content }}>", encoding="utf-8")
     assert Tokenizer(dst, frozenset()).apply_chat_template(messages) == "<hi>"
+    # tojson as transformers renders it: plain JSON, not Jinja's HTML-escaped ASCII; json.dumps' options taken
+    (dst / "chat_template.jinja").write_text("{{ messages[0] | tojson }}{{ messages | tojson(ensure_ascii=True) }}")
+    assert Tokenizer(dst, frozenset()).apply_chat_template([{"role": "user", "content": "<é&'>"}]) == (
+        '{"role": "user", "content": "<é&\'>"}[{"role": "user", "content": "<\\u00e9&\'>"}]'
+    )
     (dst / "chat_template.jinja").unlink()
     (dst / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
     with pytest.raises(InputError, match="this model has no chat template"):

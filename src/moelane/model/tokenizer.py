@@ -6,6 +6,7 @@ folder's own Jinja template, rendered in a sandbox.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
@@ -129,11 +130,23 @@ class GenerationBlock(Extension):
 @cache
 def chat_environment() -> ImmutableSandboxedEnvironment:
     """The sandbox chat templates render in, with what templates written for transformers expect of it:
-    `raise_exception`, `strftime_now`, `{% break %}`/`{% continue %}` and `{% generation %}`."""
+    `raise_exception`, `strftime_now`, `{% break %}`/`{% continue %}`, `{% generation %}`, and a `tojson` that writes
+    plain JSON (Jinja's own escapes <, >, & and ' for HTML and all non-ASCII) with json.dumps' options."""
     extensions = [loopcontrols, GenerationBlock]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    env.filters["tojson"] = to_json
     return env
+
+
+def to_json(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class Detokenizer:
