@@ -11,6 +11,7 @@ A feed-forward block is called as `block(x, layer, provider, routing)`; MoE bloc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -94,6 +95,7 @@ class Decoder(nn.Module):
 
 
 REQUIRED = object()
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def config_get(config: dict[str, Any], *names: str, default: Any = REQUIRED) -> Any:
@@ -105,6 +107,13 @@ def config_get(config: dict[str, Any], *names: str, default: Any = REQUIRED) -> 
     if default is REQUIRED:
         raise KeyError(names[0])
     return default
+
+
+def past_last_layer(config: dict[str, Any], name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a layer past the decoder's `num_hidden_layers`: the multi-token-prediction
+    layers GLM-4.5 and DeepSeek-V3 ship (`num_nextn_predict_layers`), which plain decoding does not use."""
+    match = LAYER.match(name)
+    return match is not None and int(match.group(1)) >= int(config["num_hidden_layers"])
 
 
 def is_moe_layer(config: dict[str, Any], i: int) -> bool:

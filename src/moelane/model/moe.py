@@ -17,10 +17,12 @@ Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert w
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
-from moelane.model.layers import TILE, linear, silu_mul
+from moelane.model.layers import MLP, TILE, linear, pointwise, silu_mul
 from moelane.model.provider import ExpertProvider
 
 
@@ -31,6 +33,84 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     if norm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+class Router(nn.Module):
+    """A sigmoid router's weight and the per-expert bias added to its scores when choosing (GLM, DeepSeek-V3),
+    under the checkpoints' names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
+
+    def __init__(self, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(n_experts))
+
+
+def biased_group_topk(
+    scores: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores [T, E] -> (weights, ids) [T, K]: the k experts of best `scores + bias` within the `topk_group`
+    groups whose two best biased scores sum highest; weights are the scores themselves, without the bias."""
+    choice = scores + bias
+    if n_group > 1:
+        n_tokens, n_experts = choice.shape
+        per_group = choice.view(n_tokens, n_group, n_experts // n_group)
+        best = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(n_experts // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1).indices
+    return scores.gather(1, ids), ids
+
+
+def sigmoid_route(
+    x: torch.Tensor, router: Router, k: int, n_group: int, topk_group: int, norm: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM's and DeepSeek-V3's routing ("noaux_tc") of rows x [T, H] -> (weights, ids) [T, K]: sigmoid scores of a
+    router in fp32 (as the reference computes it), the experts chosen by `biased_group_topk`, their weights
+    renormalised to sum 1 when `norm`, then scaled by `scaling`."""
+    scores = pointwise(torch.sigmoid, linear(x.float(), router.weight.float()))
+    weights, ids = biased_group_topk(scores, router.e_score_correction_bias.float(), k, n_group, topk_group)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class SigmoidMoe(nn.Module):
+    """GLM-4.5's and DeepSeek-V3's MoE block: routed experts chosen by `sigmoid_route` (the router `gate`, with its
+    score bias), plus an always-on shared expert MLP of `n_shared_experts * moe_intermediate_size`. Reads the
+    config's routing keys as they are: a family fills its own defaults in first."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, width = config["hidden_size"], config["moe_intermediate_size"]
+        n_experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
+        self.gate = Router(hidden, n_experts)
+        n_shared = int(config.get("n_shared_experts") or 0)
+        self.shared_experts = MLP(hidden, n_shared * width) if n_shared else None
+        self.top_k = config["num_experts_per_tok"]
+        self.n_group, self.topk_group = config.get("n_group") or 1, config.get("topk_group") or 1
+        self.norm = bool(config.get("norm_topk_prob"))
+        self.scaling = float(config.get("routed_scaling_factor") or 1.0)
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: list[Any]) -> torch.Tensor:
+        weights, ids = sigmoid_route(x, self.gate, self.top_k, self.n_group, self.topk_group, self.norm, self.scaling)
+        routing.append((ids, weights))
+        out = run_experts(x, layer, ids, weights, provider)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def check_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
+    """The group limits `biased_group_topk` can apply, or a ModelLoadError naming them."""
+    from moelane.errors import ModelLoadError
+
+    if n_group > 1 and (n_experts % n_group or n_experts // n_group < 2 or not 1 <= topk_group <= n_group):
+        raise ModelLoadError(
+            f"group routing needs n_group dividing the {n_experts} experts into groups of 2 or more and "
+            f"1 <= topk_group <= n_group, got n_group={n_group}, topk_group={topk_group}"
+        )
+    if n_group > 1 and k > topk_group * (n_experts // n_group):
+        raise ModelLoadError(f"num_experts_per_tok {k} exceeds the experts of the {topk_group} groups kept")
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
