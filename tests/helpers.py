@@ -83,6 +83,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=20, q_lora_rank=None,
         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, routed_scaling_factor=1.5, topk_method="greedy",
         norm_topk_prob=False, eos_token_id=None, bos_token_id=None)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        COMMON, num_key_value_heads=6, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=20, q_lora_rank=None,
+        qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+        norm_topk_prob=True, eos_token_id=None, bos_token_id=None)),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         COMMON, head_dim=16, intermediate_size=72, moe_intermediate_size=24, n_routed_experts=12,
         num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, n_group=1,

@@ -73,10 +73,14 @@ def test_tiny_model_replies_equal_solo_decode(tiny, tiny_cases, config: dict[str
         assert stats.holds > 0
 
 
-def test_glm_replies_equal_solo_decode(tmp_path: Path) -> None:
-    """A family with partial rotary embeddings and a biased, group-limited sigmoid router (glm4_moe): shared rounds
-    with drafts verified give each stream its solo decode."""
-    folder = random_model("glm4_moe", tmp_path / "glm", n_group=4, topk_group=2, use_qk_norm=True)
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("glm4_moe", dict(n_group=4, topk_group=2, use_qk_norm=True)), ("deepseek_v3", dict(rope_interleave=False))],
+)
+def test_sigmoid_routed_families_reply_as_solo_decode(family: str, overrides: dict, tmp_path: Path) -> None:
+    """Families with a biased, group-limited sigmoid router (glm4_moe with partial rotary embeddings; deepseek_v3
+    with latent attention): shared rounds with drafts verified give each stream its solo decode."""
+    folder = random_model(family, tmp_path / family, **overrides)
     lm = moelane.load(folder)
     cases = [(p, list(lm.generate_ids(p, 16, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
     assert check_identity(lm, None, cases, 16, drafter="copy", max_streams=4, prefill_chunk=5).holds > 0

@@ -41,6 +41,12 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         topk_method="group_limited_greedy", n_group=4, topk_group=2, q_lora_rank=24, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                              mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    ("deepseek_v3", "deepseek_v3", {}),
+    ("deepseek_v3-halves-qlora-yarn-8groups", "deepseek_v3", dict(
+        rope_interleave=False, q_lora_rank=24, n_routed_experts=16, n_group=8, topk_group=3, num_experts_per_tok=4,
+        norm_topk_prob=False, first_k_dense_replace=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
     ("glm4_moe", "glm4_moe", {}),
     ("glm4_moe-groups-qknorm-scaled", "glm4_moe", dict(
         n_group=4, topk_group=2, use_qk_norm=True, routed_scaling_factor=2.5, norm_topk_prob=False,
@@ -202,6 +208,8 @@ def test_deepseek_moe_layer_placement() -> None:
         ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "bad rope parameters"),
         ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window is not supported"),
         ("mixtral", dict(sliding_window=-5), "sliding_window must be a positive number"),
+        ("deepseek_v3", dict(topk_method="greedy"), "routes with topk_method 'noaux_tc', got 'greedy'"),
+        ("deepseek_v3", dict(n_group=8, topk_group=2), "into groups of 2 or more"),
         ("glm4_moe", dict(n_group=5, topk_group=2), "n_group dividing the 12 experts"),
         ("glm4_moe", dict(n_group=4, topk_group=5), "1 <= topk_group <= n_group"),
         ("glm4_moe", dict(n_group=4, topk_group=1, num_experts_per_tok=4), "exceeds the experts of the 1 groups"),
@@ -248,6 +256,19 @@ def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, 
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
 
 
+def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path: Path) -> None:
+    """A DeepSeek-V3 config that leaves its routing keys out: 8 groups keeping 4, a scale of 2.5, renormalised
+    weights, rotary dims in interleaved pairs, as transformers reads it."""
+    defaults = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True)
+    folder = random_model("deepseek_v3", tmp_path, n_routed_experts=16, num_experts_per_tok=4, **defaults)
+    edit_config(folder, **dict.fromkeys(defaults))
+    assert not set(defaults) & set(json.loads((folder / "config.json").read_text()))
+    ref, lm = reference(folder, torch.float32), moelane.load(folder)
+    prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -270,7 +291,8 @@ def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp
 
 
 COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",
-                                         "deepseek_v2-group-qlora-yarn", "glm4_moe-groups-qknorm-scaled",
+                                         "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
+                                         "glm4_moe-groups-qknorm-scaled",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

@@ -23,6 +23,7 @@ ignored; an explicit null means none, as in DeepSeek's code.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,17 +44,32 @@ def expert_prefix(layer: int) -> str:
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over interleaved pairs (x0, x1), (x2, x3), ... of x [N, heads, R], in fp32.
+    """Rotary embedding over interleaved pairs (x0, x1), (x2, x3), ... of x [N, heads, R], in the dtype of cos.
 
     The pairs are regrouped as halves first (evens, then odds) and rotated Llama-style; queries and keys both come out
     in that order, which leaves their dot products unchanged."""
-    halves = x.float().view(*x.shape[:-1], -1, 2).transpose(-1, -2).flatten(-2)
+    halves = x.to(cos.dtype).view(*x.shape[:-1], -1, 2).transpose(-1, -2).flatten(-2)
     return apply_rope(halves, cos, sin).to(x.dtype)
 
 
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama-style rotary embedding of x [N, heads, R] (DeepSeek-V3 with `rope_interleave` false)."""
+    return apply_rope(x.to(cos.dtype), cos, sin).to(x.dtype)
+
+
 class LatentAttention(nn.Module):
-    def __init__(self, config: dict[str, Any], rope: Rope) -> None:
+    """MLA. `rope_dtype`: the dtype rotary embeddings are computed in (V2's reference: fp32; None: the model's, as
+    V3's); `interleave`: rotary dims in interleaved pairs (V2, V3's `rope_interleave`) or in halves."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        rope: Rope,
+        rope_dtype: torch.dtype | None = torch.float32,
+        interleave: bool = True,
+    ) -> None:
         super().__init__()
+        self.rope_dtype, self.rotate = rope_dtype, rotate_pairs if interleave else rotate_halves
         hidden, n_heads = config["hidden_size"], config["num_attention_heads"]
         self.n_heads = n_heads
         self.nope, self.rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
@@ -86,8 +102,8 @@ class LatentAttention(nn.Module):
         latent, k_pe = torch.split(compressed, [self.kv_rank, self.rope_dim], dim=-1)
         kv = linear(self.kv_a_layernorm(latent), self.kv_b_proj.weight).view(n, h, -1)
         k_nope, v = torch.split(kv, [self.nope, self.v_dim], dim=-1)
-        cos, sin = self.rope.cos_sin(batch.positions, torch.float32)  # fp32 like the reference, not `rope`
-        q_pe, k_pe = rotate_pairs(q_pe, cos, sin), rotate_pairs(k_pe.view(n, 1, -1), cos, sin)
+        cos, sin = self.rope.cos_sin(batch.positions, self.rope_dtype or x.dtype)  # as the reference, not `rope`
+        q_pe, k_pe = self.rotate(q_pe, cos, sin), self.rotate(k_pe.view(n, 1, -1), cos, sin)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(n, h, -1)], dim=-1)
         out = attend_streams(q, k, v, layer, batch, self.scale)
@@ -165,6 +181,13 @@ def is_moe_layer(config: dict[str, Any], i: int) -> bool:
 
 def build(config: dict[str, Any]) -> Decoder:
     check(config)
+    return build_latent(config, lambda: DeepseekMoe(config), torch.float32, interleave=True)
+
+
+def build_latent(
+    config: dict[str, Any], make_moe: Callable[[], nn.Module], rope_dtype: torch.dtype | None, interleave: bool
+) -> Decoder:
+    """A DeepSeek decoder: MLA in every layer, `make_moe()` in the MoE layers (`is_moe_layer`), dense MLPs elsewhere."""
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
     moe_layers = [i for i in range(n_layers) if is_moe_layer(config, i)]
@@ -172,13 +195,13 @@ def build(config: dict[str, Any]) -> Decoder:
 
     def make_mlp(i: int) -> nn.Module:
         if i in moe_layers:
-            return DeepseekMoe(config)
+            return make_moe()
         return DenseMlp(hidden, config["intermediate_size"], bool(config.get("mlp_bias")))
 
     qk_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     return Decoder(
-        config["vocab_size"], hidden, eps, n_layers, lambda i: LatentAttention(config, rope), make_mlp, rope,
-        bool(config.get("tie_word_embeddings")), moe_layers, (n_heads, qk_dim, config["v_head_dim"]),
+        config["vocab_size"], hidden, eps, n_layers, lambda i: LatentAttention(config, rope, rope_dtype, interleave),
+        make_mlp, rope, bool(config.get("tie_word_embeddings")), moe_layers, (n_heads, qk_dim, config["v_head_dim"]),
     )  # fmt: skip
 
 

@@ -34,7 +34,7 @@ from moelane.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "glm4_moe", "qwen3", "llama")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3", "llama")
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
