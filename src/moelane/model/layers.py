@@ -253,9 +253,8 @@ def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
 def attend_tiles(
     qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """The batched products of `attend_group`: qp [B, Hkv, M, D] (packed query rows, M a
-    whole number of tiles), k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real
-    ones) -> [B, Hkv, M, Dv].
+    """The batched products of `attend_group`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
+    k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real ones) -> [B, Hkv, M, Dv].
 
     The query heads sharing a KV head are rows of one matrix, so K/V are never copied per head, and a decode row
     costs one tile of rows per KV head, not one per query head. Only the first R rows are masked and softmaxed (row
