@@ -116,8 +116,9 @@ def bench_loaded(lm, args: argparse.Namespace, config: Any) -> int:  # type: ign
         results.append(result)
         print(json.dumps({"round": r, **{k: round(v, 1) for k, v in result.items()}}), flush=True)
     summary = {k: round(statistics.median(r[k] for r in results), 1) for k in results[0]}
-    config = {"model": str(lm.folder), "dtype": args.dtype, "streams": args.streams, "tokens": args.tokens,
-              "drafter": args.drafter, "compile": args.compile, "expert_memory": args.expert_memory}  # fmt: skip
+    config = {"model": str(lm.folder), "dtype": str(lm.dtype).removeprefix("torch."), "streams": args.streams,
+              "tokens": args.tokens, "drafter": args.drafter, "compile": args.compile,
+              "expert_memory": args.expert_memory}  # fmt: skip
     print(json.dumps({"summary": True, **config, "median": summary}), flush=True)
     sys.stdout.flush()
     return 0

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the shipped model)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (default auto: bfloat16 for a checkpoint saved in bfloat16, "
+                   "else float32)")  # fmt: skip
     p.add_argument("--expert-memory", metavar="X", help="budget for resident experts: bytes (512MiB, 2GiB) or a "
                    "share of all expert bytes (25%%); default: all experts resident")  # fmt: skip
     p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")
@@ -134,7 +136,7 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
         torch.set_num_threads(args.threads)
     if args.pager_policy and not args.expert_memory:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     factory = provider_factory(args)
     lm = moelane.load(args.model, dtype, provider=factory, compile=compile, progress=True)  # type: ignore[arg-type]
     if factory is not None:  # an expert store: hook its predictors and planner, fit prefill chunks to its pool

@@ -269,6 +269,24 @@ def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path: Path) -> None:
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
 
 
+def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
+    """`dtype="auto"` (the command line's default) computes in bfloat16 for a checkpoint saved in bfloat16
+    (config.json's `dtype`, or `torch_dtype` as transformers 4 wrote it) and in float32 otherwise, float16 included."""
+    from moelane.cli import build_parser
+
+    folder = random_model("qwen3_moe", tmp_path)
+    for key, saved, want in [("dtype", "bfloat16", torch.bfloat16), ("torch_dtype", "bfloat16", torch.bfloat16),
+                             ("dtype", "float16", torch.float32), ("dtype", "float32", torch.float32),
+                             ("dtype", None, torch.float32)]:  # fmt: skip
+        edit_config(folder, dtype=None, torch_dtype=None)
+        edit_config(folder, **{key: saved})
+        assert moelane.load(folder, "auto").dtype == want, (key, saved)
+    assert moelane.load(folder).dtype == torch.float32  # the library's default stays float32
+    assert build_parser().parse_args(["run", "hi"]).dtype == "auto"
+    with pytest.raises(ValueError, match=re.escape("dtype must be a torch.dtype or 'auto'")):
+        moelane.load(folder, "half")
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

@@ -46,20 +46,25 @@ def family_module(model_type: str) -> ModuleType:
 
 def load(
     path: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     *,
     provider: ProviderFactory | None = None,
     compile: bool = False,
     progress: bool = False,
 ) -> LM:
-    """Load a model folder (None: the shipped default model). `provider` builds the expert provider from the
-    experts' handles (default: all experts resident). `compile` compiles the one-token decode step."""
+    """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": `checkpoint_dtype`).
+    `provider` builds the expert provider from the experts' handles (default: all experts resident). `compile`
+    compiles the one-token decode step."""
     if path is None:
         from moelane.assets import default_model_path
 
         path = default_model_path()
     folder = Path(path)
     config = read_config(folder)
+    if dtype == "auto":
+        dtype = checkpoint_dtype(config)
+    elif not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     family = family_module(config["model_type"])
     if config.get("hidden_act", "silu") not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
@@ -81,6 +86,14 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def checkpoint_dtype(config: dict[str, object]) -> torch.dtype:
+    """The dtype to compute in by default: bfloat16 for a checkpoint saved in bfloat16 (config.json's `dtype`, or
+    `torch_dtype` as transformers 4 wrote it), float32 otherwise (float16 checkpoints too: half-precision matrix
+    products are slow or missing on CPUs)."""
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return torch.bfloat16 if saved == "bfloat16" else torch.float32
 
 
 def check_sizes(config: dict[str, object]) -> None:
