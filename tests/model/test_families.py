@@ -298,6 +298,8 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
         (dict(num_hidden_layers=0), "num_hidden_layers must be a whole number >= 1, got 0"),
         (dict(max_position_embeddings=0), "max_position_embeddings must be a whole number >= 1, got 0"),
         (dict(hidden_size="64"), "hidden_size must be a whole number >= 1, got '64'"),
+        (dict(quantization_config=dict(quant_method="fp8", fmt="e4m3")), "quantization_config: fp8); use the"),
+        (dict(quantization_config=dict(quant_method="gptq", bits=4)), "quantized checkpoints are not supported"),
     ],
 )
 def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ def load(
         path = default_model_path()
     folder = Path(path)
     config = read_config(folder)
+    check_unquantized(config)
     if dtype == "auto":
         dtype = checkpoint_dtype(config)
     elif not isinstance(dtype, torch.dtype):
@@ -86,6 +87,17 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def check_unquantized(config: dict[str, object]) -> None:
+    """A checkpoint quantized by another tool (GPTQ, AWQ, FP8, MXFP4, bitsandbytes: config.json's
+    `quantization_config`) is refused in one line, before its packed tensors fail as missing or odd ones."""
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
+                             "model's bf16 or fp32 weights: moelane quantizes experts itself (--default-tier int8 "
+                             "or int4)")  # fmt: skip
 
 
 def checkpoint_dtype(config: dict[str, object]) -> torch.dtype:
