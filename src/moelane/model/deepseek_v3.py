@@ -1,9 +1,9 @@
-"""DeepSeek-V3 and R1 (`deepseek_v3`; bf16 or fp32 checkpoints: FP8 ones are refused at load, their dtype is not
-read): DeepSeek-V2's multi-head latent attention (`deepseek_v2.LatentAttention`) with rotary embeddings in the model's
-dtype, in interleaved pairs or, with `rope_interleave: false`, in halves; routing "noaux_tc" as GLM-4.5 routes
-(`moe.SigmoidMoe`): sigmoid scores plus a learnt per-expert bias choose the experts within the `topk_group` best of
-`n_group` groups, the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`, weigh them;
-shared experts; dense layers below `first_k_dense_replace`.
+"""DeepSeek-V3 and R1 (`deepseek_v3`; bf16 or fp32 checkpoints: the FP8 originals are refused at load, as every
+quantized one is): DeepSeek-V2's multi-head latent attention (`deepseek_v2.LatentAttention`) with rotary embeddings
+in the model's dtype, in interleaved pairs or, with `rope_interleave: false`, in halves; routing "noaux_tc" as
+GLM-4.5 routes (`moe.SigmoidMoe`): sigmoid scores plus a learnt per-expert bias choose the experts within the
+`topk_group` best of `n_group` groups, the unbiased scores, renormalised when `norm_topk_prob`, times
+`routed_scaling_factor`, weigh them; shared experts; dense layers below `first_k_dense_replace`.
 
 Keys a config leaves out take transformers' defaults (`DEFAULTS`: 8 groups keeping 4, a scale of 2.5, ...). The
 router stays in fp32 whatever the model's dtype, as the reference keeps it, and the checkpoints' multi-token-prediction
