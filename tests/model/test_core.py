@@ -665,6 +665,9 @@ def test_chat_templates_are_found_where_transformers_finds_them(folder: Path, tm
     assert Tokenizer(dst, frozenset()).apply_chat_template([{"role": "user", "content": "<é&'>"}]) == (
         '{"role": "user", "content": "<é&\'>"}[{"role": "user", "content": "<\\u00e9&\'>"}]'
     )
+    (dst / "chat_template.jinja").write_text("{{ nothing | tojson }}")
+    with pytest.raises(InputError, match="chat template failed: tojson: Object of type Undefined"):
+        Tokenizer(dst, frozenset()).apply_chat_template(messages)
     (dst / "chat_template.jinja").unlink()
     (dst / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
     with pytest.raises(InputError, match="this model has no chat template"):

@@ -146,7 +146,10 @@ def to_json(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    try:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    except (TypeError, ValueError) as e:  # a value JSON cannot write (an undefined variable, say): the template's fault
+        raise TemplateError(f"tojson: {e}") from None
 
 
 class Detokenizer:
