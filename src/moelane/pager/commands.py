@@ -36,8 +36,7 @@ def add_parser(subparsers: Any) -> None:
     rec.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, one request a line: {"prompt": ...} '
                      'with optional "max_tokens", "prefill_chunk" and "temperature" overriding the flags')  # fmt: skip
     rec.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
-    rec.add_argument("--model", default=None, metavar="DIR", help="model folder (default: the shipped default model); "
-                     "computed in its checkpoint's dtype (bfloat16 if saved so, else float32)")  # fmt: skip
+    rec.add_argument("--model", default=None, metavar="DIR", help="model folder (default: the shipped default model)")
     rec.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default 64)")
     rec.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill pass (default 64)")
     rec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with seed + request no.")
@@ -128,7 +127,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     _check_request(defaults, lambda key: "--" + key.replace("_", "-"))  # the flags, then each line, before loading
     requests = _read_prompts(args.prompts, defaults)
     check_output(args.out, "--out")
-    lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
+    lm = moelane.load(args.model, progress=True)
     with open_recorder(args.out, lm, model=args.model or "default") as recorder:
         for i, req in enumerate(tqdm(requests, desc="recording", unit="request", leave=False, delay=1.0)):
             recorder.stream = i
