@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the shipped model)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
-                   help="compute dtype (default float32; auto: the checkpoint's own, bfloat16 for one saved in "
-                   "bfloat16 such as Qwen3-30B-A3B, at half the memory of float32)")  # fmt: skip
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype (default auto: the checkpoint's own, bfloat16 for one saved in bfloat16 such "
+                   "as Qwen3-30B-A3B, float32 otherwise and for the shipped models)")  # fmt: skip
     p.add_argument("--expert-memory", metavar="X", help="budget for resident experts: bytes (512MiB, 2GiB) or a "
                    "share of all expert bytes (25%%); default: all experts resident")  # fmt: skip
     p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")

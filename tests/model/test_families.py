@@ -270,8 +270,9 @@ def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path: Path) -> None:
 
 
 def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
-    """`dtype="auto"` (`--dtype auto`) computes in bfloat16 for a checkpoint saved in bfloat16 (config.json's `dtype`,
-    or `torch_dtype` as transformers 4 wrote it) and in float32 otherwise, float16 included."""
+    """`dtype="auto"` (the command line's default) computes in bfloat16 for a checkpoint saved in bfloat16
+    (config.json's `dtype`, or `torch_dtype` as transformers 4 wrote it) and in float32 otherwise, float16 included;
+    `moelane_compute_dtype` overrides both, as the shipped models' configs do (stored in bf16, run in fp32)."""
     from moelane.cli import build_parser
 
     folder = random_model("qwen3_moe", tmp_path)
@@ -281,9 +282,11 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
         edit_config(folder, dtype=None, torch_dtype=None)
         edit_config(folder, **{key: saved})
         assert moelane.load(folder, "auto").dtype == want, (key, saved)
-    assert moelane.load(folder).dtype == torch.float32  # the default stays float32, on the command line too
-    assert build_parser().parse_args(["run", "hi"]).dtype == "float32"
-    assert build_parser().parse_args(["run", "--dtype", "auto", "hi"]).dtype == "auto"
+    edit_config(folder, dtype="bfloat16", moelane_compute_dtype="float32")
+    assert moelane.load(folder, "auto").dtype == torch.float32
+    assert moelane.load(None, "auto").dtype == torch.float32  # the shipped model
+    assert moelane.load(folder).dtype == torch.float32  # the library's default stays float32
+    assert build_parser().parse_args(["run", "hi"]).dtype == "auto"
     with pytest.raises(ValueError, match=re.escape("dtype must be a torch.dtype or 'auto'")):
         moelane.load(folder, "half")
 

@@ -101,10 +101,12 @@ def check_unquantized(config: dict[str, object]) -> None:
 
 
 def checkpoint_dtype(config: dict[str, object]) -> torch.dtype:
-    """The dtype to compute in by default: bfloat16 for a checkpoint saved in bfloat16 (config.json's `dtype`, or
+    """The dtype "auto" computes in: bfloat16 for a checkpoint saved in bfloat16 (config.json's `dtype`, or
     `torch_dtype` as transformers 4 wrote it), float32 otherwise (float16 checkpoints too: half-precision matrix
-    products are slow or missing on CPUs)."""
-    saved = config.get("dtype") or config.get("torch_dtype")
+    products are slow or missing on CPUs). A config's `moelane_compute_dtype` overrides that: the shipped models are
+    stored in bfloat16 for size but were trained, and are meant to run, in float32."""
+    meant = config.get("moelane_compute_dtype")
+    saved = meant if meant in ("float32", "bfloat16") else config.get("dtype") or config.get("torch_dtype")
     return torch.bfloat16 if saved == "bfloat16" else torch.float32
 
 

@@ -127,7 +127,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     _check_request(defaults, lambda key: "--" + key.replace("_", "-"))  # the flags, then each line, before loading
     requests = _read_prompts(args.prompts, defaults)
     check_output(args.out, "--out")
-    lm = moelane.load(args.model, progress=True)
+    lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
     with open_recorder(args.out, lm, model=args.model or "default") as recorder:
         for i, req in enumerate(tqdm(requests, desc="recording", unit="request", leave=False, delay=1.0)):
             recorder.stream = i
