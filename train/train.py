@@ -200,6 +200,7 @@ def save_final(model, out: Path, kind: str) -> Path:
     m = model.to(torch.bfloat16)
     m.config.output_router_logits = False
     m.config.use_cache = True
+    m.config.moelane_compute_dtype = "float32"  # stored in bf16 for size; trained, and meant to run, in fp32
     m.generation_config = GenerationConfig(
         eos_token_id=EOT_ID,
         pad_token_id=EOT_ID,
