@@ -259,7 +259,7 @@ def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Ite
     if args.drafter == "none":
         return lm.generate_ids(prompt_ids, args.max_tokens, params)  # type: ignore[no-any-return]
     from moelane.lanes.config import EngineConfig
-    from moelane.lanes.engine import Engine
+    from moelane.lanes.engine import Engine, submit_kwargs
 
     config = EngineConfig(drafter=args.drafter, max_streams=1, prefill_chunk=lm.prefill_chunk,
                           compile_draft=args.compile != "off")  # fmt: skip
@@ -269,9 +269,7 @@ def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Ite
     engine = Engine(lm, config)
     # A failed round is logged with its traceback for a server's operator; here the error is said once, by `rounds`.
     logging.getLogger("moelane.lanes.engine").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
-    stream = engine.submit(prompt_ids, args.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
-                           logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-                           frequency_penalty=params.frequency_penalty)  # fmt: skip
+    stream = engine.submit(prompt_ids, args.max_tokens, **submit_kwargs(params))
     return rounds(engine, stream)
 
 

@@ -28,13 +28,6 @@ def solo_decode(
     return out
 
 
-def submit_kwargs(params: SamplingParams) -> dict[str, Any]:
-    """`Engine.submit`'s keyword arguments for these sampling settings."""
-    return dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty)  # fmt: skip
-
-
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """`n` varied prompts: different lengths, some repetitive (copy-friendly), some not."""
     out = []

@@ -10,10 +10,11 @@ import torch
 
 from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig, FakeClock
+from moelane.lanes.engine import submit_kwargs
 from moelane.lanes.fake import FakeTarget, linear_price
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
-from tests.lanes.reference import prompts, solo_decode, submit_kwargs
+from tests.lanes.reference import prompts, solo_decode
 
 VOCAB = 48
 EOS = frozenset({0})

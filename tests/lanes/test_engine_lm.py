@@ -13,12 +13,12 @@ import torch
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
-from moelane.lanes.engine import load_draft_model
+from moelane.lanes.engine import load_draft_model, submit_kwargs
 from moelane.model.cache import Rows
 from moelane.model.lm import LM
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
-from tests.lanes.reference import prompts, submit_kwargs
+from tests.lanes.reference import prompts
 
 
 def params_of(i: int) -> SamplingParams:

@@ -346,12 +346,17 @@ def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path)
     with two rows); each stream's logits equal its solo pass."""
     lm = moelane.load(folder)  # pools of its own: four caches hold slots 0-3
     prompts = [[(i * 13 + j * 5) % 290 for j in range(9 + 4 * i)] for i in range(4)]
-    solo = []
-    for p in prompts:
-        cache = lm.new_cache(256)
-        lm.forward([Rows(cache, p, 0)])
-        solo.append(lm.forward([Rows(cache, [7], len(p))])[0])
-    del cache
+
+    def solo_steps(capacity: int) -> list[torch.Tensor]:
+        """Each prompt's next-token logits from a cache of `capacity`, alone (the cache is given back after)."""
+        out = []
+        for p in prompts:
+            cache = lm.new_cache(capacity)
+            lm.forward([Rows(cache, p, 0)])
+            out.append(lm.forward([Rows(cache, [7], len(p))])[0])
+        return out
+
+    solo = solo_steps(256)
     # a run in slot order, a run out of it, and slots with a gap
     for members in ([0, 1, 2, 3], [2, 0, 3, 1], [3, 0, 2]):
         caches = sorted((lm.new_cache(256) for _ in prompts), key=lambda c: c.slot)
@@ -363,12 +368,7 @@ def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path)
             assert torch.equal(logits, solo[i])
         del caches  # the pool goes back to its first size
     # beside streams of another pool, interleaved: each pool's streams read their run of slots in place
-    wide = []
-    for p in prompts:
-        cache = lm.new_cache(512)
-        lm.forward([Rows(cache, p, 0)])
-        wide.append(lm.forward([Rows(cache, [7], len(p))])[0])
-    del cache
+    wide = solo_steps(512)
     narrow = sorted((lm.new_cache(256) for _ in prompts), key=lambda c: c.slot)
     broad = sorted((lm.new_cache(512) for _ in prompts[:3]), key=lambda c: c.slot)
     for i, p in enumerate(prompts):

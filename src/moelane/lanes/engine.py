@@ -73,6 +73,13 @@ def load_draft_model(path: str | None = None, compile: bool = True) -> Any:
     return draft
 
 
+def submit_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """`Engine.submit`'s keyword arguments for these sampling settings (as `LM.generate_ids` takes them)."""
+    return dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+                logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty)  # fmt: skip
+
+
 class Target(Protocol):
     vocab_size: int
     eos_ids: frozenset[int]

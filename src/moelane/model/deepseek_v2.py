@@ -168,6 +168,11 @@ def check(config: dict[str, Any]) -> None:
                 f"group_limited_greedy needs n_group dividing {n_experts(config)} experts and "
                 f"1 <= topk_group <= n_group, got n_group={n_group}, topk_group={topk_group}"
             )
+    check_latent(config)
+
+
+def check_latent(config: dict[str, Any]) -> None:
+    """What the latent attention (V2's and V3's) needs of a config."""
     n_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
     if n_kv != config["num_attention_heads"]:
         raise ModelLoadError(f"MLA needs num_key_value_heads == num_attention_heads, got {n_kv}")

@@ -17,10 +17,10 @@ from typing import Any
 from moelane.errors import ModelLoadError
 from moelane.model import deepseek_v2
 from moelane.model.decoder import Decoder, past_last_layer
-from moelane.model.moe import SigmoidMoe, check_groups
+from moelane.model.moe import ROUTER_FP32, SigmoidMoe, check_groups
 
 EXPERT_NAMES = deepseek_v2.EXPERT_NAMES
-KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+KEEP_FP32 = ROUTER_FP32
 DEFAULTS = dict(n_shared_experts=1, q_lora_rank=1536, n_group=8, topk_group=4, first_k_dense_replace=3,
                 norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True)  # fmt: skip
 expert_prefix, n_experts, expert_width = deepseek_v2.expert_prefix, deepseek_v2.n_experts, deepseek_v2.expert_width
@@ -32,9 +32,7 @@ def build(config: dict[str, Any]) -> Decoder:
     method = config.get("topk_method") or "noaux_tc"
     if method != "noaux_tc":
         raise ModelLoadError(f"deepseek_v3 routes with topk_method 'noaux_tc', got {method!r}")
-    n_kv = config.get("num_key_value_heads") or config["num_attention_heads"]
-    if n_kv != config["num_attention_heads"]:
-        raise ModelLoadError(f"MLA needs num_key_value_heads == num_attention_heads, got {n_kv}")
+    deepseek_v2.check_latent(config)
     check_groups(n_experts(config), config["num_experts_per_tok"], config["n_group"] or 1, config["topk_group"] or 1)
     interleave = config["rope_interleave"] is not False
     return deepseek_v2.build_latent(config, lambda: SigmoidMoe(config), None, interleave)

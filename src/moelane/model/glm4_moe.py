@@ -20,10 +20,10 @@ from torch import nn
 from moelane.errors import ModelLoadError
 from moelane.model.decoder import Decoder, DenseMlp, config_get, past_last_layer
 from moelane.model.layers import Attention, Rope, rope_parameters
-from moelane.model.moe import SigmoidMoe, check_groups
+from moelane.model.moe import ROUTER_FP32, SigmoidMoe, check_groups
 
 EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+KEEP_FP32 = ROUTER_FP32
 
 
 def expert_prefix(layer: int) -> str:

@@ -392,7 +392,8 @@ def attend_group(
     n_kv = pool.shapes[layer][0]
     group = q.shape[1] // n_kv
     r = reach(end, pool.capacity)
-    if all(m == n for m in counts):
+    even = all(m == n for m in counts)
+    if even:
         qp = pack_queries(q.view(b, n, *q.shape[1:]), n_kv)  # [B, Hkv, M, D]
         row_pos = packed_positions(positions.view(b, n), group, n * group, r)
     else:
@@ -411,7 +412,7 @@ def attend_group(
             tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
         else:
             tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
-    if all(m == n for m in counts):
+    if even:
         return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
     return torch.cat([unpack(t, m, group) for t, m in zip(tiles, counts, strict=True)])
 

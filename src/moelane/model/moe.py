@@ -35,6 +35,11 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     return weights, ids
 
 
+# The sigmoid router's tensors, kept in fp32 whatever the model's dtype, as transformers keeps them (a family's
+# `KEEP_FP32`): its score bias decides near-ties between experts.
+ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
 class Router(nn.Module):
     """A sigmoid router's weight and the per-expert bias added to its scores when choosing (GLM, DeepSeek-V3),
     under the checkpoints' names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
