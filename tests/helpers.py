@@ -61,6 +61,9 @@ def random_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> 
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM's router bias: big enough to change choices
                 b.add_(torch.randn_like(b) * 0.05)
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):  # gpt-oss's sink logits: big enough to take a share of every softmax
+                p.add_(torch.randn_like(p))
     return save_model(model, folder, params["vocab_size"])
 
 
@@ -92,6 +95,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         COMMON, head_dim=16, intermediate_size=72, moe_intermediate_size=24, n_routed_experts=12,
         num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True, n_group=1,
         topk_group=1, norm_topk_prob=True, eos_token_id=None, pad_token_id=None)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        COMMON, head_dim=16, intermediate_size=24, num_local_experts=10, num_experts_per_tok=3, sliding_window=12,
+        max_position_embeddings=8192, eos_token_id=None, pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

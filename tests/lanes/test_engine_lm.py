@@ -75,11 +75,16 @@ def test_tiny_model_replies_equal_solo_decode(tiny, tiny_cases, config: dict[str
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("glm4_moe", dict(n_group=4, topk_group=2, use_qk_norm=True)), ("deepseek_v3", dict(rope_interleave=False))],
+    [
+        ("glm4_moe", dict(n_group=4, topk_group=2, use_qk_norm=True)),
+        ("deepseek_v3", dict(rope_interleave=False)),
+        ("gpt_oss", dict(sliding_window=6)),
+    ],
 )
-def test_sigmoid_routed_families_reply_as_solo_decode(family: str, overrides: dict, tmp_path: Path) -> None:
+def test_families_of_their_own_kind_reply_as_solo_decode(family: str, overrides: dict, tmp_path: Path) -> None:
     """Families with a biased, group-limited sigmoid router (glm4_moe with partial rotary embeddings; deepseek_v3
-    with latent attention): shared rounds with drafts verified give each stream its solo decode."""
+    with latent attention), and gpt_oss (attention sinks, sliding windows, expert biases): shared rounds with drafts
+    verified give each stream its solo decode."""
     folder = random_model(family, tmp_path / family, **overrides)
     lm = moelane.load(folder)
     cases = [(p, list(lm.generate_ids(p, 16, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]

@@ -302,12 +302,21 @@ def test_rows_are_batch_invariant(lm: moelane.LM) -> None:
     assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
 
 
-def test_attention_reads_as_far_as_the_rows_reach_bit_for_bit(long_folder: Path) -> None:
+@pytest.fixture(scope="module")
+def long_sinks_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss with a context of 2,048 positions: attention sinks and sliding windows, reaches that vary."""
+    return random_model("gpt_oss", tmp_path_factory.mktemp("gptosslong"), max_position_embeddings=2048,
+                        sliding_window=30)  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["long_folder", "long_sinks_folder"])
+def test_attention_reads_as_far_as_the_rows_reach_bit_for_bit(model: str, request: pytest.FixtureRequest) -> None:
     """Attention reads a cache up to the rows' reach (their last position rounded up to 512), not its capacity; a
     stream's logits are the same bits whether its pass reads 512 positions (alone) or 1,536 (beside a stream 1,100
-    positions further), for decode rows, drafts and prefill chunks, and beside streams of another capacity."""
+    positions further), for decode rows, drafts and prefill chunks, and beside streams of another capacity; with
+    attention sinks too."""
     assert reach(40, 2048) == 512 and reach(513, 2048) == 1024 and reach(1500, 1536) == 1536 and reach(9, 256) == 256
-    lm = moelane.load(long_folder)
+    lm = moelane.load(request.getfixturevalue(model))
     a, far = list(range(3, 43)), [(i * 7) % 290 for i in range(1100)]
     solo_cache = lm.new_cache(2048)
     solo = [lm.forward([Rows(solo_cache, a[:30], 0)])[0], lm.forward([Rows(solo_cache, a[30:], 30)])[0]]

@@ -51,6 +51,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("glm4_moe-groups-qknorm-scaled", "glm4_moe", dict(
         n_group=4, topk_group=2, use_qk_norm=True, routed_scaling_factor=2.5, norm_topk_prob=False,
         attention_bias=False, partial_rotary_factor=0.75, first_k_dense_replace=0)),
+    ("gpt_oss", "gpt_oss", {}),
+    # the clamps bite (a limit below the tiny model's activations), full attention first, no attention biases
+    ("gpt_oss-clamped-fullfirst-nobias", "gpt_oss", dict(
+        swiglu_limit=0.02, swiglu_alpha=1.2, attention_bias=False, num_hidden_layers=4, num_experts_per_tok=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=5e4, factor=8.0, beta_fast=16.0, beta_slow=2.0,
+                             truncate=True, original_max_position_embeddings=256))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -214,6 +221,9 @@ def test_deepseek_moe_layer_placement() -> None:
         ("glm4_moe", dict(n_group=4, topk_group=5), "1 <= topk_group <= n_group"),
         ("glm4_moe", dict(n_group=4, topk_group=1, num_experts_per_tok=4), "exceeds the experts of the 1 groups"),
         ("glm4_moe", dict(partial_rotary_factor=0.1), "partial_rotary_factor gives 1 rotary dims"),
+        ("gpt_oss", dict(layer_types=["full_attention"]), "has 1 layer_types for 3 layers"),
+        ("gpt_oss", dict(sliding_window=0.5), "sliding_window must be a positive number"),
+        ("gpt_oss", dict(num_local_experts=0), "gpt_oss needs num_local_experts >= 1"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -244,6 +254,8 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     # GLM's hub configs keep rope_theta and partial_rotary_factor at the top level; without it, half the head turns
     ("glm4_moe-top-level-rope", "glm4_moe", dict(rope_parameters=None, rope_theta=5e4, partial_rotary_factor=0.75)),
     ("glm4_moe-no-partial_rotary_factor", "glm4_moe", dict(rope_parameters=dict(rope_theta=1e4, rope_type="default"))),
+    # gpt-oss without rope keys: YaRN x32 from 4,096 positions at theta 150,000; without layer_types, even layers slide
+    ("gpt_oss-no-rope-no-layer_types", "gpt_oss", dict(rope_parameters=None, layer_types=None)),
 ]  # fmt: skip
 
 
@@ -316,7 +328,7 @@ def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp
 
 COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",
                                          "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
-                                         "glm4_moe-groups-qknorm-scaled",
+                                         "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

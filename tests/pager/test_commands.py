@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moelane.errors import MoelaneError
+from moelane.model.loader import ExpertHandle, TensorRef
 from moelane.model.provider import RoutingRecord
 from moelane.pager.commands import add_parser
 from moelane.pager.plan import Plan
@@ -60,16 +61,12 @@ def test_bad_input_raises_moelane_error(tmp_path: Path) -> None:
             run(["trace", "replay", str(path), *size])
 
 
-class FakeRef:
-    def __init__(self, nbytes: int, shape: tuple[int, ...]) -> None:
-        self.nbytes, self.shape, self.dtype = nbytes, shape, "BF16"
-
-
 class FakeLM:
     def __init__(self) -> None:
         self.moe_layers = [1, 3]
         self.args = argparse.Namespace(num_experts=6, num_experts_per_tok=2)
-        handle = argparse.Namespace(tensors={"w": FakeRef(64, (4, 8))})
+        gate_up, down = TensorRef("none", 0, 64, "BF16", (4, 8)), TensorRef("none", 64, 32, "BF16", (8, 2))  # H 8, I 2
+        handle = ExpertHandle(0, 0, {"gate_up": gate_up, "down": down})
         self.expert_handles = {1: [handle] * 6, 3: [handle] * 6}
         self.observers: list[Any] = []
 
@@ -88,7 +85,7 @@ def test_recorder_writes_one_segment_per_pass(tmp_path: Path) -> None:
         lm.forward(passes[1], "decode")
     assert lm.observers == []
     t = read_trace(path)
-    assert t.header.n_layers == 2 and t.header.moe_layers == (1, 3) and t.header.tiers[0] == ("bf16", 64)
+    assert t.header.n_layers == 2 and t.header.moe_layers == (1, 3) and t.header.tiers[0] == ("bf16", 96)
     assert t.seg_phase == ("prefill", "decode")
     assert np.array_equal(t.expert_ids, torch.cat(passes, dim=1).permute(1, 0, 2).numpy())
     assert set(t.stream_ids.tolist()) == {7}

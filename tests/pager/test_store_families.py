@@ -10,7 +10,7 @@ import moelane
 from moelane.pager.store import ExpertStore, store_factory
 from tests.helpers import random_model
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

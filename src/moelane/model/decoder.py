@@ -35,21 +35,24 @@ class DenseMlp(MLP):
         return super().forward(x)
 
 
+Norm = Callable[[int, float], nn.Module]  # (dim, eps) -> an RMSNorm
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, hidden: int, eps: float, attention: nn.Module, mlp: nn.Module, norm: Norm = RMSNorm) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden, eps)
+        self.input_layernorm = norm(hidden, eps)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = norm(hidden, eps)
         self.mlp = mlp
 
 
 class Stack(nn.Module):
-    def __init__(self, vocab: int, hidden: int, eps: float, layers: list[DecoderLayer]) -> None:
+    def __init__(self, vocab: int, hidden: int, eps: float, layers: list[DecoderLayer], norm: Norm = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, eps)
+        self.norm = norm(hidden, eps)
 
 
 class Decoder(nn.Module):
@@ -67,10 +70,11 @@ class Decoder(nn.Module):
         tie_embeddings: bool,
         moe_layers: list[int],
         cache_shape: tuple[int, int, int],
+        norm: Norm = RMSNorm,
     ) -> None:
         super().__init__()
-        layers = [DecoderLayer(hidden, eps, make_attention(i), make_mlp(i)) for i in range(n_layers)]
-        self.model = Stack(vocab, hidden, eps, layers)
+        layers = [DecoderLayer(hidden, eps, make_attention(i), make_mlp(i), norm) for i in range(n_layers)]
+        self.model = Stack(vocab, hidden, eps, layers, norm)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

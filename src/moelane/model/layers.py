@@ -92,6 +92,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class RMSNormScaledFp32(RMSNorm):
+    """RMSNorm that applies its weight in fp32 and rounds once, as gpt-oss does (the same numbers in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
 def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """rope_theta and scaling, wherever the config keeps them (top level, `rope_parameters`, `rope_scaling`);
     `default_theta` where none says (the family's transformers default: Mixtral's is 1e6)."""
@@ -250,8 +258,27 @@ def unpack(out: torch.Tensor, n: int, group: int) -> torch.Tensor:
     return rows.transpose(-4, -3).reshape(*lead, n, n_kv * group, d_v)
 
 
+def with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys and a sink per row (gpt-oss): a learnt logit that takes its share of the probability
+    and adds nothing to the output. scores [..., L] scaled and masked, in the compute dtype; sinks broadcast to
+    [..., 1] -> fp32 probabilities [..., L]. The row's maximum is taken off in the compute dtype, as transformers
+    does (in bf16 that rounds), then the softmax runs in fp32.
+
+    The sink goes first, so each key keeps its place in the softmax's reductions however far the call reads (the
+    keys past a row's position, masked to exact zeros, then still come last: `reach`)."""
+    logits = torch.cat([sinks.to(scores.dtype).expand(*scores.shape[:-1], 1), scores], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits.float(), dim=-1)[..., 1:]
+
+
 def attend_tiles(
-    qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_pos: torch.Tensor, scale: float, window: int | None
+    qp: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    row_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batched products of `attend_group`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
     k/v [B, Hkv, L, D/Dv], row_pos [B, R] (the positions of the first R packed rows, the real ones) -> [B, Hkv, M, Dv].
@@ -260,16 +287,20 @@ def attend_tiles(
     costs one tile of rows per KV head, not one per query head. Only the first R rows are masked and softmaxed (row
     by row, so the other rows change no bits); the pad rows' probabilities are zeros for the second product, which
     needs the whole tile again. Scaled in the compute dtype, then fp32: the same roundings as transformers' eager
-    attention in bf16."""
+    attention in bf16. `sinks` [Hkv, group]: each query head's sink logit (`with_sinks`)."""
     b, n_kv, m, d = qp.shape
     length, real = k.shape[2], row_pos.shape[1]
     scores = torch.matmul(qp.reshape(b * n_kv, m, d), k.reshape(b * n_kv, length, d).transpose(1, 2))
-    scores = (scores.view(b, n_kv, m, length)[:, :, :real] * scale).float()
+    scores = scores.view(b, n_kv, m, length)[:, :, :real] * scale
     key_pos = torch.arange(length, device=qp.device)
     mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, R, L]
     if window is not None:
         mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
-    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float().masked_fill(~mask[:, None], float("-inf")), dim=-1).to(v.dtype)
+    else:  # packed row r of KV head j is query head j * group + r % group
+        sink_rows = sinks.repeat(1, real // sinks.shape[1])[None, :, :, None]
+        probs = with_sinks(scores.masked_fill(~mask[:, None], float("-inf")), sink_rows).to(v.dtype)
     if real < m:
         probs = F.pad(probs, (0, 0, 0, m - real))  # [B, Hkv, M, L]
     out = torch.matmul(probs.reshape(b * n_kv, m, length), v.reshape(b * n_kv, length, -1))
@@ -278,8 +309,9 @@ def attend_tiles(
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE), q/k/v bias (Qwen2), o bias (Llama),
-    q/k/v clipping (OLMoE `clip_qkv`), a sliding window (Mixtral, Qwen sliding layers) and partial rotary
-    embeddings (GLM: only the first `rotary_dim` dims of each head)."""
+    q/k/v clipping (OLMoE `clip_qkv`), a sliding window (Mixtral, Qwen sliding layers), partial rotary
+    embeddings (GLM: only the first `rotary_dim` dims of each head) and attention sinks (gpt-oss: a learnt logit per
+    query head in every softmax, `with_sinks`)."""
 
     def __init__(
         self,
@@ -294,6 +326,7 @@ class Attention(nn.Module):
         clip: float | None = None,
         window: int | None = None,
         rotary_dim: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -309,6 +342,7 @@ class Attention(nn.Module):
         elif qk_norm == "full":  # OLMoE: over all heads
             self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
         self.scale = head_dim**-0.5
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
 
     def forward(
         self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
@@ -333,7 +367,8 @@ class Attention(nn.Module):
             r = self.rotary_dim
             q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        out = attend_streams(q, k, v, layer, batch, self.scale, self.window)
+        sinks = None if self.sinks is None else self.sinks.view(self.n_kv_heads, -1)
+        out = attend_streams(q, k, v, layer, batch, self.scale, self.window, sinks)
         return linear(out.reshape(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -345,17 +380,18 @@ def attend_streams(
     batch: Batch,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
     are slots of one pool and whose packed query rows (`pack_queries`) come to the same tiles go through one batched
-    call (`attend_group`). q [N, Hq, D], k/v [N, Hkv, D]."""
+    call (`attend_group`). q [N, Hq, D], k/v [N, Hkv, D]; sinks [Hkv, group] (`with_sinks`) or None."""
     if batch.pool is not None and batch.slots is not None and batch.keys is not None:
         return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
-                             batch.keys, scale, window)  # fmt: skip
+                             batch.keys, scale, window, sinks)  # fmt: skip
     write_rows(layer, batch, k, v)
     counts = [n for _, n in batch.spans]
     if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing
-        return attend_group(q, batch.positions, counts, batch.caches, max(batch.ends), layer, scale, window)
+        return attend_group(q, batch.positions, counts, batch.caches, max(batch.ends), layer, scale, window, sinks)
     group = q.shape[1] // k.shape[1]
     groups: dict[tuple[KVPool, int], list[int]] = {}
     for i, (n, cache) in enumerate(zip(counts, batch.caches, strict=True)):
@@ -365,7 +401,7 @@ def attend_streams(
         rows = torch.cat([torch.arange(batch.spans[i][0], sum(batch.spans[i])) for i in members])
         result = attend_group(q[rows], batch.positions[rows], [counts[i] for i in members],
                               [batch.caches[i] for i in members], max(batch.ends[i] for i in members), layer, scale,
-                              window)  # fmt: skip
+                              window, sinks)  # fmt: skip
         if out is None:
             out = result.new_empty(q.shape[0], *result.shape[1:])
         out[rows] = result
@@ -382,6 +418,7 @@ def attend_group(
     layer: int,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of B streams whose caches are slots of one pool and whose packed query rows (`pack_queries`) come
     to the same tiles: q [N, Hq, D] (stream i's `counts[i]` rows, stream after stream), positions [N] -> [N, Hq, Dv].
@@ -404,14 +441,14 @@ def attend_group(
     run = slot_run(slots)
     if run is None:
         at = torch.tensor(slots)
-        tiles = attend_tiles(qp, pool.k[layer][at, :, :r], pool.v[layer][at, :, :r], row_pos, scale, window)
+        tiles = attend_tiles(qp, pool.k[layer][at, :, :r], pool.v[layer][at, :, :r], row_pos, scale, window, sinks)
     else:  # a run of the pool's slots: their caches read in place, in slot order
         lo, order = run
         k_run, v_run = pool.k[layer][lo : lo + b, :, :r], pool.v[layer][lo : lo + b, :, :r]
         if order is None:
-            tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window)
+            tiles = attend_tiles(qp, k_run, v_run, row_pos, scale, window, sinks)
         else:
-            tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window)[order.argsort()]
+            tiles = attend_tiles(qp[order], k_run, v_run, row_pos[order], scale, window, sinks)[order.argsort()]
     if even:
         return unpack(tiles, n, group).reshape(b * n, q.shape[1], -1)
     return torch.cat([unpack(t, m, group) for t, m in zip(tiles, counts, strict=True)])
@@ -428,6 +465,7 @@ def attend_pooled(
     key_pos: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compiled decode step's attention: row i writes its K/V at (slots[i], positions[i]) of the pool, then
     attends over its slot's cache at `key_pos` (`arange(reach)`: every row of the call reads as far), keys up to its
@@ -451,12 +489,16 @@ def attend_pooled(
     # (reshaped in steps that split or merge one dim at a time: the compiler then needs no guess about N's size)
     q_rows = q.view(n, n_kv, group, d).reshape(n * n_kv, group, d)
     scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, L]
-    scores = (scores * scale).float()
+    scores = scores * scale
     mask = key_pos[None, :] <= positions[:, None]  # [N, L]
     if window is not None:
         mask = mask & (key_pos[None, :] > positions[:, None] - window)
     mask = mask[:, None, :].expand(n, n_kv, length).reshape(n * n_kv, 1, length)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)
+    else:  # [Hkv, group] -> one per (row, KV head) matrix row
+        sink_rows = sinks[None].expand(n, n_kv, group).reshape(n * n_kv, group, 1)
+        probs = with_sinks(scores.masked_fill(~mask, float("-inf")), sink_rows).to(values.dtype)
     return torch.bmm(probs, values).view(n, n_kv, group, d_v).reshape(n, n_heads, d_v)
 
 

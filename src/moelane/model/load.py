@@ -2,8 +2,9 @@
 
 Families are found by `model_type` through an import of `moelane.model.<model_type>`; each family module has
 `build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`,
-`ignored(config, name)` (checkpoint tensors it skips without a word) and `KEEP_FP32` (parameter name endings kept in
-fp32 whatever the dtype).
+`ignored(config, name)` (checkpoint tensors it skips without a word), `KEEP_FP32` (parameter name endings kept in
+fp32 whatever the dtype), `find_experts(refs, prefix, n_experts)` (its own expert layout, in place of
+`find_expert_handles`) and `QUANTIZED` (the `quant_method`s of checkpoints it reads: gpt-oss's mxfp4 experts).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from moelane.model.lm import LM
 from moelane.model.loader import (
     ExpertHandle,
     TensorRef,
+    expected_shapes,
     find_expert_handles,
     read_config,
     read_eos_ids,
@@ -34,7 +36,8 @@ from moelane.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3", "llama")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3",
+            "llama")  # fmt: skip
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
@@ -61,12 +64,12 @@ def load(
         path = default_model_path()
     folder = Path(path)
     config = read_config(folder)
-    check_unquantized(config)
+    family = family_module(config["model_type"])
+    check_unquantized(config, getattr(family, "QUANTIZED", ()))
     if dtype == "auto":
         dtype = checkpoint_dtype(config)
     elif not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
-    family = family_module(config["model_type"])
     if config.get("hidden_act", "silu") not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
     try:
@@ -77,9 +80,14 @@ def load(
         raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
     refs = scan_checkpoint(folder)
     handles = expert_handles(family, model.moe_layers, config, refs)
-    expert_names = {ref for hs in handles.values() for h in hs for ref in h.tensors.values()}
+    # (a fused checkpoint's stacked tensor starts where its first expert's slice does)
+    expert_starts = {(ref.path, ref.offset) for hs in handles.values() for h in hs for ref in h.tensors.values()}
     skip = getattr(family, "ignored", lambda config, name: False)
-    dense = {name: ref for name, ref in refs.items() if ref not in expert_names and not skip(config, name)}
+    dense = {
+        name: ref
+        for name, ref in refs.items()
+        if (ref.path, ref.offset) not in expert_starts and not skip(config, name)
+    }
     load_dense(model, family, dense, dtype)
     tokenizer = Tokenizer(folder, read_eos_ids(folder, config))
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
@@ -89,12 +97,15 @@ def load(
     return lm
 
 
-def check_unquantized(config: dict[str, object]) -> None:
+def check_unquantized(config: dict[str, object], readable: tuple[str, ...] = ()) -> None:
     """A checkpoint quantized by another tool (GPTQ, AWQ, FP8, MXFP4, bitsandbytes: config.json's
-    `quantization_config`) is refused in one line, before its packed tensors fail as missing or odd ones."""
+    `quantization_config`) is refused in one line, before its packed tensors fail as missing or odd ones; except
+    the `readable` methods, whose experts the family reads (gpt-oss: mxfp4)."""
     quant = config.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        if method in readable:
+            return
         raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
                              "model's bf16 or fp32 weights: moelane quantizes experts itself (--default-tier int8 "
                              "or int4)")  # fmt: skip
@@ -129,9 +140,13 @@ def expert_handles(
     family: ModuleType, moe_layers: list[int], config: dict[str, object], refs: dict[str, TensorRef]
 ) -> dict[int, list[ExpertHandle]]:
     n_experts = int(family.n_experts(config))
+    find = getattr(family, "find_experts", None)
     handles: dict[int, list[ExpertHandle]] = {}
     for layer in moe_layers:
-        found = find_expert_handles(refs, family.expert_prefix(layer), n_experts, family.EXPERT_NAMES)
+        prefix = family.expert_prefix(layer)
+        found = (
+            find(refs, prefix, n_experts) if find else find_expert_handles(refs, prefix, n_experts, family.EXPERT_NAMES)
+        )
         if found is None:
             raise ModelLoadError(f"checkpoint has no experts for MoE layer {layer} ({family.expert_prefix(layer)}.*)")
         handles[layer] = found
@@ -141,9 +156,9 @@ def expert_handles(
 
 def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: dict[int, list[ExpertHandle]]) -> None:
     hidden, width = int(config["hidden_size"]), int(family.expert_width(config))  # type: ignore[call-overload]
-    expect = {"gate": (width, hidden), "up": (width, hidden), "gate_up": (2 * width, hidden), "down": (hidden, width)}
     for layer_handles in handles.values():
         for h in layer_handles:
+            expect = expected_shapes(h.layout, hidden, width)
             for name, ref in h.tensors.items():
                 if ref.shape != expect[name]:
                     raise ModelLoadError(

@@ -50,15 +50,46 @@ class TensorRef:
 
 @dataclass(frozen=True, slots=True)
 class ExpertHandle:
-    """One routed expert's tensors: "gate", "up" and "down" (or "gate_up" and "down" for fused checkpoints)."""
+    """One routed expert's tensors, in one of three layouts:
+
+    - "linear": `F.linear` weights, "gate", "up" and "down" (or "gate_up" and "down" for fused checkpoints);
+    - "transposed": gpt-oss's fused "gate_up" [H, 2I] (gate and up columns interleaved) and "down" [I, H];
+    - "mxfp4": the same as 4-bit floats in blocks of 32 with a shared power-of-two scale (gpt-oss's release),
+      "gate_up_blocks" [2I, H/32, 16] and "gate_up_scales" [2I, H/32], "down_blocks" and "down_scales" (uint8).
+    """
 
     layer: int
     expert: int
     tensors: dict[str, TensorRef]
+    layout: str = "linear"
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(hidden, expert width)."""
+        if self.layout == "mxfp4":
+            hidden, groups, half = self.tensors["down_blocks"].shape
+            return hidden, groups * half * 2
+        rows, cols = self.tensors["down"].shape
+        return (cols, rows) if self.layout == "transposed" else (rows, cols)
+
+    @property
+    def path(self) -> str:
+        """The shard file holding the expert (its first tensor's)."""
+        return next(iter(self.tensors.values())).path
+
+
+def expected_shapes(layout: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    """The shape each of an expert's tensors must have in `layout`, for a model of `hidden` and expert `width`."""
+    if layout == "transposed":
+        return {"gate_up": (hidden, 2 * width), "down": (width, hidden)}
+    if layout == "mxfp4":
+        return {"gate_up_blocks": (2 * width, hidden // 32, 16), "gate_up_scales": (2 * width, hidden // 32),
+                "down_blocks": (hidden, width // 32, 16), "down_scales": (hidden, width // 32)}  # fmt: skip
+    return {"gate": (width, hidden), "up": (width, hidden), "gate_up": (2 * width, hidden), "down": (hidden, width)}
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -203,19 +234,41 @@ def read_bytes(ref: TensorRef, out: torch.Tensor) -> None:
         raise ModelLoadError(f"short read of {ref.nbytes} bytes at offset {ref.offset} in {ref.path} (truncated?)")
 
 
-def expert_tensors(w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool layout from one expert's tensors: (w13 [2I, H], w2 [H, I])."""
+def expert_tensors(w: dict[str, torch.Tensor], layout: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool layout in `dtype` from one expert's tensors as stored in `layout`: (w13 [2I, H], w2 [H, I]). The rows of
+    w13 are the gate_up projection's outputs in the checkpoint's order (gate then up, or interleaved for gpt-oss:
+    the family's activation knows which)."""
+    if layout == "mxfp4":
+        return mxfp4_to(w["gate_up_blocks"], w["gate_up_scales"], dtype), mxfp4_to(
+            w["down_blocks"], w["down_scales"], dtype
+        )
+    w = {name: t.to(dtype) for name, t in w.items()}
+    if layout == "transposed":
+        return w["gate_up"].t().contiguous(), w["down"].t().contiguous()
     w13 = w["gate_up"] if "gate_up" in w else torch.cat([w["gate"], w["up"]], dim=0)
     return w13, w["down"]
+
+
+# The sixteen values of a 4-bit float (e2m1), by code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 (OCP microscaling) -> [rows, G * 32] in `dtype`: blocks [rows, G, 16] hold two 4-bit codes a byte, the
+    low nibble first; each block of 32 values shares the scale 2^(scales - 127). Every value is exact in bf16."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [rows, G, 16, 2]
+    values = lut[codes].reshape(*scales.shape, 32)
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).reshape(scales.shape[0], -1).to(dtype)
 
 
 def read_expert(handle: ExpertHandle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's weights in pool layout, read from its shard."""
     try:
-        w = {name: read_tensor(ref, dtype) for name, ref in handle.tensors.items()}
+        w = {name: read_tensor(ref) for name, ref in handle.tensors.items()}
     except ModelLoadError as e:
         raise ModelLoadError(f"expert {handle.expert} of layer {handle.layer}: {e}") from None
-    return expert_tensors(w)
+    return expert_tensors(w, handle.layout, dtype)
 
 
 def slice_stacked(ref: TensorRef, index: int) -> TensorRef:

@@ -11,13 +11,18 @@ In both dispatch paths a row's numbers do not depend on the other rows of the pa
 - compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
   pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
 
-Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width.
+An expert is `down(act(gate_up(x) + b13) ) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
+family says otherwise (gpt-oss: `clamped_swiglu` over interleaved rows), and the biases, where a family has them
+(gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not paged. The pairs'
+biases (`PairBias`) ride along with the pairs into whichever dispatch path runs.
+
+Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -118,27 +123,65 @@ def check_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
         raise ModelLoadError(f"num_experts_per_tok {k} exceeds the experts of the {topk_group} groups kept")
 
 
+Act = Callable[[torch.Tensor], torch.Tensor]  # gate_up [..., 2I] -> [..., I], batch-invariant
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over an expert's gate rows then up rows: `silu(gate) * up`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
+class PairBias(NamedTuple):
+    """The biases of P (token, expert) pairs, in pair order: b13 [P, 2I] after gate_up, b2 [P, H] after down."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+
+    def take(self, pairs: torch.Tensor) -> PairBias:
+        return PairBias(self.b13[pairs], self.b2[pairs])
+
+
+def pair_bias(bias: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor) -> PairBias | None:
+    """Per-expert biases (b13 [E, 2I], b2 [E, H]) looked up for the pairs of ids [T, K], or None."""
+    if bias is None:
+        return None
+    flat = ids.reshape(-1)
+    return PairBias(bias[0][flat], bias[1][flat])
+
+
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert's SwiGLU on rows x [n, H]; w13 [2I, H], w2 [H, I]."""
-    gate, up = linear(x, w13).chunk(2, dim=-1)
-    return linear(silu_mul(gate, up), w2)
+    return linear(swiglu(linear(x, w13)), w2)
 
 
 def dispatch(
-    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: Act = swiglu,
+    bias: PairBias | None = None,
 ) -> torch.Tensor:
     """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H]; slots, weights [T, K]."""
     if torch.compiler.is_compiling():
-        return (gathered(x, slots, w13, w2) * weights.to(x.dtype)[..., None]).sum(dim=1)  # as `weighted_sum`
+        y = gathered(x, slots, w13, w2, act, bias)
+        return (y * weights.to(x.dtype)[..., None]).sum(dim=1)  # as `weighted_sum`
     flat = slots.reshape(-1)
-    return weighted_sum(grouped(x, torch.arange(flat.numel()) // slots.shape[1], flat, w13, w2), weights)
+    return weighted_sum(grouped(x, torch.arange(flat.numel()) // slots.shape[1], flat, w13, w2, act, bias), weights)
 
 
-def gathered(x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def gathered(
+    x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act, bias: PairBias | None
+) -> torch.Tensor:
     """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
     reductions over the input dim (the compiler reads them in place, no copy). x [T, H]; slots [T, K] -> [T, K, H]."""
-    gate, up = (x[:, None, None, :] * w13[slots]).sum(-1).chunk(2, dim=-1)  # [T, K, I] each
-    return (silu_mul(gate, up)[:, :, None, :] * w2[slots]).sum(-1)
+    gate_up = (x[:, None, None, :] * w13[slots]).sum(-1)  # [T, K, 2I]
+    if bias is not None:
+        gate_up = gate_up + bias.b13.view(*slots.shape, -1)
+    out = (act(gate_up)[:, :, None, :] * w2[slots]).sum(-1)
+    return out if bias is None else out + bias.b2.view(*slots.shape, -1)
 
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -149,7 +192,13 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def grouped(
-    x: torch.Tensor, rows_of: torch.Tensor, flat: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: Act = swiglu,
+    bias: PairBias | None = None,
 ) -> torch.Tensor:
     """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order.
 
@@ -178,6 +227,7 @@ def grouped(
         sizes.append(n + -n % TILE)
         bounds.append(len(rows))
     xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.tensor(rows)]
+    at = torch.tensor(dest)
     lo, hi = used[0], used[-1]
     if 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
         per_group = [0] * (hi - lo + 1)
@@ -185,12 +235,19 @@ def grouped(
             per_group[slot - lo] = size
         offs = torch.tensor(per_group).cumsum(0).to(torch.int32)
         w13, w2 = w13[lo : hi + 1].transpose(1, 2), w2[lo : hi + 1].transpose(1, 2)
-        gate, up = torch._grouped_mm(xs, w13, offs=offs).chunk(2, dim=-1)
-        out = torch._grouped_mm(silu_mul(gate, up), w2, offs=offs)
+        gate_up = torch._grouped_mm(xs, w13, offs=offs)
+        out = torch._grouped_mm(act(add_at(gate_up, at, bias)), w2, offs=offs)
     else:
-        gate, up = per_slot(xs, w13.transpose(1, 2), used, bounds).chunk(2, dim=-1)
-        out = per_slot(silu_mul(gate, up), w2.transpose(1, 2), used, bounds)
-    return out[torch.tensor(dest)]
+        gate_up = per_slot(xs, w13.transpose(1, 2), used, bounds)
+        out = per_slot(act(add_at(gate_up, at, bias)), w2.transpose(1, 2), used, bounds)
+    return out[at] if bias is None else out[at] + bias.b2
+
+
+def add_at(y: torch.Tensor, at: torch.Tensor, bias: PairBias | None) -> torch.Tensor:
+    """y with each pair's b13 added at its padded row `at[p]` (pad rows untouched); y itself when no bias."""
+    if bias is None:
+        return y
+    return y.index_put((at,), bias.b13, accumulate=True)
 
 
 def per_slot(xs: torch.Tensor, wt: torch.Tensor, used: list[int], bounds: list[int]) -> torch.Tensor:
@@ -211,6 +268,8 @@ def dispatch_staged(
     w13: torch.Tensor,
     w2: torch.Tensor,
     wait: Callable[[], None],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
 ) -> torch.Tensor:
     """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
     `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
@@ -220,20 +279,29 @@ def dispatch_staged(
     y = x.new_empty(flat.numel(), x.shape[1])
     early = pairs[~late]
     if early.numel():
-        y[early] = grouped(x, early // k, flat[early], w13, w2)
+        y[early] = grouped(x, early // k, flat[early], w13, w2, act, None if bias is None else bias.take(early))
     wait()
     late_pairs = pairs[late]
     if late_pairs.numel():
-        y[late_pairs] = grouped(x, late_pairs // k, flat[late_pairs], w13, w2)
+        y[late_pairs] = grouped(x, late_pairs // k, flat[late_pairs], w13, w2, act,
+                                None if bias is None else bias.take(late_pairs))  # fmt: skip
     return weighted_sum(y, weights)
 
 
 def run_experts(
-    x: torch.Tensor, layer: int, ids: torch.Tensor, weights: torch.Tensor, provider: ExpertProvider
+    x: torch.Tensor,
+    layer: int,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    provider: ExpertProvider,
+    act: Act = swiglu,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """The routed experts' weighted sum for rows x [T, H]; `bias`: per-expert (b13 [E, 2I], b2 [E, H]) or None."""
     staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
     slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
     w13, w2 = provider.weights(layer)
+    pairs = pair_bias(bias, ids)
     if pending is None or wait is None:
-        return dispatch(x, slots, weights, w13, w2)
-    return dispatch_staged(x, slots, pending, weights, w13, w2, wait)
+        return dispatch(x, slots, weights, w13, w2, act, pairs)
+    return dispatch_staged(x, slots, pending, weights, w13, w2, wait, act, pairs)

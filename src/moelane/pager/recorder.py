@@ -31,15 +31,15 @@ def header_from_lm(lm: Any, model: str = "") -> TraceHeader:
     if not moe_layers:
         raise InputError("this model has no experts (a dense model): there is no routing to trace")
     first = lm.expert_handles[moe_layers[0]][0]
-    nbytes = sum(ref.nbytes for ref in first.tensors.values())
-    n_weights = sum(math.prod(ref.shape) for ref in first.tensors.values())
-    dtype = next(iter(first.tensors.values())).dtype.lower()
+    hidden, width = first.dims
+    n_weights = 3 * hidden * width
+    dtype = "mxfp4" if first.layout == "mxfp4" else next(iter(first.tensors.values())).dtype.lower()
     scales = 2 * math.ceil(n_weights / 64)
     return TraceHeader(
         n_layers=len(moe_layers),
         n_experts=int(lm.args.num_experts),
         top_k=int(lm.args.num_experts_per_tok),
-        tiers=((dtype, nbytes), ("int8", n_weights + scales), ("int4", math.ceil(n_weights / 2) + scales)),
+        tiers=((dtype, first.nbytes), ("int8", n_weights + scales), ("int4", math.ceil(n_weights / 2) + scales)),
         moe_layers=tuple(moe_layers),
         model=model or str(getattr(lm, "folder", "")),
     )

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import DTYPES, ExpertHandle, TensorRef, byte_view, fits_in_place
+from moelane.model.loader import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec, row_blocks
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,8 @@ def read_in_place(files: ShardFiles, handle: ExpertHandle, w13_out: torch.Tensor
     """Read an expert's checkpoint tensors straight into its pool slot views when the bytes are already the slot's
     (same dtype and layout): no buffer between the file and the pool, so a miss allocates nothing (large transient
     buffers, one per miss, fragmented the heap: ~100 MiB of peak RSS on a 2.4 GB model). -> False if not possible."""
+    if handle.layout != "linear":  # (its tensors need transposing or expanding)
+        return False
     views = slot_views(handle, w13_out, w2_out)
     if not all(fits_in_place(handle.tensors[name], out) for name, out in views.items()):
         return False
@@ -128,12 +130,20 @@ def read_in_place(files: ShardFiles, handle: ExpertHandle, w13_out: torch.Tensor
 
 
 def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
-    """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does."""
-    views = slot_views(handle, w13_out, w2_out)
-    pos = 0
+    """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does (other
+    layouts than "linear": as `read_expert` does, through `expert_tensors`)."""
+    stored, pos = {}, 0
     for name, ref in handle.tensors.items():
-        copy_blocks(views[name], buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape))
+        stored[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
         pos += ref.nbytes
+    if handle.layout != "linear":
+        w13, w2 = expert_tensors(stored, handle.layout, w13_out.dtype)
+        copy_blocks(w13_out, w13)
+        copy_blocks(w2_out, w2)
+        return
+    views = slot_views(handle, w13_out, w2_out)
+    for name, tensor in stored.items():
+        copy_blocks(views[name], tensor)
 
 
 def copy_blocks(out: torch.Tensor, src: torch.Tensor) -> None:
@@ -238,9 +248,9 @@ def build_tier_file(
     with open(tmp, "wb") as f:
         for layer in sorted(handles):
             for handle in handles[layer]:
-                down = handle.tensors["down"].shape
-                w13 = torch.empty(2 * down[1], down[0])
-                w2 = torch.empty(down[0], down[1])
+                hidden, width = handle.dims
+                w13 = torch.empty(2 * width, hidden)
+                w2 = torch.empty(hidden, width)
                 decode_native(handle, read_native(files, handle), w13, w2)
                 blob = codec.encode(w13, w2).numpy()
                 crcs.append(zlib.crc32(blob.data))
@@ -286,7 +296,7 @@ class Storage:
         self.handles, self.check_finite = handles, check_finite
         self.files = ShardFiles()
         self.host = HostCache(host_bytes)
-        self.model_folder = Path(next(iter(handles.values()))[0].tensors["down"].path).parent
+        self.model_folder = Path(next(iter(handles.values()))[0].path).parent
         self._tiers: dict[int, TierFile] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -297,7 +307,7 @@ class Storage:
             return None
         with self._lock:
             if tier not in self._tiers:
-                hidden, width = next(iter(self.handles.values()))[0].tensors["down"].shape
+                hidden, width = next(iter(self.handles.values()))[0].dims
                 codec = ExpertCodec(tier, width, hidden)
                 folder = tier_dir(self.model_folder)
                 self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files)
@@ -324,7 +334,7 @@ class Storage:
             else:
                 source.codec.decode_into(buf, w13, w2)
         if self.check_finite and not (all_finite(w13) and all_finite(w2)):
-            where = handle.tensors["down"].path if source is None else source.path
+            where = handle.path if source is None else source.path
             raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {where} (corrupt file?)")
         return level, handle.nbytes if buf is None else buf.numel()
 

@@ -103,7 +103,7 @@ class ExpertStore:
         self.n_experts = len(self._handles[0])
         if any(len(hs) != self.n_experts for hs in self._handles):
             raise StoreError("every MoE layer must have the same number of routed experts")
-        hidden, width = self._handles[0][0].tensors["down"].shape
+        hidden, width = self._handles[0][0].dims
         self.slot_bytes = 3 * width * hidden * dtype.itemsize
         n_total = len(self.layers) * self.n_experts
         self.total_bytes = n_total * self.slot_bytes  # all experts in the compute dtype (what "100%" means)
@@ -441,7 +441,7 @@ class ExpertStore:
     def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig:
         """The planner's settings for this store: its shape, stored bytes per tier, a budget of exactly the pool's
         slots at the default tier, the store's pin mode."""
-        hidden, width = self._handles[0][0].tensors["down"].shape
+        hidden, width = self._handles[0][0].dims
         native = self._handles[0][0].nbytes
         tier_bytes = (native, ExpertCodec(1, width, hidden).nbytes, ExpertCodec(2, width, hidden).nbytes)
         settings: dict[str, Any] = dict(
@@ -480,7 +480,7 @@ def store_factory(
             raise StoreError("this model has no experts (a dense model): --expert-memory, --host-memory and "
                              "--default-tier apply to mixture-of-experts models only")  # fmt: skip
         n_experts = sum(len(hs) for hs in handles.values())
-        hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
+        hidden, width = next(iter(handles.values()))[0].dims
         each = 3 * hidden * width * dtype.itemsize  # one expert in the compute dtype
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
