@@ -85,7 +85,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100..100) to the logit of token ID; -100 bans it (repeatable)")  # fmt: skip
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template (a reply in "
+        "channels, as gpt-oss writes: the final one on stdout, the reasoning on stderr)",
+    )
     how = p.add_mutually_exclusive_group()
     how.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                      help="compile the decode step with torch.compile: decode runs several times faster after a "
@@ -210,6 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # type: ignore[no-untyped-def]
+    from moelane.model.harmony import FINAL, Channels
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     with in_flags():
@@ -227,6 +233,9 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
               file=sys.stderr, flush=True)  # fmt: skip
         lm.warm_up(len(prompt_ids), args.max_tokens)
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
+    # a chat reply in channels (gpt-oss): the final one on stdout, the reasoning on stderr as it comes
+    channels, thoughts = Channels.for_tokenizer(lm.tokenizer) if args.chat else None, Detokenizer(lm.tokenizer)
+    thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
     t_first, n_new = 0.0, 0
@@ -237,10 +246,19 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
             if n_new == 0:
                 t_first = time.perf_counter()
             n_new += 1
+            channel = FINAL if channels is None else channels.push(token)
+            if channel != FINAL:
+                if channel is not None:
+                    thought = True
+                    sys.stderr.write(thoughts.push([token]))
+                    sys.stderr.flush()
+                continue
             sys.stdout.write(stops.push(detok.push([token])))
             sys.stdout.flush()
             if stops.stopped:
                 break
+        if thought:
+            sys.stderr.write(thoughts.flush() + "\n")
         sys.stdout.write(stops.push(detok.flush()) + stops.flush() + "\n")  # a cut-off character shows as U+FFFD
     t_end = time.perf_counter()
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0

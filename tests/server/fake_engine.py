@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+from moelane.lanes.engine import EngineStats
 from moelane.lanes.stream import Stream
 
 
@@ -38,3 +39,6 @@ class FakeEngine:
     @property
     def n_waiting(self) -> int:
         return 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(n_active=self.n_active)

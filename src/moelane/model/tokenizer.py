@@ -69,6 +69,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (special tokens included), or None."""
+        tid = self._tok.token_to_id(token)
+        return None if tid is None else int(tid)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InputError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "

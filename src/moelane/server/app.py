@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from moelane.errors import InputError
 from moelane.server import errors
 from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_event
-from moelane.server.generation import Generation, GenerationParams, Limits
+from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.protocol import (
     ChatCompletionRequest,
@@ -178,7 +178,7 @@ class ServerState:
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
-                prompt_logprobs=bool(echo) and top_logprobs is not None,
+                prompt_logprobs=bool(echo) and top_logprobs is not None, channels=chat,
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -202,11 +202,11 @@ class ServerState:
             raise
         self._account(gens, started, n_prompt)
         self._close_sync(gens, endpoint, "200")
-        choices: list[tuple[str, str, BaseModel | None]] = []
-        for gen, echo, text in zip(gens, echoes, texts, strict=True):
+        choices: list[tuple[str, str, BaseModel | None, str | None]] = []
+        for gen, echo, (text, reasoning) in zip(gens, echoes, texts, strict=True):
             assert gen.finish_reason is not None
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
-            choices.append((echo + text, gen.finish_reason, logprobs))
+            choices.append((echo + text, gen.finish_reason, logprobs, reasoning))
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
         return JSONResponse(header.whole(choices, usage, total_cost(gens)).model_dump(mode="json"))
 
@@ -225,11 +225,14 @@ class ServerState:
             raise
         return gens
 
-    async def _collect(self, request: Request, gens: list[Generation]) -> list[str]:
-        """The whole replies; cancels the generations if the client goes away while waiting."""
+    async def _collect(self, request: Request, gens: list[Generation]) -> list[tuple[str, str | None]]:
+        """The whole replies (text, and reasoning or None); cancels the generations if the client goes away while
+        waiting."""
 
-        async def join(gen: Generation) -> str:
-            return "".join([piece async for piece in gen.run()])
+        async def join(gen: Generation) -> tuple[str, str | None]:
+            pieces = [piece async for piece in gen.run()]
+            thoughts = [p for p in pieces if isinstance(p, Reasoning)]
+            return "".join(p for p in pieces if not isinstance(p, Reasoning)), "".join(thoughts) if thoughts else None
 
         async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
             with contextlib.suppress(Exception):  # a broken receive channel means the client is gone too
@@ -237,7 +240,7 @@ class ServerState:
                     pass
 
         tasks = [asyncio.ensure_future(join(gen)) for gen in gens]
-        every: asyncio.Future[list[str]] = asyncio.gather(*tasks)
+        every: asyncio.Future[list[tuple[str, str | None]]] = asyncio.gather(*tasks)
         watch = asyncio.ensure_future(gone())
         try:
             await asyncio.wait([every, cast(asyncio.Future[Any], watch)], return_when=asyncio.FIRST_COMPLETED)
@@ -290,6 +293,9 @@ class ServerState:
         async for piece in gen.run():
             self.metrics.rate.add(gen.n_tokens - sent)
             sent = gen.n_tokens
+            if isinstance(piece, Reasoning):
+                yield header.piece(piece, index=index, reasoning=True)
+                continue
             if late_echo:
                 yield self._scored_echo(gen, header, echo, index)
                 late_echo = False

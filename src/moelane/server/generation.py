@@ -3,6 +3,10 @@ thread into asyncio (a `Stream.subscribe` listener that hands each commit to the
 request), turn them into text cut at stop strings, and cancel the engine stream when the request ends early (stop
 string, client gone, timeout, server stopping).
 
+A chat reply of a model that writes channels (gpt-oss's harmony format: `moelane.model.harmony`) is split: the
+final channel's text is the content, cut at stop strings; the other channels' (its reasoning) come as `Reasoning`
+pieces; the structure between them is dropped.
+
 Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
 cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
 never touches asyncio objects except through `loop.call_soon_threadsafe`.
@@ -18,10 +22,17 @@ from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
+from moelane.model.harmony import FINAL, Channels
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import PagerCost
 
 END = None  # queue sentinel: the engine stream has finished
+
+
+class Reasoning(str):
+    """A piece of a reply's reasoning (a channel other than the final one), not of its content."""
+
+    __slots__ = ()
 
 
 class EngineError(MoelaneError):
@@ -93,6 +104,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
     prompt_logprobs: bool = False  # the prompt's tokens' too (completions with echo)
+    channels: bool = False  # split the reply by harmony channels, where the tokenizer has them (chat)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -115,7 +127,9 @@ class Generation:
         self.engine, self.params, self.limits = engine, params, limits
         self._tokenizer = tokenizer
         self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
-        self._ids: list[int] = []
+        self._channels = Channels.for_tokenizer(tokenizer) if params.channels else None
+        self._reasoning = Detokenizer(tokenizer)
+        self._ids: list[int] = []  # the content's tokens
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
         self.stream: Any = None
@@ -142,7 +156,8 @@ class Generation:
         )  # fmt: skip
 
     async def run(self) -> AsyncIterator[str]:
-        """Text pieces as the engine commits tokens; ends with `finish_reason` set to "stop" or "length"."""
+        """Text pieces as the engine commits tokens (`Reasoning` ones for a reply's reasoning); ends with
+        `finish_reason` set to "stop" or "length"."""
         if self.stream is None:
             self.submit()
         stream = self.stream
@@ -163,11 +178,16 @@ class Generation:
                     self.first_token_at = time.monotonic()
                 if not self.params.max_tokens:  # only the prompt was asked for: its one token is not part of it
                     continue
-                if piece := self._text(batch):
+                thought, piece = self._text(batch)
+                if thought:
+                    yield Reasoning(thought)
+                if piece:
                     yield piece
                 if self._stops.stopped:
                     self.finish_reason = "stop"
                     return
+            if thought := self._reasoning.flush():
+                yield Reasoning(thought)
             if tail := self._tail():
                 yield tail
             self.finish_reason = _finish(stream.finish_reason, stream.error) if self.params.max_tokens else "length"
@@ -193,10 +213,17 @@ class Generation:
             batch.extend(more)
         return batch
 
-    def _text(self, token_ids: list[int]) -> str:
-        """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string."""
-        out = []
+    def _text(self, token_ids: list[int]) -> tuple[str, str]:
+        """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string. -> (reasoning,
+        content) text."""
+        out, thoughts = [], []
         for token in token_ids:
+            channel = FINAL if self._channels is None else self._channels.push(token)
+            if channel != FINAL:  # reasoning, or the structure around the messages
+                self.n_tokens += 1
+                if channel is not None:
+                    thoughts.append(self._reasoning.push([token]))
+                continue
             if self.params.logprobs is not None:
                 self._logprobs.append((token, self.stream.logprob(self.n_tokens), self._n_chars))
             self.n_tokens += 1
@@ -206,7 +233,7 @@ class Generation:
             out.append(self._stops.push(piece))
             if self._stops.stopped:
                 break
-        return "".join(out)
+        return "".join(thoughts), "".join(out)
 
     def prompt_logprobs(self) -> list[tuple[int, TokenLogprob | None, int]]:
         """(token, entry, where its text starts in the prompt) per prompt token, once the prompt has been read; the

@@ -95,16 +95,19 @@ class Header:
     def usage(self, n_prompt: int, n_tokens: int) -> Usage:
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
 
-    def whole(self, choices: list[tuple[str, str, BaseModel | None]], usage: Usage, cost: PagerCost) -> BaseModel:
-        """The response of a finished request: one (text, finish reason, logprobs) per choice, by index."""
+    def whole(self, choices: list[tuple[str, str, BaseModel | None, str | None]], usage: Usage,
+              cost: PagerCost) -> BaseModel:  # fmt: skip
+        """The response of a finished request: one (text, finish reason, logprobs, reasoning) per choice, by
+        index."""
         ext = Extension(pager=cost)
         if self.chat:
-            chat = [ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
-                    for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
+            chat = [ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=thought),
+                               finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
+                    for i, (text, finish, lp, thought) in enumerate(choices)]  # fmt: skip
             return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=chat,
                                           usage=usage, moelane=ext)  # fmt: skip
         plain = [CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
-                 for i, (text, finish, lp) in enumerate(choices)]  # fmt: skip
+                 for i, (text, finish, lp, _) in enumerate(choices)]  # fmt: skip
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=plain, usage=usage,
                                   moelane=ext)  # fmt: skip
 
@@ -114,9 +117,11 @@ class Header:
             return None
         return self._event(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
 
-    def piece(self, text: str, logprobs: BaseModel | None = None, index: int = 0) -> str:
+    def piece(self, text: str, logprobs: BaseModel | None = None, index: int = 0, reasoning: bool = False) -> str:
+        """A chunk of a choice's text (chat, `reasoning`: of its reasoning, `delta.reasoning_content`)."""
         if self.chat:
-            delta = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)  # type: ignore[arg-type]
+            said = Delta(reasoning_content=text) if reasoning else Delta(content=text)
+            delta = ChatChunkChoice(index=index, delta=said, logprobs=logprobs)  # type: ignore[arg-type]
             return self._event(self._chunk([delta]))
         choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)  # type: ignore[arg-type]
         return self._event(self._completion([choice]))

@@ -1,0 +1,136 @@
+"""Chat replies in gpt-oss's harmony format: the final channel is the content, the analysis channel the reasoning,
+the structure between them is dropped, however the tokens group into rounds; completions keep the raw text."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from moelane.model.harmony import SPECIALS, Channels
+from moelane.model.tokenizer import Tokenizer
+from moelane.server.app import create_app
+from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
+from tests.helpers import write_tokenizer
+from tests.server.conftest import running
+from tests.server.fake_engine import FakeEngine
+
+TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+            "<|start|>assistant")  # fmt: skip
+THOUGHT, ANSWER = "The user wants a fibonacci function.", "def fibonacci(n): return n"
+
+
+@pytest.fixture(scope="module")
+def harmony_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test tokenizer with harmony's special tokens and a harmony-style chat template."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    folder: Path = tmp_path_factory.mktemp("harmony")
+    write_tokenizer(folder, 300)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(harmony_folder: Path) -> Tokenizer:
+    return Tokenizer(harmony_folder, frozenset())
+
+
+def harmony_reply(tok: Tokenizer, final: str = ANSWER) -> list[int]:
+    def special(name: str) -> int:
+        tid = tok.token_id(name)
+        assert tid is not None
+        return tid
+
+    return [special("<|channel|>"), *tok.encode("analysis"), special("<|message|>"), *tok.encode(THOUGHT),
+            special("<|end|>"), special("<|start|>"), *tok.encode("assistant"), special("<|channel|>"),
+            *tok.encode("final"), special("<|constrain|>"), *tok.encode("text"), special("<|message|>"),
+            *tok.encode(final), special("<|return|>")]  # fmt: skip
+
+
+def run(engine: FakeEngine, tok: Tokenizer, channels: bool, stops: tuple[str, ...] = ()) -> list[str]:
+    gen = Generation(engine, tok, GenerationParams((1, 2), 500, stops=stops, channels=channels), Limits())
+
+    async def collect() -> list[str]:
+        return [p async for p in gen.run()]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("per_round", [1, 3, 64])
+def test_a_reply_splits_into_reasoning_and_content(tokenizer: Tokenizer, per_round: int) -> None:
+    reply = harmony_reply(tokenizer)
+    pieces = run(FakeEngine(reply, per_round), tokenizer, channels=True)
+    assert "".join(p for p in pieces if isinstance(p, Reasoning)) == THOUGHT
+    assert "".join(p for p in pieces if not isinstance(p, Reasoning)) == ANSWER
+    cut = run(FakeEngine(reply, per_round), tokenizer, channels=True, stops=("return",))
+    assert "".join(p for p in cut if not isinstance(p, Reasoning)) == "def fibonacci(n): "
+    raw = run(FakeEngine(reply, per_round), tokenizer, channels=False)  # (completions: the text as decoded)
+    assert "".join(raw) == tokenizer.decode(reply) and not any(isinstance(p, Reasoning) for p in raw)
+
+
+def test_channels_need_the_special_tokens(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    write_tokenizer(tmp_path, 300)
+    assert Channels.for_tokenizer(Tokenizer(tmp_path, frozenset())) is None
+    channels = Channels.for_tokenizer(tokenizer)
+    assert channels is not None
+    said = [channels.push(t) for t in harmony_reply(tokenizer)]
+    assert {s for s in said if s} == {"analysis", "final"}
+
+
+class FakeLM:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
+
+
+def test_the_chat_api_gives_reasoning_content(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(harmony_reply(tokenizer), per_round=2)
+    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    request: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}
+    with running(app) as base:
+        body = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=30).json()
+        message = body["choices"][0]["message"]
+        assert message["content"] == ANSWER and message["reasoning_content"] == THOUGHT
+        assert body["usage"]["completion_tokens"] == len(engine.reply)
+        content, thought = "", ""
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**request, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        content += choice["delta"].get("content") or ""
+                        thought += choice["delta"].get("reasoning_content") or ""
+        assert content == ANSWER and thought == THOUGHT
+        completion = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 200},
+                                timeout=30).json()  # fmt: skip
+        assert completion["choices"][0]["text"] == tokenizer.decode(engine.reply)
+
+
+def test_run_chat_prints_the_final_channel_and_reasoning_apart(
+    tokenizer: Tokenizer,
+    harmony_folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`moelane run --chat`: the answer on stdout, the reasoning on stderr (the model's reply scripted)."""
+    import shutil
+
+    import moelane.cli
+    from tests.helpers import random_model
+
+    folder = random_model("gpt_oss", tmp_path / "m", vocab_size=320)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(harmony_folder / name, folder / name)
+    reply = harmony_reply(tokenizer)
+    monkeypatch.setattr(moelane.cli, "generate", lambda *args: iter(reply))
+    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
