@@ -8,6 +8,7 @@ the family tests hold to transformers' logits), all experts resident or paged.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -98,3 +99,16 @@ def test_an_mxfp4_checkpoint_pages_with_identical_tokens(checkpoints: tuple[Path
     attached.detach()
     assert store.stats.totals().misses > 0
     store.close()
+
+
+def test_a_checkpoint_missing_an_expert_tensor_is_refused(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    from moelane.errors import ModelLoadError
+
+    packed, _ = checkpoints
+    broken = tmp_path / "broken"
+    shutil.copytree(packed, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=re.escape("missing tensor model.layers.1.mlp.experts.down_proj_scales")):
+        moelane.load(broken)

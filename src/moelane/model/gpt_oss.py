@@ -26,6 +26,8 @@ from moelane.model.moe import run_experts
 from moelane.model.provider import ExpertProvider
 
 EXPERT_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}
+MXFP4_NAMES = {"gate_up_blocks": "gate_up_proj_blocks", "gate_up_scales": "gate_up_proj_scales",
+               "down_blocks": "down_proj_blocks", "down_scales": "down_proj_scales"}  # fmt: skip
 QUANTIZED = ("mxfp4",)
 # transformers' rope for a config that gives none
 DEFAULT_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -38,26 +40,24 @@ def expert_prefix(layer: int) -> str:
 
 def find_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> list[ExpertHandle] | None:
     """The layer's experts, fused as saved by transformers ("transposed") or as released in MXFP4 ("mxfp4")."""
-    layer = int(prefix.split(".")[2])
-    names = ["gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"]
-    layout, ours = "transposed", {"gate_up": "gate_up_proj", "down": "down_proj"}
     if f"{prefix}.gate_up_proj_blocks" in refs:
-        layout, ours = "mxfp4", {name.replace("_proj", ""): name for name in names}
-    elif f"{prefix}.gate_up_proj" not in refs:
+        layout, names = "mxfp4", MXFP4_NAMES
+    elif f"{prefix}.gate_up_proj" in refs:
+        layout, names = "transposed", EXPERT_NAMES
+    else:
         return None
     stacked = {}
-    for name, theirs in ours.items():
+    for ours, theirs in names.items():
         ref = refs.get(f"{prefix}.{theirs}")
         if ref is None:
             raise ModelLoadError(f"checkpoint is missing tensor {prefix}.{theirs}")
         if not ref.shape or ref.shape[0] != n_experts:
-            raise ModelLoadError(
-                f"{prefix}.{theirs} has shape {list(ref.shape)}, config.json implies {n_experts} experts"
-            )
-        stacked[name] = ref
-    return [
-        ExpertHandle(layer, e, {n: slice_stacked(r, e) for n, r in stacked.items()}, layout) for e in range(n_experts)
-    ]
+            raise ModelLoadError(f"{prefix}.{theirs} has shape {list(ref.shape)}, config.json implies {n_experts} "
+                                 "experts")  # fmt: skip
+        stacked[ours] = ref
+    layer = int(prefix.split(".")[2])
+    return [ExpertHandle(layer, e, {name: slice_stacked(ref, e) for name, ref in stacked.items()}, layout)
+            for e in range(n_experts)]  # fmt: skip
 
 
 class Experts(nn.Module):

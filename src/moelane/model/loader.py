@@ -239,9 +239,8 @@ def expert_tensors(w: dict[str, torch.Tensor], layout: str, dtype: torch.dtype) 
     w13 are the gate_up projection's outputs in the checkpoint's order (gate then up, or interleaved for gpt-oss:
     the family's activation knows which)."""
     if layout == "mxfp4":
-        return mxfp4_to(w["gate_up_blocks"], w["gate_up_scales"], dtype), mxfp4_to(
-            w["down_blocks"], w["down_scales"], dtype
-        )
+        w13 = mxfp4_to(w["gate_up_blocks"], w["gate_up_scales"], dtype)
+        return w13, mxfp4_to(w["down_blocks"], w["down_scales"], dtype)
     w = {name: t.to(dtype) for name, t in w.items()}
     if layout == "transposed":
         return w["gate_up"].t().contiguous(), w["down"].t().contiguous()

@@ -11,10 +11,10 @@ In both dispatch paths a row's numbers do not depend on the other rows of the pa
 - compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
   pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
 
-An expert is `down(act(gate_up(x) + b13) ) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
-family says otherwise (gpt-oss: `clamped_swiglu` over interleaved rows), and the biases, where a family has them
-(gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not paged. The pairs'
-biases (`PairBias`) ride along with the pairs into whichever dispatch path runs.
+An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
+family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows, `GptOssMoe.act`), and the biases, where a
+family has them (gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not
+paged. The pairs' biases (`PairBias`) ride along with the pairs into whichever dispatch path runs.
 
 Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
 """
