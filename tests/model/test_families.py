@@ -314,7 +314,13 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
         (dict(num_hidden_layers=0), "num_hidden_layers must be a whole number >= 1, got 0"),
         (dict(max_position_embeddings=0), "max_position_embeddings must be a whole number >= 1, got 0"),
         (dict(hidden_size="64"), "hidden_size must be a whole number >= 1, got '64'"),
-        (dict(quantization_config=dict(quant_method="fp8", fmt="e4m3")), "quantization_config: fp8); use the"),
+        (dict(quantization_config=dict(quant_method="fp8", fmt="e4m3")), "fp8 checkpoints are read with e4m3 weights"),
+        (
+            dict(
+                quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128], activation_scheme="static")
+            ),
+            "in blocks of scales only",
+        ),
         (dict(quantization_config=dict(quant_method="gptq", bits=4)), "quantized checkpoints are not supported"),
     ],
 )

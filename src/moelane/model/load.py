@@ -10,6 +10,7 @@ fp32 whatever the dtype), `find_experts(refs, prefix, n_experts)` (its own exper
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from moelane.model.loader import (
     TensorRef,
     expected_shapes,
     find_expert_handles,
+    fp8_to,
     read_config,
     read_eos_ids,
     read_tensor,
@@ -65,7 +67,7 @@ def load(
     folder = Path(path)
     config = read_config(folder)
     family = family_module(config["model_type"])
-    check_unquantized(config, getattr(family, "QUANTIZED", ()))
+    fp8_block = check_quantization(config, getattr(family, "QUANTIZED", ()))
     if dtype == "auto":
         dtype = checkpoint_dtype(config)
     elif not isinstance(dtype, torch.dtype):
@@ -79,7 +81,7 @@ def load(
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
     refs = scan_checkpoint(folder)
-    handles = expert_handles(family, model.moe_layers, config, refs)
+    handles = expert_handles(family, model.moe_layers, config, refs, fp8_block)
     # (a fused checkpoint's stacked tensor starts where its first expert's slice does)
     expert_starts = {(ref.path, ref.offset) for hs in handles.values() for h in hs for ref in h.tensors.values()}
     skip = getattr(family, "ignored", lambda config, name: False)
@@ -88,7 +90,7 @@ def load(
         for name, ref in refs.items()
         if (ref.path, ref.offset) not in expert_starts and not skip(config, name)
     }
-    load_dense(model, family, dense, dtype)
+    load_dense(model, family, dense, dtype, fp8_block)
     tokenizer = Tokenizer(folder, read_eos_ids(folder, config))
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, dtype), dtype)
@@ -97,18 +99,29 @@ def load(
     return lm
 
 
-def check_unquantized(config: dict[str, object], readable: tuple[str, ...] = ()) -> None:
-    """A checkpoint quantized by another tool (GPTQ, AWQ, FP8, MXFP4, bitsandbytes: config.json's
-    `quantization_config`) is refused in one line, before its packed tensors fail as missing or odd ones; except
+def check_quantization(config: dict[str, object], readable: tuple[str, ...] = ()) -> tuple[int, int] | None:
+    """The block of a float8 checkpoint's weight scales (DeepSeek's, Qwen's and GLM's FP8 releases:
+    `quant_method` "fp8", e4m3 weights, `weight_block_size`, activations quantized on the fly, which moelane does
+    not: it computes with the weights expanded to the compute dtype, as transformers does without a GPU), or None.
+    Other checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, per-tensor FP8: config.json's
+    `quantization_config`) are refused in one line, before their packed tensors fail as missing or odd ones; except
     the `readable` methods, whose experts the family reads (gpt-oss: mxfp4)."""
     quant = config.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        if method in readable:
-            return
-        raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
-                             "model's bf16 or fp32 weights: moelane quantizes experts itself (--default-tier int8 "
-                             "or int4)")  # fmt: skip
+    if quant is None:
+        return None
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    if method in readable:
+        return None
+    if method == "fp8" and isinstance(quant, dict):
+        block = quant.get("weight_block_size")
+        fine = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+        if fine and quant.get("fmt", "e4m3") == "e4m3" and quant.get("activation_scheme", "dynamic") == "dynamic":
+            return block[0], block[1]  # type: ignore[index]
+        raise ModelLoadError(f"fp8 checkpoints are read with e4m3 weights in blocks of scales only "
+                             f"(weight_block_size), got {json.dumps(quant)[:200]}")  # fmt: skip
+    raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
+                         "model's bf16 or fp32 weights, or its fp8 ones with block scales: moelane quantizes experts "
+                         "itself (--default-tier int8 or int4)")  # fmt: skip
 
 
 def checkpoint_dtype(config: dict[str, object]) -> torch.dtype:
@@ -137,16 +150,21 @@ def check_top_k(family: ModuleType, config: dict[str, object]) -> None:
 
 
 def expert_handles(
-    family: ModuleType, moe_layers: list[int], config: dict[str, object], refs: dict[str, TensorRef]
+    family: ModuleType,
+    moe_layers: list[int],
+    config: dict[str, object],
+    refs: dict[str, TensorRef],
+    fp8_block: tuple[int, int] | None = None,
 ) -> dict[int, list[ExpertHandle]]:
     n_experts = int(family.n_experts(config))
     find = getattr(family, "find_experts", None)
     handles: dict[int, list[ExpertHandle]] = {}
     for layer in moe_layers:
         prefix = family.expert_prefix(layer)
-        found = (
-            find(refs, prefix, n_experts) if find else find_expert_handles(refs, prefix, n_experts, family.EXPERT_NAMES)
-        )
+        if find:
+            found = find(refs, prefix, n_experts)
+        else:
+            found = find_expert_handles(refs, prefix, n_experts, family.EXPERT_NAMES, fp8_block)
         if found is None:
             raise ModelLoadError(f"checkpoint has no experts for MoE layer {layer} ({family.expert_prefix(layer)}.*)")
         handles[layer] = found
@@ -158,8 +176,11 @@ def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: 
     hidden, width = int(config["hidden_size"]), int(family.expert_width(config))  # type: ignore[call-overload]
     for layer_handles in handles.values():
         for h in layer_handles:
-            expect = expected_shapes(h.layout, hidden, width)
+            expect = expected_shapes(h.layout, hidden, width, h.block)
             for name, ref in h.tensors.items():
+                if ref.dtype.startswith("F8") and h.layout != "fp8":
+                    raise ModelLoadError(f"expert {h.expert} of layer {h.layer}: float8 {name} weights without "
+                                         "block scales (weight_scale_inv, weight_block_size)")  # fmt: skip
                 if ref.shape != expect[name]:
                     raise ModelLoadError(
                         f"expert {h.expert} of layer {h.layer}: {name} has shape {list(ref.shape)}, "
@@ -167,11 +188,17 @@ def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: 
                     )
 
 
-def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype) -> None:
+def load_dense(
+    model: Decoder, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype,
+    fp8_block: tuple[int, int] | None = None,
+) -> None:  # fmt: skip
     """Read the dense tensors one at a time straight into the model's parameters (peak memory: the model plus one
-    tensor, not a second copy of every weight)."""
+    tensor, not a second copy of every weight); float8 weights expanded with their scales (`fp8_block`)."""
     if hasattr(family, "sanitize"):
         refs = family.sanitize(refs)  # renames only
+    scales = {
+        name.removesuffix("_scale_inv"): refs.pop(name) for name in list(refs) if name.endswith(".weight_scale_inv")
+    }
     model.to(dtype)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if name.endswith(getattr(family, "KEEP_FP32", ())):
@@ -190,9 +217,17 @@ def load_dense(model: Decoder, family: ModuleType, refs: dict[str, TensorRef], d
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0]}")
     head = refs.pop("lm_head.weight", None) if tied else None
+    unscaled = next(
+        (n for n, ref in refs.items() if ref.dtype.startswith("F8") and (n not in scales or not fp8_block)), None
+    )
+    if unscaled is not None:
+        raise ModelLoadError(f"float8 tensor {unscaled} has no block scales (its weight_scale_inv, and "
+                             "quantization_config's weight_block_size)")  # fmt: skip
     with torch.no_grad():
         for name, ref in refs.items():
-            if name in own:
+            if name in scales and fp8_block is not None:
+                own[name].copy_(fp8_to(read_tensor(ref), read_tensor(scales[name]), fp8_block, own[name].dtype))
+            elif name in own:
                 read_tensor_into(ref, own[name])
         if head is not None:
             untie_if_different(model, head)

@@ -33,6 +33,7 @@ DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -55,13 +56,16 @@ class ExpertHandle:
     - "linear": `F.linear` weights, "gate", "up" and "down" (or "gate_up" and "down" for fused checkpoints);
     - "transposed": gpt-oss's fused "gate_up" [H, 2I] (gate and up columns interleaved) and "down" [I, H];
     - "mxfp4": the same as 4-bit floats in blocks of 32 with a shared power-of-two scale (gpt-oss's release),
-      "gate_up_blocks" [2I, H/32, 16] and "gate_up_scales" [2I, H/32], "down_blocks" and "down_scales" (uint8).
+      "gate_up_blocks" [2I, H/32, 16] and "gate_up_scales" [2I, H/32], "down_blocks" and "down_scales" (uint8);
+    - "fp8": "gate", "up" and "down" as "linear", in float8 (e4m3), each with the fp32 scale of every `block` of
+      its weights ("gate_scale", ...: a checkpoint's `weight_scale_inv`), as DeepSeek, Qwen and GLM release them.
     """
 
     layer: int
     expert: int
     tensors: dict[str, TensorRef]
     layout: str = "linear"
+    block: tuple[int, int] = (0, 0)  # "fp8": the rows and columns one scale covers
 
     @property
     def nbytes(self) -> int:
@@ -82,14 +86,26 @@ class ExpertHandle:
         return next(iter(self.tensors.values())).path
 
 
-def expected_shapes(layout: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    layout: str, hidden: int, width: int, block: tuple[int, int] = (0, 0)
+) -> dict[str, tuple[int, ...]]:
     """The shape each of an expert's tensors must have in `layout`, for a model of `hidden` and expert `width`."""
     if layout == "transposed":
         return {"gate_up": (hidden, 2 * width), "down": (width, hidden)}
     if layout == "mxfp4":
         return {"gate_up_blocks": (2 * width, hidden // 32, 16), "gate_up_scales": (2 * width, hidden // 32),
                 "down_blocks": (hidden, width // 32, 16), "down_scales": (hidden, width // 32)}  # fmt: skip
-    return {"gate": (width, hidden), "up": (width, hidden), "gate_up": (2 * width, hidden), "down": (hidden, width)}
+    weights: dict[str, tuple[int, ...]] = {
+        "gate": (width, hidden),
+        "up": (width, hidden),
+        "gate_up": (2 * width, hidden),
+        "down": (hidden, width),
+    }
+    if layout == "fp8":
+        rows, cols = block
+        scales = {f"{name}_scale": (-(-r // rows), -(-c // cols)) for name, (r, c) in weights.items()}
+        return {**weights, **scales}
+    return weights
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -234,10 +250,18 @@ def read_bytes(ref: TensorRef, out: torch.Tensor) -> None:
         raise ModelLoadError(f"short read of {ref.nbytes} bytes at offset {ref.offset} in {ref.path} (truncated?)")
 
 
-def expert_tensors(w: dict[str, torch.Tensor], layout: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool layout in `dtype` from one expert's tensors as stored in `layout`: (w13 [2I, H], w2 [H, I]). The rows of
-    w13 are the gate_up projection's outputs in the checkpoint's order (gate then up, or interleaved for gpt-oss:
-    the family's activation knows which)."""
+def expert_tensors(
+    w: dict[str, torch.Tensor], handle: ExpertHandle, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool layout in `dtype` from one expert's tensors as stored (`handle.layout`): (w13 [2I, H], w2 [H, I]). The
+    rows of w13 are the gate_up projection's outputs in the checkpoint's order (gate then up, or interleaved for
+    gpt-oss: the family's activation knows which)."""
+    layout = handle.layout
+    if layout == "fp8":
+        w = {
+            name: fp8_to(w[name], w[f"{name}_scale"], handle.block, dtype) for name in w if not name.endswith("_scale")
+        }
+        layout = "linear"
     if layout == "mxfp4":
         w13 = mxfp4_to(w["gate_up_blocks"], w["gate_up_scales"], dtype)
         return w13, mxfp4_to(w["down_blocks"], w["down_scales"], dtype)
@@ -261,13 +285,22 @@ def mxfp4_to(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> 
     return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).reshape(scales.shape[0], -1).to(dtype)
 
 
+def fp8_to(weight: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A float8 weight [R, C] with one scale per `block` (scales [ceil(R / rows), ceil(C / cols)], a checkpoint's
+    `weight_scale_inv`) -> `weight * scale` in `dtype`, computed in fp32 as transformers and DeepSeek compute it."""
+    rows, cols = block
+    r, c = weight.shape
+    grid = scales.float().repeat_interleave(rows, dim=0)[:r].repeat_interleave(cols, dim=1)[:, :c]
+    return (weight.float() * grid).to(dtype)
+
+
 def read_expert(handle: ExpertHandle, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's weights in pool layout, read from its shard."""
     try:
         w = {name: read_tensor(ref) for name, ref in handle.tensors.items()}
     except ModelLoadError as e:
         raise ModelLoadError(f"expert {handle.expert} of layer {handle.layer}: {e}") from None
-    return expert_tensors(w, handle.layout, dtype)
+    return expert_tensors(w, handle, dtype)
 
 
 def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
@@ -277,12 +310,17 @@ def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
 
 
 def find_expert_handles(
-    refs: dict[str, TensorRef], prefix: str, n_experts: int, names: dict[str, str]
+    refs: dict[str, TensorRef],
+    prefix: str,
+    n_experts: int,
+    names: dict[str, str],
+    fp8_block: tuple[int, int] | None = None,
 ) -> list[ExpertHandle] | None:
     """Handles for the experts under `prefix` (e.g. "model.layers.3.mlp.experts").
 
     `names` maps our names ("gate", "up", "down") to the checkpoint's (e.g. "gate_proj"). Per-expert tensors
-    (`{prefix}.{e}.{name}.weight`) and fused stacked ones (`{prefix}.gate_up_proj`, `{prefix}.down_proj`) both work.
+    (`{prefix}.{e}.{name}.weight`) and fused stacked ones (`{prefix}.gate_up_proj`, `{prefix}.down_proj`) both work;
+    per-expert float8 ones with their `weight_scale_inv` too, in a checkpoint of `fp8_block` scales.
     Returns None when the prefix holds no experts.
     """
     layer = int(prefix.split(".")[2])
@@ -294,13 +332,19 @@ def find_expert_handles(
         ]
     if f"{prefix}.0.{names['gate']}.weight" not in refs:
         return None
+    fp8 = fp8_block is not None and f"{prefix}.0.{names['gate']}.weight_scale_inv" in refs
     handles = []
     for e in range(n_experts):
         tensors = {}
         for ours, theirs in names.items():
-            key = f"{prefix}.{e}.{theirs}.weight"
-            if key not in refs:
-                raise ModelLoadError(f"checkpoint is missing tensor {key}")
-            tensors[ours] = refs[key]
-        handles.append(ExpertHandle(layer, e, tensors))
+            keys = {ours: f"{prefix}.{e}.{theirs}.weight"}
+            if fp8:
+                keys[f"{ours}_scale"] = f"{prefix}.{e}.{theirs}.weight_scale_inv"
+            for name, key in keys.items():
+                if key not in refs:
+                    raise ModelLoadError(f"checkpoint is missing tensor {key}")
+                tensors[name] = refs[key]
+        handles.append(
+            ExpertHandle(layer, e, tensors, "fp8", fp8_block) if fp8 and fp8_block else ExpertHandle(layer, e, tensors)
+        )
     return handles

@@ -137,7 +137,7 @@ def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor
         stored[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
         pos += ref.nbytes
     if handle.layout != "linear":
-        w13, w2 = expert_tensors(stored, handle.layout, w13_out.dtype)
+        w13, w2 = expert_tensors(stored, handle, w13_out.dtype)
         copy_blocks(w13_out, w13)
         copy_blocks(w2_out, w2)
         return
