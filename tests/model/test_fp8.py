@@ -68,6 +68,7 @@ def test_fp8_expands_block_by_block() -> None:
 
 CASES = [
     ("qwen3_moe", {}),
+    ("glm4_moe", {}),  # its router stays fp32, unquantized
     # MLA with every width a multiple of 8 (transformers' expansion needs whole blocks), q through its LoRA
     ("deepseek_v3", dict(kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, q_lora_rank=24)),
 ]
