@@ -3,7 +3,9 @@ copy-heavy prompts (repeat, or repeat with a rename, a given standard library fu
 domain, and it copies code it was shown; prose it barely copies) and on open generation; all in one run, with the
 ratios the issue asks for and a token-identity check of every reply against plain mode.
 
-With `--repeat N` every cell runs N times (all cells of a round before the next round) and the summary gives medians.
+With `--repeat N` every cell runs N times (all cells of a round before the next round, the order of the modes turned
+by one each round) and the summary gives medians; guarded / best is the median over rounds of each round's ratio
+(its cells run side by side, so the machine's drift between rounds cancels).
 Each cell is a fresh `Engine` on one loaded model: N streams, each with a different prompt, greedy, `--tokens`
 tokens each (no EOS stop, so every cell does the same work), timed from the first submit to idle. Prints one JSON
 line per cell and a summary line.
@@ -160,26 +162,25 @@ def main() -> None:
     samples: dict[tuple[str, int, str], list[float]] = {}
     mismatches = 0
     run_cell(lm, draft, dict(drafter="none"), prompts(lm.tokenizer, "open", 1), 8)  # warm up
+    modes = args.modes.split(",")
     for r in range(args.repeat):
         for workload in args.workloads.split(","):
             batches = {n: prompts(lm.tokenizer, workload, n) for n in counts}
             warm = {n: warm_batches(lm.tokenizer, workload, n, args) for n in counts}
             for n in counts:
-                plain_replies = None
-                for mode in args.modes.split(","):
+                replies: dict[str, list[list[int]]] = {}
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                     config = {"drafter": args.drafter, "max_streams": n, "max_depth": args.max_depth, **MODES[mode]}
                     cell = run_cell(lm, draft, config, batches[n], args.tokens, warm[n], args.warm_tokens)
-                    replies = cell.pop("replies")
-                    if plain_replies is None:
-                        plain_replies = replies
-                    same = replies == plain_replies
-                    mismatches += not same
+                    replies[mode] = cell.pop("replies")
                     samples.setdefault((workload, n, mode), []).append(cell["tok_s"])
                     print(json.dumps({"event": "cell", "round": r, "workload": workload, "streams": n, "mode": mode,
-                                      "same_replies": same, **cell}), flush=True)  # fmt: skip
+                                      **cell}), flush=True)  # fmt: skip
+                first = next(iter(replies.values()))  # every mode's replies must be the same (plain's, if it ran)
+                mismatches += sum(got != replies.get("plain", first) for got in replies.values())
     results = {k: statistics.median(v) for k, v in samples.items()}
     print(json.dumps({"event": "summary", **setting, "repeat": args.repeat, "mismatches": mismatches,
-                      **ratios(results, counts)}), flush=True)  # fmt: skip
+                      **ratios(results, counts), **paired(samples, counts)}), flush=True)  # fmt: skip
 
 
 def warm_batches(tokenizer: Any, workload: str, n: int, args: argparse.Namespace) -> list[list[list[int]]]:
@@ -192,6 +193,7 @@ def warm_batches(tokenizer: Any, workload: str, n: int, args: argparse.Namespace
 
 
 def ratios(results: dict[tuple[str, int, str], float], counts: list[int]) -> dict[str, Any]:
+    """The issue's ratios from the cells' median tok/s."""
     out: dict[str, Any] = {}
     for workload in ("copy", "open"):
         r = {k[1:]: v for k, v in results.items() if k[0] == workload}
@@ -199,13 +201,24 @@ def ratios(results: dict[tuple[str, int, str], float], counts: list[int]) -> dic
             out[f"{workload}_plain_8_over_1"] = round(r[(8, "plain")] / r[(1, "plain")], 2)
         if (1, "plain") in r and (1, "drafted") in r:
             out[f"{workload}_drafted_over_plain_at_1"] = round(r[(1, "drafted")] / r[(1, "plain")], 2)
+        out[f"{workload}_tok_s"] = {f"{n}/{m}": round(v, 1) for (n, m), v in sorted(r.items())}
+    return out
+
+
+def paired(samples: dict[tuple[str, int, str], list[float]], counts: list[int]) -> dict[str, Any]:
+    """Guarded / the better fixed mode, per stream count: the median over rounds of the ratio within a round."""
+    out: dict[str, Any] = {}
+    for workload in ("copy", "open"):
         guarded = {}
         for n in counts:
-            if all((n, m) in r for m in ("plain", "drafted", "guarded")):
-                guarded[n] = round(r[(n, "guarded")] / max(r[(n, "plain")], r[(n, "drafted")]), 2)
+            runs = [samples.get((workload, n, m)) for m in ("plain", "drafted", "guarded")]
+            if all(runs):
+                plain, drafted, ours = runs
+                assert plain is not None and drafted is not None and ours is not None
+                per_round = [g / max(p, d) for p, d, g in zip(plain, drafted, ours, strict=True)]
+                guarded[n] = round(statistics.median(per_round), 2)
         if guarded:
             out[f"{workload}_guarded_over_best"] = guarded
-        out[f"{workload}_tok_s"] = {f"{n}/{m}": round(v, 1) for (n, m), v in sorted(r.items())}
     return out
 
 
