@@ -59,7 +59,7 @@ def random_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> 
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # GLM's router bias: big enough to change choices
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # router biases: enough to change choices
                 b.add_(torch.randn_like(b) * 0.05)
         for name, p in model.named_parameters():
             if name.endswith(".sinks"):  # gpt-oss's sink logits: big enough to take a share of every softmax
@@ -98,7 +98,38 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         COMMON, head_dim=16, intermediate_size=24, num_local_experts=10, num_experts_per_tok=3, sliding_window=12,
         max_position_embeddings=8192, eos_token_id=None, pad_token_id=None)),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        COMMON, num_hidden_layers=4, intermediate_size=72, moe_intermediate_size=24, num_experts=10,
+        num_experts_per_tok=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv", "conv"],
+        eos_token_id=None, bos_token_id=None, pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
 }  # fmt: skip
+
+
+def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12) -> None:
+    """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's."""
+    import moelane
+    from moelane.pager.store import ExpertStore, store_factory
+
+    want = list(moelane.load(folder).generate_ids(prompt, n_tokens))
+    lm = moelane.load(folder, provider=store_factory("50%", None, "planner", "native"))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    attached = store.attach(lm)
+    chunk = min(256, store.max_rows(lm.args.num_experts_per_tok))
+    assert list(lm.generate_ids(prompt, n_tokens, prefill_chunk=chunk)) == want
+    attached.detach()
+    store.check_invariants()
+    assert store.stats.totals().misses > 0
+    store.close()
+
+
+def drop_tensor(folder: Path, name: str) -> None:
+    """Take one tensor out of a single-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    del weights[name]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})

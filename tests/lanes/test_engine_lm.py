@@ -91,6 +91,20 @@ def test_families_of_their_own_kind_reply_as_solo_decode(family: str, overrides:
     assert check_identity(lm, None, cases, 16, drafter="copy", max_streams=4, prefill_chunk=5).holds > 0
 
 
+def test_lfm2_convolutions_roll_back_with_rejected_drafts(tmp_path: Path) -> None:
+    """lfm2_moe's convolutions read the history of their inputs by position: with drafts that are all rejected (from
+    another random model) or all accepted (from the model itself), in shared rounds beside prompt chunks, each
+    stream still gets its solo decode, greedy and sampled."""
+    folder = random_model("lfm2_moe", tmp_path / "target")
+    lm = moelane.load(folder)
+    cases = [(p, list(lm.generate_ids(p, 16, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
+    config: dict[str, Any] = dict(drafter="model", max_streams=4, prefill_chunk=5, guard=False, timed=False)
+    wrong = check_identity(lm, moelane.load(random_model("lfm2_moe", tmp_path / "other", seed=1)), cases, 16, **config)
+    assert wrong.holds > 0 and wrong.accepted == 0
+    right = check_identity(lm, moelane.load(folder), cases, 16, **config)
+    assert right.holds > 0 and right.accepted > 0
+
+
 def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     """The draft model the engine loads runs its generated rows (and short catch-ups) through its compiled decode
     step; drafts are held and every reply still equals the solo decode."""

@@ -58,6 +58,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters=dict(rope_type="yarn", rope_theta=5e4, factor=8.0, beta_fast=16.0, beta_slow=2.0,
                              truncate=True, original_max_position_embeddings=256))),
+    ("lfm2_moe", "lfm2_moe", {}),
+    ("lfm2_moe-attention-first-kernel4-bias-tied", "lfm2_moe", dict(
+        layer_types=["full_attention", "conv", "full_attention", "conv"], conv_L_cache=4, conv_bias=True,
+        use_expert_bias=False, norm_topk_prob=False, routed_scaling_factor=1.7, tie_word_embeddings=True,
+        num_dense_layers=0)),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -95,7 +100,8 @@ def test_fp32_matches_transformers(
 ) -> None:
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.float32), moelane.load(folder)
-    assert lm.model.moe_layers == [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "experts")]
+    feed_forward = [getattr(layer, "mlp", None) or layer.feed_forward for layer in ref.model.layers]  # (LFM2's name)
+    assert lm.model.moe_layers == [i for i, ff in enumerate(feed_forward) if hasattr(ff, "experts")]
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     more = token_ids(N_DECODE, lm.vocab_size, 2)
     cache = lm.new_cache(N_PROMPT + N_DECODE)
@@ -224,6 +230,8 @@ def test_deepseek_moe_layer_placement() -> None:
         ("gpt_oss", dict(layer_types=["full_attention"]), "has 1 layer_types for 3 layers"),
         ("gpt_oss", dict(sliding_window=0.5), "sliding_window must be a positive number"),
         ("gpt_oss", dict(num_local_experts=0), "gpt_oss needs num_local_experts >= 1"),
+        ("lfm2_moe", dict(layer_types=["conv"] * 3), "lfm2_moe needs layer_types, one per layer (4)"),
+        ("lfm2_moe", dict(layer_types=["conv", "mamba", "conv", "conv"]), "unknown layer_types ['mamba']"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -335,6 +343,7 @@ def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp
 COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",
                                          "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
                                          "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
+                                         "lfm2_moe-attention-first-kernel4-bias-tied",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

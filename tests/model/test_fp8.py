@@ -19,8 +19,7 @@ from safetensors.torch import load_file, save_file
 import moelane
 from moelane.errors import ModelLoadError
 from moelane.model.loader import fp8_to
-from moelane.pager.store import ExpertStore, store_factory
-from tests.helpers import random_model
+from tests.helpers import check_pages_as_resident, drop_tensor, random_model
 
 E4M3_MAX = 448.0
 
@@ -86,22 +85,12 @@ def test_an_fp8_checkpoint_runs_as_transformers_expands_it(family: str, override
     prompt = list(range(5, 45))
     with torch.no_grad():
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= 1e-4
-    want = list(lm.generate_ids(prompt, 12))
-    paged = moelane.load(folder, provider=store_factory("50%", None, "planner", "native"))
-    store = paged.provider
-    assert isinstance(store, ExpertStore)
-    attached = store.attach(paged)
-    assert list(paged.generate_ids(prompt, 12, prefill_chunk=min(256, store.max_rows(3)))) == want
-    attached.detach()
-    assert store.stats.totals().misses > 0
-    store.close()
+    check_pages_as_resident(folder, prompt)
 
 
 def test_an_fp8_checkpoint_missing_a_scale_is_refused(tmp_path: Path) -> None:
     folder = fp8_checkpoint(random_model("qwen3_moe", tmp_path / "base"), tmp_path / "fp8", (8, 8))
-    weights = load_file(folder / "model.safetensors")
-    del weights["model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"]
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    drop_tensor(folder, "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv")
     with pytest.raises(ModelLoadError, match=re.escape("missing tensor model.layers.0.mlp.experts.3.up_proj.weight_")):
         moelane.load(folder)
 
@@ -109,9 +98,7 @@ def test_an_fp8_checkpoint_missing_a_scale_is_refused(tmp_path: Path) -> None:
 def test_float8_weights_without_their_scales_are_refused(tmp_path: Path) -> None:
     """Read without its scales, a float8 weight would load as numbers about 1/scale too large, silently."""
     folder = fp8_checkpoint(random_model("qwen3_moe", tmp_path / "base"), tmp_path / "fp8", (8, 8))
-    weights = load_file(folder / "model.safetensors")
-    del weights["model.layers.2.self_attn.o_proj.weight_scale_inv"]
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    drop_tensor(folder, "model.layers.2.self_attn.o_proj.weight_scale_inv")
     with pytest.raises(ModelLoadError, match=re.escape("float8 tensor model.layers.2.self_attn.o_proj.weight has no")):
         moelane.load(folder)
     config = json.loads((folder / "config.json").read_text())

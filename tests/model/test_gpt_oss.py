@@ -18,8 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import moelane
 from moelane.model.loader import FP4_VALUES, mxfp4_to
-from moelane.pager.store import ExpertStore, store_factory
-from tests.helpers import random_model
+from tests.helpers import check_pages_as_resident, drop_tensor, random_model
 
 
 def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,18 +86,7 @@ def test_an_mxfp4_checkpoint_runs_as_its_expansion(checkpoints: tuple[Path, Path
 
 def test_an_mxfp4_checkpoint_pages_with_identical_tokens(checkpoints: tuple[Path, Path]) -> None:
     """The pager keeps the 4-bit form as the experts' stored tier and expands an expert into its slot on a miss."""
-    packed, _ = checkpoints
-    prompt = list(range(3, 30))
-    want = list(moelane.load(packed).generate_ids(prompt, 12))
-    lm = moelane.load(packed, provider=store_factory("50%", None, "planner", "native"))
-    store = lm.provider
-    assert isinstance(store, ExpertStore)
-    attached = store.attach(lm)
-    chunk = min(256, store.max_rows(lm.args.num_experts_per_tok))
-    assert list(lm.generate_ids(prompt, 12, prefill_chunk=chunk)) == want
-    attached.detach()
-    assert store.stats.totals().misses > 0
-    store.close()
+    check_pages_as_resident(checkpoints[0], list(range(3, 30)))
 
 
 def test_a_checkpoint_missing_an_expert_tensor_is_refused(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
@@ -107,8 +95,6 @@ def test_a_checkpoint_missing_an_expert_tensor_is_refused(checkpoints: tuple[Pat
     packed, _ = checkpoints
     broken = tmp_path / "broken"
     shutil.copytree(packed, broken)
-    weights = load_file(broken / "model.safetensors")
-    del weights["model.layers.1.mlp.experts.down_proj_scales"]
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    drop_tensor(broken, "model.layers.1.mlp.experts.down_proj_scales")
     with pytest.raises(ModelLoadError, match=re.escape("missing tensor model.layers.1.mlp.experts.down_proj_scales")):
         moelane.load(broken)
