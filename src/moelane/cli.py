@@ -85,12 +85,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100..100) to the logit of token ID; -100 bans it (repeatable)")  # fmt: skip
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before this text (repeatable)")
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="wrap the prompt in the model's chat template (a reply in "
-        "channels, as gpt-oss writes: the final one on stdout, the reasoning on stderr)",
-    )
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (a reply with "
+                   "reasoning, as gpt-oss, Qwen3 and DeepSeek-R1 write: the answer on stdout, the reasoning on "
+                   "stderr)")  # fmt: skip
     how = p.add_mutually_exclusive_group()
     how.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                      help="compile the decode step with torch.compile: decode runs several times faster after a "
@@ -215,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # type: ignore[no-untyped-def]
-    from moelane.model.harmony import FINAL, Channels
+    from moelane.model.reasoning import ANSWER, splitter_for
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     with in_flags():
@@ -233,8 +230,8 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
               file=sys.stderr, flush=True)  # fmt: skip
         lm.warm_up(len(prompt_ids), args.max_tokens)
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
-    # a chat reply in channels (gpt-oss): the final one on stdout, the reasoning on stderr as it comes
-    channels, thoughts = Channels.for_tokenizer(lm.tokenizer) if args.chat else None, Detokenizer(lm.tokenizer)
+    # a chat reply with reasoning (gpt-oss's channels, <think> tags): the answer on stdout, the reasoning on stderr
+    splitter, thoughts = splitter_for(lm.tokenizer, prompt_ids) if args.chat else None, Detokenizer(lm.tokenizer)
     thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
@@ -246,9 +243,9 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
             if n_new == 0:
                 t_first = time.perf_counter()
             n_new += 1
-            channel = FINAL if channels is None else channels.push(token)
-            if channel != FINAL:
-                if channel is not None:
+            part = ANSWER if splitter is None else splitter.push(token)
+            if part != ANSWER:
+                if part is not None:
                     thought = True
                     sys.stderr.write(thoughts.push([token]))
                     sys.stderr.flush()

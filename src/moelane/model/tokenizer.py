@@ -74,13 +74,18 @@ class Tokenizer:
         tid = self._tok.token_to_id(token)
         return None if tid is None else int(tid)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: object
+    ) -> str:
+        """The template rendered over `messages`, with `variables` as more template variables (`enable_thinking`,
+        `reasoning_effort`, ...)."""
         if not self.chat_template:
             raise InputError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
                              "has no chat_template)")  # fmt: skip
         try:
             template = chat_environment().from_string(self.chat_template)
             return template.render(
+                **variables,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_str("bos_token") or "",

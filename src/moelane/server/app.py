@@ -144,7 +144,7 @@ class ServerState:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return self.encode(self.lm.tokenizer.apply_chat_template(messages))
+        return self.encode(self.lm.tokenizer.apply_chat_template(messages, **body.template_variables()))
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None) -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default."""
@@ -178,7 +178,7 @@ class ServerState:
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
-                prompt_logprobs=bool(echo) and top_logprobs is not None, channels=chat,
+                prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
             )
             for ids, echo in prompts
         ]  # fmt: skip

@@ -3,9 +3,9 @@ thread into asyncio (a `Stream.subscribe` listener that hands each commit to the
 request), turn them into text cut at stop strings, and cancel the engine stream when the request ends early (stop
 string, client gone, timeout, server stopping).
 
-A chat reply of a model that writes channels (gpt-oss's harmony format: `moelane.model.harmony`) is split: the
-final channel's text is the content, cut at stop strings; the other channels' (its reasoning) come as `Reasoning`
-pieces; the structure between them is dropped.
+A chat reply of a model that reasons aloud (gpt-oss's channels, `<think>` tags: `moelane.model.reasoning`) is split:
+the answer is the content, cut at stop strings; the reasoning comes as `Reasoning` pieces; the markup between them
+is dropped, and so is the whitespace that opens each part.
 
 Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
 cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
-from moelane.model.harmony import FINAL, Channels
+from moelane.model.reasoning import ANSWER, REASONING, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import PagerCost
 
@@ -104,7 +104,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
     prompt_logprobs: bool = False  # the prompt's tokens' too (completions with echo)
-    channels: bool = False  # split the reply by harmony channels, where the tokenizer has them (chat)
+    reasoning: bool = False  # split the reply's reasoning from its answer, where the model writes both (chat)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -127,8 +127,9 @@ class Generation:
         self.engine, self.params, self.limits = engine, params, limits
         self._tokenizer = tokenizer
         self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
-        self._channels = Channels.for_tokenizer(tokenizer) if params.channels else None
+        self._splitter = splitter_for(tokenizer, list(params.prompt_ids)) if params.reasoning else None
         self._reasoning = Detokenizer(tokenizer)
+        self._opening = {ANSWER: True, REASONING: True}  # a part's first text is still to come (trimmed)
         self._ids: list[int] = []  # the content's tokens
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
@@ -186,7 +187,7 @@ class Generation:
                 if self._stops.stopped:
                     self.finish_reason = "stop"
                     return
-            if thought := self._reasoning.flush():
+            if thought := self._opened(REASONING, self._reasoning.flush()):
                 yield Reasoning(thought)
             if tail := self._tail():
                 yield tail
@@ -218,11 +219,11 @@ class Generation:
         content) text."""
         out, thoughts = [], []
         for token in token_ids:
-            channel = FINAL if self._channels is None else self._channels.push(token)
-            if channel != FINAL:  # reasoning, or the structure around the messages
+            part = ANSWER if self._splitter is None else self._splitter.push(token)
+            if part != ANSWER:  # reasoning, or the markup around it
                 self.n_tokens += 1
-                if channel is not None:
-                    thoughts.append(self._reasoning.push([token]))
+                if part is not None:
+                    thoughts.append(self._opened(REASONING, self._reasoning.push([token])))
                 continue
             if self.params.logprobs is not None:
                 self._logprobs.append((token, self.stream.logprob(self.n_tokens), self._n_chars))
@@ -230,10 +231,18 @@ class Generation:
             self._ids.append(token)
             piece = self._detok.push([token])
             self._n_chars += len(piece)
-            out.append(self._stops.push(piece))
+            out.append(self._stops.push(self._opened(ANSWER, piece)))
             if self._stops.stopped:
                 break
         return "".join(thoughts), "".join(out)
+
+    def _opened(self, part: str, text: str) -> str:
+        """`text` without the whitespace that opens a part of a split reply (`<think>\n`, `</think>\n\n`)."""
+        if self._splitter is None or not self._opening[part]:
+            return text
+        text = text.lstrip()
+        self._opening[part] = not text
+        return text
 
     def prompt_logprobs(self) -> list[tuple[int, TokenLogprob | None, int]]:
         """(token, entry, where its text starts in the prompt) per prompt token, once the prompt has been read; the
@@ -257,7 +266,7 @@ class Generation:
         """At the end: what the detokenizer held back (an unfinished character, shown as U+FFFD like a whole
         decode would) and what the stop filter held back, still cut at a stop string."""
         rest = self._tokenizer.decode(self._ids)[self._n_chars :]
-        text = self._stops.push(rest) if rest else ""
+        text = self._stops.push(self._opened(ANSWER, rest)) if rest else ""
         return text + self._stops.flush()
 
 

@@ -209,11 +209,33 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")  # set by the server
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    # OpenAI's, for reasoning models; given to the chat template as `reasoning_effort` (gpt-oss reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
+    chat_template_kwargs: dict[str, object] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables(cls, v: dict[str, object] | None) -> dict[str, object] | None:
+        taken = sorted(set(v or {}) & set(TEMPLATE_OWN))
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets them)")
+        return v
+
+    def template_variables(self) -> dict[str, object]:
+        """What the chat template gets beside the messages."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        return extra
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

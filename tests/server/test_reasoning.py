@@ -1,5 +1,7 @@
-"""Chat replies in gpt-oss's harmony format: the final channel is the content, the analysis channel the reasoning,
-the structure between them is dropped, however the tokens group into rounds; completions keep the raw text."""
+"""Chat replies with reasoning: gpt-oss's channels (the final channel is the content, the analysis channel the
+reasoning) and `<think>` tags (Qwen3, DeepSeek-R1); the markup between them is dropped, however the tokens group
+into rounds; completions keep the raw text. The chat template's own variables (`chat_template_kwargs`,
+`reasoning_effort`) reach it."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from moelane.model.harmony import SPECIALS, Channels
+from moelane.model import reasoning
+from moelane.model.reasoning import SPECIALS, Channels, ThinkTags
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
-from tests.helpers import write_tokenizer
+from tests.helpers import CHAT_TEMPLATE, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
 
@@ -56,8 +59,9 @@ def harmony_reply(tok: Tokenizer, final: str = ANSWER) -> list[int]:
             *tok.encode(final), special("<|return|>")]  # fmt: skip
 
 
-def run(engine: FakeEngine, tok: Tokenizer, channels: bool, stops: tuple[str, ...] = ()) -> list[str]:
-    gen = Generation(engine, tok, GenerationParams((1, 2), 500, stops=stops, channels=channels), Limits())
+def run(engine: FakeEngine, tok: Tokenizer, channels: bool, stops: tuple[str, ...] = (),
+        prompt: tuple[int, ...] = (1, 2)) -> list[str]:  # fmt: skip
+    gen = Generation(engine, tok, GenerationParams(prompt, 500, stops=stops, reasoning=channels), Limits())
 
     async def collect() -> list[str]:
         return [p async for p in gen.run()]
@@ -83,7 +87,7 @@ def test_channels_need_the_special_tokens(tokenizer: Tokenizer, tmp_path: Path) 
     channels = Channels.for_tokenizer(tokenizer)
     assert channels is not None
     said = [channels.push(t) for t in harmony_reply(tokenizer)]
-    assert {s for s in said if s} == {"analysis", "final"}
+    assert {s for s in said if s} == {reasoning.ANSWER, reasoning.REASONING}
 
 
 class FakeLM:
@@ -134,3 +138,63 @@ def test_run_chat_prints_the_final_channel_and_reasoning_apart(
     assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
+
+
+THINKING = ("{% if reasoning_effort is defined %}effort {{ reasoning_effort }}{% endif %}" + CHAT_TEMPLATE
+            + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% endif %}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The test tokenizer with Qwen3's think tags (added tokens, not special: they decode as text)."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    folder: Path = tmp_path_factory.mktemp("think")
+    write_tokenizer(folder, 300)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
+    return Tokenizer(folder, frozenset())
+
+
+def think_reply(tok: Tokenizer, opened: bool = False) -> list[int]:
+    start, end = tok.token_id("<think>"), tok.token_id("</think>")
+    assert start is not None and end is not None
+    return [*([] if opened else [start]), *tok.encode("\n" + THOUGHT + "\n"), end, *tok.encode("\n\n" + ANSWER)]
+
+
+@pytest.mark.parametrize("per_round", [1, 4, 64])
+def test_think_tags_split_reasoning_from_the_answer(thinker: Tokenizer, per_round: int) -> None:
+    def split(reply: list[int], prompt: tuple[int, ...] = (1, 2)) -> tuple[str, str]:
+        pieces = run(FakeEngine(reply, per_round), thinker, channels=True, prompt=prompt)
+        return ("".join(p for p in pieces if isinstance(p, Reasoning)),
+                "".join(p for p in pieces if not isinstance(p, Reasoning)))  # fmt: skip
+
+    assert split(think_reply(thinker)) == (THOUGHT + "\n", ANSWER)  # the whitespace opening each part dropped
+    opened = (1, *thinker.encode("x"), thinker.token_id("<think>"))  # DeepSeek-R1: the prompt opens the block
+    assert split(think_reply(thinker, opened=True), opened) == (THOUGHT + "\n", ANSWER)  # type: ignore[arg-type]
+    closed = (*opened, thinker.token_id("</think>"))  # Qwen3 with thinking off: an empty block in the prompt
+    plain = thinker.encode("just an answer")
+    assert split(plain, closed) == ("", "just an answer")  # type: ignore[arg-type]
+    assert ThinkTags.for_tokenizer(thinker, [1, 2]) is not None and Channels.for_tokenizer(thinker) is None
+
+
+def test_template_variables_reach_the_template(thinker: Tokenizer) -> None:
+    engine = FakeEngine(think_reply(thinker), per_round=3)
+    app = create_app(engine, FakeLM(thinker), model_name="m", max_streams=4, manage_engine=False)
+    request: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}
+    with running(app) as base:
+        body = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=30).json()
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER,
+                                                 "reasoning_content": THOUGHT + "\n"}  # fmt: skip
+        off = {**request, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+        assert httpx.post(f"{base}/v1/chat/completions", json=off, timeout=30).status_code == 200
+        prompts = [thinker.decode(s.prompt_ids) for s in engine.streams]
+        assert not prompts[0].endswith("</think>\n\n") and "effort" not in prompts[0]
+        assert prompts[1].startswith("effort low") and prompts[1].endswith("<think>\n\n</think>\n\n")
+        bad = httpx.post(f"{base}/v1/chat/completions", json={**request, "chat_template_kwargs": {"messages": []}},
+                         timeout=30)  # fmt: skip
+        assert bad.status_code == 400 and "may not set messages" in bad.json()["error"]["message"]

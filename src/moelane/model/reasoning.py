@@ -1,0 +1,99 @@
+"""Which part of a chat reply a token belongs to: the answer, the model's reasoning, or the markup around them.
+
+Two formats:
+- gpt-oss's channels (OpenAI's "harmony"): the prompt ends `<|start|>assistant` and the reply is messages such as
+  `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...<|return|>`; the final
+  channel is the answer, the others reasoning (`Channels`);
+- think tags (Qwen3, DeepSeek-R1, GLM-4.5): reasoning between `<think>` and `</think>`, the answer after. A prompt
+  may open the block itself (DeepSeek-R1's template ends `<think>\n`), or close an empty one (Qwen3 with thinking
+  off): `ThinkTags` starts inside the block when the prompt's last tag opens one.
+
+`splitter_for(tokenizer, prompt_ids)` picks the format from the tokenizer's vocabulary, or None (a plain reply).
+`push(token)` returns `ANSWER` for a token of the answer, `REASONING` for one of the reasoning, None for markup.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from moelane.model.tokenizer import Tokenizer
+
+SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+ANSWER, REASONING = "answer", "reasoning"
+FINAL = "final"  # harmony's answer channel
+
+
+class Splitter(Protocol):
+    def push(self, token: int) -> str | None: ...
+
+
+def splitter_for(tokenizer: Tokenizer, prompt_ids: list[int]) -> Splitter | None:
+    """The reply format of this tokenizer's models, or None."""
+    return Channels.for_tokenizer(tokenizer) or ThinkTags.for_tokenizer(tokenizer, prompt_ids)
+
+
+class ThinkTags:
+    """The state of one reply with `<think>...</think>` reasoning."""
+
+    def __init__(self, open_id: int, close_id: int, inside: bool) -> None:
+        self._open, self._close, self._inside = open_id, close_id, inside
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, prompt_ids: list[int]) -> ThinkTags | None:
+        open_id, close_id = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
+        if open_id is None or close_id is None:
+            return None
+        last = next((t for t in reversed(prompt_ids) if t in (open_id, close_id)), None)
+        return cls(open_id, close_id, inside=last == open_id)
+
+    def push(self, token: int) -> str | None:
+        if token in (self._open, self._close):
+            self._inside = token == self._open
+            return None
+        return REASONING if self._inside else ANSWER
+
+
+class Channels:
+    """The state of one reply. Starts in a message header (the prompt ends with `<|start|>assistant`)."""
+
+    def __init__(self, tokenizer: Tokenizer, ids: dict[str, int]) -> None:
+        self._tokenizer = tokenizer
+        self._start, self._channel, self._message = ids["<|start|>"], ids["<|channel|>"], ids["<|message|>"]
+        self._ends = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"]}
+        self._constrain = ids["<|constrain|>"]
+        self._name: list[int] | None = None  # the channel name's ids while reading it
+        self._named = False  # the name is read (a `<|constrain|>` follows it: "commentary <|constrain|>json")
+        self._body: str | None = None  # the channel whose message body is being read
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> Channels | None:
+        """Channels for a tokenizer with harmony's special tokens, else None (the model does not speak it)."""
+        ids = {name: tokenizer.token_id(name) for name in SPECIALS}
+        if any(i is None for i in ids.values()):
+            return None
+        return cls(tokenizer, {name: i for name, i in ids.items() if i is not None})
+
+    def push(self, token: int) -> str | None:
+        """ANSWER for a token of the final channel's message, REASONING for one of another channel's, None for the
+        markup."""
+        channel = self._channel_of(token)
+        return None if channel is None else ANSWER if channel == FINAL else REASONING
+
+    def _channel_of(self, token: int) -> str | None:
+        """The channel of the message body `token` is part of, or None for structure."""
+        if token == self._message:
+            words = self._tokenizer.decode(self._name or []).split()
+            self._body, self._name = (words[0] if words else FINAL), None
+            return None
+        if token == self._channel:
+            self._name, self._body, self._named = [], None, False
+            return None
+        if token == self._start or token in self._ends:
+            self._name = self._body = None
+            return None
+        if self._body is None:
+            self._named = self._named or token == self._constrain
+            if self._name is not None and not self._named:
+                self._name.append(token)
+            return None
+        return self._body
