@@ -57,7 +57,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default auto: the checkpoint's own, bfloat16 for one saved in bfloat16 such "
                    "as Qwen3-30B-A3B, float32 otherwise and for the shipped models)")  # fmt: skip
     p.add_argument("--expert-memory", metavar="X", help="budget for resident experts: bytes (512MiB, 2GiB) or a "
-                   "share of all expert bytes (25%%); default: all experts resident")  # fmt: skip
+                   "share of all expert bytes (25%%); default: all experts resident if they fit in the memory "
+                   "free, else paged within it")  # fmt: skip
     p.add_argument("--host-memory", metavar="X", help="budget for host-RAM copies of experts (same units)")
     p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"),
                    help="eviction policy of the expert pool (with --expert-memory; default planner)")  # fmt: skip
@@ -106,15 +107,24 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def all_resident(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for no expert store (one is still used when the experts do not fit in memory)."""
     return not args.expert_memory and not args.host_memory and args.default_tier == "native"
 
 
-def provider_factory(args: argparse.Namespace) -> Callable[..., object] | None:
-    if all_resident(args):
-        return None
-    from moelane.pager.store import store_factory
+def paged(lm) -> bool:  # type: ignore[no-untyped-def]
+    """Whether a loaded model's experts are in an expert store (asked for, or because they did not fit)."""
+    from moelane.pager.store import ExpertStore
 
-    return store_factory(args.expert_memory, args.host_memory, args.pager_policy or "planner", args.default_tier)
+    return isinstance(lm.provider, ExpertStore)
+
+
+def provider_factory(args: argparse.Namespace) -> Callable[..., object]:
+    from moelane.pager.store import fitting_factory, store_factory
+
+    policy = args.pager_policy or "planner"
+    if all_resident(args):  # all resident if they fit in memory, else paged within what is free
+        return fitting_factory(args.host_memory, policy, args.default_tier, progress=True)
+    return store_factory(args.expert_memory, args.host_memory, policy, args.default_tier)
 
 
 def usable_cores() -> int:
@@ -141,12 +151,8 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
     dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     factory = provider_factory(args)
     lm = moelane.load(args.model, dtype, provider=factory, compile=compile, progress=True)  # type: ignore[arg-type]
-    if factory is not None:  # an expert store: hook its predictors and planner, fit prefill chunks to its pool
-        from moelane.pager.store import ExpertStore
-
-        store = lm.provider
-        assert isinstance(store, ExpertStore)
-        store.attach(lm)
+    if paged(lm):  # an expert store: hook its predictors and planner, fit prefill chunks to its pool
+        lm.provider.attach(lm)  # type: ignore[attr-defined]
         lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
     return lm
 
@@ -223,7 +229,7 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     # auto: compile where it pays, for all-resident experts; the reply the context leaves room for decides, not
     # what was asked
     long_reply = min(args.max_tokens, lm.max_context - len(prompt_ids)) >= COMPILE_PAYS_TOKENS
-    if args.compile == "auto" and long_reply and all_resident(args):
+    if args.compile == "auto" and long_reply and not paged(lm):
         lm.enable_compile()
     if lm.compile_enabled:
         print("compiling the decode step (the first run takes a while; later runs use the cache)...",

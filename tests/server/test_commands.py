@@ -15,18 +15,19 @@ def serve_args(*argv: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(
-    ("argv", "compiled"),
+    ("argv", "paged", "compiled"),
     [
-        ((), True),  # all experts resident: compiled, whatever the drafter
-        (("--drafter", "none"), True),
-        (("--drafter", "recall"), True),
-        (("--expert-memory", "50%"), False),  # a store: eager
-        (("--eager",), False),
-        (("--compile", "on", "--expert-memory", "50%"), True),
+        ((), False, True),  # all experts resident: compiled, whatever the drafter
+        (("--drafter", "none"), False, True),
+        (("--drafter", "recall"), False, True),
+        ((), True, False),  # experts that did not fit in memory: a store, eager
+        (("--expert-memory", "50%"), True, False),  # a store: eager
+        (("--eager",), False, False),
+        (("--compile", "on", "--expert-memory", "50%"), True, True),
     ],
 )
-def test_serve_compiles_where_it_can(argv: tuple[str, ...], compiled: bool) -> None:
-    assert wants_compile(serve_args(*argv)) is compiled
+def test_serve_compiles_where_it_can(argv: tuple[str, ...], paged: bool, compiled: bool) -> None:
+    assert wants_compile(serve_args(*argv), paged) is compiled
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ never wait. Precision tiers come from the plan (pin tiers, `default_tier`); the 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,7 +43,8 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
-from moelane.pager.memory import format_bytes, parse_memory
+from moelane.model.provider import ExpertProvider
+from moelane.pager.memory import available_memory, format_bytes, parse_memory
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 from moelane.pager.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
@@ -50,6 +52,8 @@ from moelane.pager.slots import LOADING, READY, IntArray, SlotTable
 from moelane.pager.stats import PagerStats, format_counts
 from moelane.pager.storage import Storage
 from moelane.pager.tiers import TIER_NAMES, ExpertCodec, parse_tier
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("planner", "lru", "lfu")
 # Misses of experts smaller than this (in the compute dtype) are read by the computing thread itself, one after
@@ -488,6 +492,41 @@ def store_factory(
             raise StoreError(f"an expert memory of {expert_memory} holds no expert ({each} bytes each)")
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
         return ExpertStore(handles, dtype, config)
+
+    return build
+
+
+# What a fitting expert pool leaves of the memory still free: KV caches, the passes' work and the allocator's slack.
+HEADROOM = 0.15
+
+
+def fitting_factory(
+    host_memory: str | None = None, policy: str = "planner", default_tier: str = "native", progress: bool = False
+) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
+    """The provider factory of a run without `--expert-memory`: every expert resident where they all fit in the
+    memory still free once the dense weights are loaded (less `HEADROOM`), else an expert store whose pool takes
+    that much, with a warning that says so. A model that does not fit then runs paged instead of being killed for
+    memory halfway through loading."""
+    from moelane.model.provider import ResidentProvider
+
+    def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
+        n_experts = sum(len(hs) for hs in handles.values())
+        if not n_experts:
+            return ResidentProvider.from_handles(handles, dtype, progress=progress)
+        hidden, width = next(iter(handles.values()))[0].dims
+        need = n_experts * 3 * hidden * width * dtype.itemsize
+        room = int(available_memory() * (1 - HEADROOM))
+        if need <= room:
+            return ResidentProvider.from_handles(handles, dtype, progress=progress)
+        free = format_bytes(available_memory())
+        each = need // n_experts
+        if room < each:
+            raise StoreError(f"{free} of memory is free, less than one expert takes ({format_bytes(each)}): free some "
+                             "memory, or compute in bfloat16 (--dtype)")  # fmt: skip
+        log.warning("the experts take %s in %s, and %s of memory is free: paging them within %s (--expert-memory "
+                    "sets the budget)", format_bytes(need), str(dtype).removeprefix("torch."), free,
+                    format_bytes(room))  # fmt: skip
+        return store_factory(str(room), host_memory, policy, default_tier)(handles, dtype)
 
     return build
 

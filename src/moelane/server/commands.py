@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def build(args: argparse.Namespace) -> Any:
     """The app for these arguments (loads the model, builds the engine; the app's lifespan starts it)."""
-    from moelane.cli import load_model, usable_cores
+    from moelane.cli import load_model, paged, usable_cores
     from moelane.lanes.config import EngineConfig
     from moelane.lanes.engine import Engine
     from moelane.server.app import create_app
@@ -73,16 +73,15 @@ def build(args: argparse.Namespace) -> Any:
         # 1 compute thread served one client at 65 tok/s, 2 threads at 27).
         args.threads = max(1, usable_cores() - 1)
 
-    compile = wants_compile(args)
-    drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
-
     def make() -> tuple[Any, Engine]:
-        lm = load_model(args, compile=compile)
+        lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
+        compile = wants_compile(args, paged(lm))
         if compile:
             log.warning("compiling the decode step (10-60 s the first time; later starts use the cache)...")
+            if not lm.compile_enabled:
+                lm.enable_compile()
             lm.warm_up(1, 1)
-        if hasattr(lm.provider, "attach"):
-            lm.provider.attach(lm)
+        drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
         guard = {"auto": None, "on": True, "off": False}[args.guard]
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
                               compile_draft=args.compile != "off")  # fmt: skip
@@ -102,12 +101,10 @@ def build(args: argparse.Namespace) -> Any:
                       pager_stats=pager_stats)  # fmt: skip
 
 
-def wants_compile(args: argparse.Namespace) -> bool:
-    from moelane.cli import all_resident
-
-    if args.compile == "auto":
-        return all_resident(args)
-    return bool(args.compile == "on")
+def wants_compile(args: argparse.Namespace, paged: bool) -> bool:
+    """Whether serve compiles the decode step: when asked (`--compile on`), or by default when every expert is
+    resident (not `paged`: no `--expert-memory`, and they fit in memory)."""
+    return args.compile == "on" or (args.compile == "auto" and not paged)
 
 
 def check_args(args: argparse.Namespace) -> None:
