@@ -208,7 +208,11 @@ class ServerState:
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
             choices.append((echo + text, gen.finish_reason, logprobs, reasoning))
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
-        return JSONResponse(header.whole(choices, usage, total_cost(gens)).model_dump(mode="json"))
+        whole = header.whole(choices, usage, total_cost(gens)).model_dump(mode="json")
+        for choice in whole["choices"]:  # a reply with no reasoning says nothing of it, as OpenAI's do
+            if "message" in choice and choice["message"].get("reasoning_content") is None:
+                del choice["message"]["reasoning_content"]
+        return JSONResponse(whole)
 
     def start(self, params: list[GenerationParams]) -> list[Generation]:
         """Admit and submit one generation per choice (all or none)."""
