@@ -29,7 +29,7 @@ THOUGHT, ANSWER = "The user wants a fibonacci function.", "def fibonacci(n): ret
 
 @pytest.fixture(scope="module")
 def harmony_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test tokenizer with harmony's special tokens and a harmony-style chat template."""
+    """The test tokenizer with gpt-oss's channel tokens (harmony) and a chat template ending as gpt-oss's does."""
     from tokenizers import Tokenizer as HfTokenizer
 
     folder: Path = tmp_path_factory.mktemp("harmony")
@@ -59,9 +59,9 @@ def harmony_reply(tok: Tokenizer, final: str = ANSWER) -> list[int]:
             *tok.encode(final), special("<|return|>")]  # fmt: skip
 
 
-def run(engine: FakeEngine, tok: Tokenizer, channels: bool, stops: tuple[str, ...] = (),
+def run(engine: FakeEngine, tok: Tokenizer, split: bool, stops: tuple[str, ...] = (),
         prompt: tuple[int, ...] = (1, 2)) -> list[str]:  # fmt: skip
-    gen = Generation(engine, tok, GenerationParams(prompt, 500, stops=stops, reasoning=channels), Limits())
+    gen = Generation(engine, tok, GenerationParams(prompt, 500, stops=stops, reasoning=split), Limits())
 
     async def collect() -> list[str]:
         return [p async for p in gen.run()]
@@ -72,12 +72,12 @@ def run(engine: FakeEngine, tok: Tokenizer, channels: bool, stops: tuple[str, ..
 @pytest.mark.parametrize("per_round", [1, 3, 64])
 def test_a_reply_splits_into_reasoning_and_content(tokenizer: Tokenizer, per_round: int) -> None:
     reply = harmony_reply(tokenizer)
-    pieces = run(FakeEngine(reply, per_round), tokenizer, channels=True)
+    pieces = run(FakeEngine(reply, per_round), tokenizer, split=True)
     assert "".join(p for p in pieces if isinstance(p, Reasoning)) == THOUGHT
     assert "".join(p for p in pieces if not isinstance(p, Reasoning)) == ANSWER
-    cut = run(FakeEngine(reply, per_round), tokenizer, channels=True, stops=("return",))
+    cut = run(FakeEngine(reply, per_round), tokenizer, split=True, stops=("return",))
     assert "".join(p for p in cut if not isinstance(p, Reasoning)) == "def fibonacci(n): "
-    raw = run(FakeEngine(reply, per_round), tokenizer, channels=False)  # (completions: the text as decoded)
+    raw = run(FakeEngine(reply, per_round), tokenizer, split=False)  # (completions: the text as decoded)
     assert "".join(raw) == tokenizer.decode(reply) and not any(isinstance(p, Reasoning) for p in raw)
 
 
@@ -168,17 +168,17 @@ def think_reply(tok: Tokenizer, opened: bool = False) -> list[int]:
 
 @pytest.mark.parametrize("per_round", [1, 4, 64])
 def test_think_tags_split_reasoning_from_the_answer(thinker: Tokenizer, per_round: int) -> None:
-    def split(reply: list[int], prompt: tuple[int, ...] = (1, 2)) -> tuple[str, str]:
-        pieces = run(FakeEngine(reply, per_round), thinker, channels=True, prompt=prompt)
+    def parts(reply: list[int], prompt: tuple[int, ...] = (1, 2)) -> tuple[str, str]:
+        pieces = run(FakeEngine(reply, per_round), thinker, split=True, prompt=prompt)
         return ("".join(p for p in pieces if isinstance(p, Reasoning)),
                 "".join(p for p in pieces if not isinstance(p, Reasoning)))  # fmt: skip
 
-    assert split(think_reply(thinker)) == (THOUGHT + "\n", ANSWER)  # the whitespace opening each part dropped
+    assert parts(think_reply(thinker)) == (THOUGHT + "\n", ANSWER)  # the whitespace opening each part dropped
     opened = (1, *thinker.encode("x"), thinker.token_id("<think>"))  # DeepSeek-R1: the prompt opens the block
-    assert split(think_reply(thinker, opened=True), opened) == (THOUGHT + "\n", ANSWER)  # type: ignore[arg-type]
+    assert parts(think_reply(thinker, opened=True), opened) == (THOUGHT + "\n", ANSWER)  # type: ignore[arg-type]
     closed = (*opened, thinker.token_id("</think>"))  # Qwen3 with thinking off: an empty block in the prompt
     plain = thinker.encode("just an answer")
-    assert split(plain, closed) == ("", "just an answer")  # type: ignore[arg-type]
+    assert parts(plain, closed) == ("", "just an answer")  # type: ignore[arg-type]
     assert ThinkTags.for_tokenizer(thinker, [1, 2]) is not None and Channels.for_tokenizer(thinker) is None
 
 
