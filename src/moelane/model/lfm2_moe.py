@@ -24,7 +24,7 @@ from torch import nn
 from moelane.errors import ModelLoadError
 from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get
 from moelane.model.layers import Attention, Batch, Rope, linear, pointwise, rope_parameters, row_slots
-from moelane.model.moe import run_experts
+from moelane.model.moe import biased_group_topk, run_experts
 from moelane.model.provider import ExpertProvider
 
 EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -125,9 +125,10 @@ class LfmMoe(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         logits = linear(x, self.gate.weight)
         scores = pointwise(torch.sigmoid, logits)
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        ids = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
+        if self.expert_bias is None:
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        else:  # chosen by the biased scores, weighted by the scores themselves
+            weights, ids = biased_group_topk(scores, self.expert_bias, self.top_k, 1, 1)
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
         weights = weights * self.scaling

@@ -333,6 +333,7 @@ def find_expert_handles(
     if f"{prefix}.0.{names['gate']}.weight" not in refs:
         return None
     fp8 = fp8_block is not None and f"{prefix}.0.{names['gate']}.weight_scale_inv" in refs
+    layout, block = ("fp8", fp8_block) if fp8 and fp8_block else ("linear", (0, 0))
     handles = []
     for e in range(n_experts):
         tensors = {}
@@ -344,7 +345,5 @@ def find_expert_handles(
                 if key not in refs:
                     raise ModelLoadError(f"checkpoint is missing tensor {key}")
                 tensors[name] = refs[key]
-        handles.append(
-            ExpertHandle(layer, e, tensors, "fp8", fp8_block) if fp8 and fp8_block else ExpertHandle(layer, e, tensors)
-        )
+        handles.append(ExpertHandle(layer, e, tensors, layout, block))
     return handles

@@ -43,7 +43,7 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
-from moelane.model.provider import ExpertProvider
+from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.pager.memory import available_memory, format_bytes, parse_memory
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
@@ -483,9 +483,7 @@ def store_factory(
         if not any(handles.values()):
             raise StoreError("this model has no experts (a dense model): --expert-memory, --host-memory and "
                              "--default-tier apply to mixture-of-experts models only")  # fmt: skip
-        n_experts = sum(len(hs) for hs in handles.values())
-        hidden, width = next(iter(handles.values()))[0].dims
-        each = 3 * hidden * width * dtype.itemsize  # one expert in the compute dtype
+        n_experts, each = expert_count_and_bytes(handles, dtype)
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
         if budget < 1:
@@ -494,6 +492,15 @@ def store_factory(
         return ExpertStore(handles, dtype, config)
 
     return build
+
+
+def expert_count_and_bytes(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> tuple[int, int]:
+    """How many routed experts the model has, and the bytes of one in the compute dtype (its pool slot)."""
+    n_experts = sum(len(hs) for hs in handles.values())
+    if not n_experts:
+        return 0, 0
+    hidden, width = next(iter(handles.values()))[0].dims
+    return n_experts, 3 * hidden * width * dtype.itemsize
 
 
 # What a fitting expert pool leaves of the memory still free: KV caches, the passes' work and the allocator's slack.
@@ -507,19 +514,14 @@ def fitting_factory(
     memory still free once the dense weights are loaded (less `HEADROOM`), else an expert store whose pool takes
     that much, with a warning that says so. A model that does not fit then runs paged instead of being killed for
     memory halfway through loading."""
-    from moelane.model.provider import ResidentProvider
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
-        n_experts = sum(len(hs) for hs in handles.values())
-        if not n_experts:
+        n_experts, each = expert_count_and_bytes(handles, dtype)
+        need, free_bytes = n_experts * each, available_memory()
+        room = int(free_bytes * (1 - HEADROOM))
+        if need <= room:  # (a dense model needs nothing)
             return ResidentProvider.from_handles(handles, dtype, progress=progress)
-        hidden, width = next(iter(handles.values()))[0].dims
-        need = n_experts * 3 * hidden * width * dtype.itemsize
-        room = int(available_memory() * (1 - HEADROOM))
-        if need <= room:
-            return ResidentProvider.from_handles(handles, dtype, progress=progress)
-        free = format_bytes(available_memory())
-        each = need // n_experts
+        free = format_bytes(free_bytes)
         if room < each:
             raise StoreError(f"{free} of memory is free, less than one expert takes ({format_bytes(each)}): free some "
                              "memory, or compute in bfloat16 (--dtype)")  # fmt: skip

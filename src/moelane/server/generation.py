@@ -30,7 +30,7 @@ END = None  # queue sentinel: the engine stream has finished
 
 
 class Reasoning(str):
-    """A piece of a reply's reasoning (a channel other than the final one), not of its content."""
+    """A piece of a reply's reasoning (gpt-oss's analysis channel, a `<think>` block), not of its answer."""
 
     __slots__ = ()
 
