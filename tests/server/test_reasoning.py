@@ -95,11 +95,18 @@ class FakeLM:
         self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
 
 
+REQUEST: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}
+
+
+def app_over(engine: FakeEngine, tokenizer: Tokenizer) -> Any:
+    """The server app over a scripted engine (its reply for every request) and `tokenizer`."""
+    return create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+
+
 def test_the_chat_api_gives_reasoning_content(tokenizer: Tokenizer) -> None:
     engine = FakeEngine(harmony_reply(tokenizer), per_round=2)
-    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
-    request: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}
-    with running(app) as base:
+    request = REQUEST
+    with running(app_over(engine, tokenizer)) as base:
         body = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=30).json()
         message = body["choices"][0]["message"]
         assert message["content"] == ANSWER and message["reasoning_content"] == THOUGHT
@@ -184,9 +191,8 @@ def test_think_tags_split_reasoning_from_the_answer(thinker: Tokenizer, per_roun
 
 def test_template_variables_reach_the_template(thinker: Tokenizer) -> None:
     engine = FakeEngine(think_reply(thinker), per_round=3)
-    app = create_app(engine, FakeLM(thinker), model_name="m", max_streams=4, manage_engine=False)
-    request: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}
-    with running(app) as base:
+    request = REQUEST
+    with running(app_over(engine, thinker)) as base:
         body = httpx.post(f"{base}/v1/chat/completions", json=request, timeout=30).json()
         assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER,
                                                  "reasoning_content": THOUGHT + "\n"}  # fmt: skip
@@ -198,3 +204,11 @@ def test_template_variables_reach_the_template(thinker: Tokenizer) -> None:
         bad = httpx.post(f"{base}/v1/chat/completions", json={**request, "chat_template_kwargs": {"messages": []}},
                          timeout=30)  # fmt: skip
         assert bad.status_code == 400 and "may not set messages" in bad.json()["error"]["message"]
+
+
+def test_a_reply_without_reasoning_says_nothing_of_it(thinker: Tokenizer) -> None:
+    """A chat reply with no reasoning has no `reasoning_content` key, as OpenAI's replies have none."""
+    engine = FakeEngine(thinker.encode(ANSWER), per_round=2)
+    with running(app_over(engine, thinker)) as base:
+        body = httpx.post(f"{base}/v1/chat/completions", json=REQUEST, timeout=30).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
