@@ -218,7 +218,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # type: ignore[no-untyped-def]
-    from moelane.model.reasoning import ANSWER, splitter_for
+    from moelane.model.reasoning import ANSWER, REASONING, Openings, splitter_for
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     with in_flags():
@@ -237,7 +237,13 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
         lm.warm_up(len(prompt_ids), args.max_tokens)
     detok, stops = Detokenizer(lm.tokenizer), StopFilter(args.stop)
     # a chat reply with reasoning (gpt-oss's channels, <think> tags): the answer on stdout, the reasoning on stderr
+    # (without the whitespace that opens each part, as the server sends them)
     splitter, thoughts = splitter_for(lm.tokenizer, prompt_ids) if args.chat else None, Detokenizer(lm.tokenizer)
+    openings = Openings()
+
+    def answer(text: str) -> str:
+        return text if splitter is None else openings.trim(ANSWER, text)
+
     thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
@@ -253,16 +259,16 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
             if part != ANSWER:
                 if part is not None:
                     thought = True
-                    sys.stderr.write(thoughts.push([token]))
+                    sys.stderr.write(openings.trim(REASONING, thoughts.push([token])))
                     sys.stderr.flush()
                 continue
-            sys.stdout.write(stops.push(detok.push([token])))
+            sys.stdout.write(stops.push(answer(detok.push([token]))))
             sys.stdout.flush()
             if stops.stopped:
                 break
         if thought:
-            sys.stderr.write(thoughts.flush() + "\n")
-        sys.stdout.write(stops.push(detok.flush()) + stops.flush() + "\n")  # a cut-off character shows as U+FFFD
+            sys.stderr.write(openings.trim(REASONING, thoughts.flush()) + "\n")
+        sys.stdout.write(stops.push(answer(detok.flush())) + stops.flush() + "\n")  # a cut-off character: U+FFFD
     t_end = time.perf_counter()
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0

@@ -212,3 +212,25 @@ def test_a_reply_without_reasoning_says_nothing_of_it(thinker: Tokenizer) -> Non
     with running(app_over(engine, thinker)) as base:
         body = httpx.post(f"{base}/v1/chat/completions", json=REQUEST, timeout=30).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": ANSWER}
+
+
+def test_run_chat_drops_the_whitespace_that_opens_each_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moelane run --chat` with think tags: `<think>\\n` and `</think>\\n\\n` leave no blank lines before the
+    reasoning or the answer, as the server sends them."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    import moelane.cli
+    from tests.helpers import random_model
+
+    folder = random_model("qwen3_moe", tmp_path / "m", vocab_size=310)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(str(folder / "tokenizer.json"))
+    reply = think_reply(Tokenizer(folder, frozenset()))
+    monkeypatch.setattr(moelane.cli, "generate", lambda *args: iter(reply))
+    capsys.readouterr()  # (what saving the model printed)
+    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ANSWER + "\n" and err.startswith(THOUGHT + "\n\n")

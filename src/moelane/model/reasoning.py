@@ -27,6 +27,21 @@ class Splitter(Protocol):
     def push(self, token: int) -> str | None: ...
 
 
+class Openings:
+    """Drops the whitespace that opens each part of a split reply (`<think>\n`, `</think>\n\n`, a channel's first
+    newline): a part's text passes whole once its first other character has. `trim(part, text)` per piece."""
+
+    def __init__(self) -> None:
+        self._opening = {ANSWER: True, REASONING: True}  # a part's first text is still to come
+
+    def trim(self, part: str, text: str) -> str:
+        if not self._opening[part]:
+            return text
+        text = text.lstrip()
+        self._opening[part] = not text
+        return text
+
+
 def splitter_for(tokenizer: Tokenizer, prompt_ids: list[int]) -> Splitter | None:
     """The reply format of this tokenizer's models, or None."""
     return Channels.for_tokenizer(tokenizer) or ThinkTags.for_tokenizer(tokenizer, prompt_ids)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
-from moelane.model.reasoning import ANSWER, REASONING, splitter_for
+from moelane.model.reasoning import ANSWER, REASONING, Openings, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import PagerCost
 
@@ -129,7 +129,7 @@ class Generation:
         self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
         self._splitter = splitter_for(tokenizer, list(params.prompt_ids)) if params.reasoning else None
         self._reasoning = Detokenizer(tokenizer)
-        self._opening = {ANSWER: True, REASONING: True}  # a part's first text is still to come (trimmed)
+        self._openings = Openings()
         self._ids: list[int] = []  # the content's tokens
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
@@ -238,11 +238,7 @@ class Generation:
 
     def _opened(self, part: str, text: str) -> str:
         """`text` without the whitespace that opens a part of a split reply (`<think>\n`, `</think>\n\n`)."""
-        if self._splitter is None or not self._opening[part]:
-            return text
-        text = text.lstrip()
-        self._opening[part] = not text
-        return text
+        return text if self._splitter is None else self._openings.trim(part, text)
 
     def prompt_logprobs(self) -> list[tuple[int, TokenLogprob | None, int]]:
         """(token, entry, where its text starts in the prompt) per prompt token, once the prompt has been read; the
