@@ -109,7 +109,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12) -> None:
-    """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's."""
+    """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's; the
+    look-ahead predicted experts on the way (a model of two MoE layers or more)."""
     import moelane
     from moelane.pager.store import ExpertStore, store_factory
 
@@ -123,6 +124,7 @@ def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12)
     attached.detach()
     store.check_invariants()
     assert store.stats.totals().misses > 0
+    assert len(lm.moe_layers) < 2 or store.stats.source("lookahead").routed > 0
     store.close()
 
 

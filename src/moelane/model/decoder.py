@@ -6,7 +6,8 @@ so dense weights load with `load_state_dict` and need no renaming. Expert weight
 the provider's pools.
 
 A feed-forward block is called as `block(x, layer, provider, routing)`; MoE blocks append their (ids, weights) to
-`routing`, dense blocks ignore both.
+`routing`, dense blocks ignore both. A MoE block's `route(x) -> (weights, ids)` [T, K] is its router alone: the
+pager's look-ahead applies it to an earlier layer's input to guess which experts the block will want.
 """
 
 from __future__ import annotations

@@ -146,10 +146,13 @@ class DeepseekMoe(nn.Module):
         self.norm = bool(config.get("norm_topk_prob")) and self.top_k > 1
         self.scaling = float(config.get("routed_scaling_factor") or 1.0)
 
-    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x.float(), self.gate.weight.float())  # [T, E], router in fp32 like the reference
         weights, ids = grouped_topk(logits, self.top_k, self.method, self.n_group, self.topk_group)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if self.norm else weights * self.scaling
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if self.norm else weights * self.scaling, ids
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         out = run_experts(x, layer, ids, weights, provider)
         if self.shared_experts is not None:

@@ -86,9 +86,12 @@ class GptOssMoe(nn.Module):
 
         return pointwise(fn, gate_up[..., ::2].contiguous(), gate_up[..., 1::2].contiguous())
 
-    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, ids = torch.topk(linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
-        weights = F.softmax(top, dim=-1)
+        return F.softmax(top, dim=-1), ids
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         bias = (self.experts.gate_up_proj_bias, self.experts.down_proj_bias)
         return run_experts(x, layer, ids, weights, provider, self.act, bias)

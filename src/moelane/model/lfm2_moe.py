@@ -122,7 +122,7 @@ class LfmMoe(nn.Module):
         self.norm = bool(config.get("norm_topk_prob", True))
         self.scaling = float(config.get("routed_scaling_factor") or 1.0)
 
-    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = linear(x, self.gate.weight)
         scores = pointwise(torch.sigmoid, logits)
         if self.expert_bias is None:
@@ -131,7 +131,10 @@ class LfmMoe(nn.Module):
             weights, ids = biased_group_topk(scores, self.expert_bias, self.top_k, 1, 1)
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        weights = weights * self.scaling
+        return weights * self.scaling, ids
+
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         return run_experts(x, layer, ids, weights, provider)
 

@@ -101,8 +101,11 @@ class SigmoidMoe(nn.Module):
         self.norm = bool(config.get("norm_topk_prob"))
         self.scaling = float(config.get("routed_scaling_factor") or 1.0)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sigmoid_route(x, self.gate, self.top_k, self.n_group, self.topk_group, self.norm, self.scaling)
+
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: list[Any]) -> torch.Tensor:
-        weights, ids = sigmoid_route(x, self.gate, self.top_k, self.n_group, self.topk_group, self.norm, self.scaling)
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         out = run_experts(x, layer, ids, weights, provider)
         if self.shared_experts is not None:

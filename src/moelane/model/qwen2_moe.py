@@ -32,8 +32,11 @@ class SharedExpertMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.top_k, self.norm = top_k, norm
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)  # [T, K]
+
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
-        weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)  # [T, K]
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         routed = run_experts(x, layer, ids, weights, provider)
         gate = pointwise(torch.sigmoid, linear(x, self.shared_expert_gate.weight))

@@ -29,8 +29,11 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(hidden, n_experts, bias=False)
         self.top_k, self.norm = top_k, norm
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)
+
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
-        weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)
+        weights, ids = self.route(x)
         routing.append((ids, weights))
         return run_experts(x, layer, ids, weights, provider)
 

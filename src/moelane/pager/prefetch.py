@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from moelane.model.provider import RoutingRecord, host_side
 from moelane.pager.plan import Plan
@@ -92,10 +91,13 @@ class FetchPool:
             t.join(timeout=5)
 
 
-class LookAhead:
-    """Predicts layer L+1's experts from layer L's block input; `gates[L] = (next layer, its router weight, k)`."""
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a MoE block's `route`: x -> (weights, ids)
 
-    def __init__(self, store: PrefetchTarget, gates: dict[int, tuple[int, torch.Tensor, int]], max_rows: int = 4):
+
+class LookAhead:
+    """Predicts layer L+1's experts from layer L's block input; `gates[L] = (next layer, its router)`."""
+
+    def __init__(self, store: PrefetchTarget, gates: dict[int, tuple[int, Router]], max_rows: int = 4):
         self.store, self.gates, self.max_rows = store, gates, max_rows
         self._index = {layer: i for i, layer in enumerate(store.layers)}
         self._predicted: dict[tuple[int, int], set[int]] = {}
@@ -103,8 +105,8 @@ class LookAhead:
     def before_block(self, layer: int, x: torch.Tensor) -> None:
         if layer not in self.gates or x.shape[0] > self.max_rows:
             return
-        nxt, weight, k = self.gates[layer]
-        ids = sorted(set(torch.topk(F.linear(x, weight), k, dim=-1).indices.reshape(-1).tolist()))
+        nxt, route = self.gates[layer]
+        ids = sorted(set(route(x)[1].reshape(-1).tolist()))
         base = self._index[nxt] * self.store.n_experts
         self._predicted[(threading.get_ident(), self._index[nxt])] = {base + e for e in ids}
         self.store.prefetch(nxt, ids, "lookahead")
@@ -250,14 +252,14 @@ class Attachment:
         self.listeners.clear()
 
 
-def next_gates(lm: Any, layers: list[int]) -> dict[int, tuple[int, torch.Tensor, int]]:
-    """Per MoE layer, the next MoE layer's (index, router weight, top-k), where that router is a plain linear gate."""
+def next_gates(lm: Any, layers: list[int]) -> dict[int, tuple[int, Router]]:
+    """Per MoE layer, the next MoE layer's (index, router): its block's own `route`, so a prediction chooses as that
+    layer will (softmax or sigmoid scores, router and score biases, expert groups), only from an earlier input."""
     gates = {}
     for layer, nxt in itertools.pairwise(layers):
-        block = lm.model.model.layers[nxt].mlp
-        gate, k = getattr(block, "gate", None), getattr(block, "top_k", None)
-        if isinstance(gate, torch.nn.Linear) and isinstance(k, int):
-            gates[layer] = (nxt, gate.weight, k)
+        route = getattr(lm.model.model.layers[nxt].mlp, "route", None)
+        if callable(route):
+            gates[layer] = (nxt, route)
     return gates
 
 

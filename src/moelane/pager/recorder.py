@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.nn.functional as F
 
 from moelane.errors import InputError
 from moelane.pager.prefetch import next_gates
@@ -48,7 +47,7 @@ def header_from_lm(lm: Any, model: str = "") -> TraceHeader:
 class LookAheadTap:
     """Forward pre-hooks that apply layer l+1's router to the input of layer l's MoE block (SPEC 2.8), as the live
     store's look-ahead does, and keep each pass's per-token top-K for the trace. `take()` returns them as
-    [T, L-1, K] and clears them; None when the model's routers are not plain linear gates (no prediction made)."""
+    [T, L-1, K] and clears them; None when a MoE block has no `route` to apply (no prediction made)."""
 
     def __init__(self, lm: Any) -> None:
         layers = list(lm.moe_layers)
@@ -64,8 +63,8 @@ class LookAheadTap:
                 self._hooks.append(hook)
 
     def _see(self, layer: int, x: torch.Tensor) -> None:
-        _, weight, k = self.gates[layer]
-        self._rows[self._order[layer]] = torch.topk(F.linear(x, weight), k, dim=-1).indices.detach().cpu()
+        _, route = self.gates[layer]
+        self._rows[self._order[layer]] = route(x)[1].detach().cpu()
 
     def take(self) -> npt.NDArray[Any] | None:
         rows, self._rows = self._rows, {}
