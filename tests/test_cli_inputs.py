@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import struct
 from pathlib import Path
@@ -251,3 +252,26 @@ def test_bench_refuses_settings_it_would_crash_on_or_ignore(
 
 def test_bench_refuses_more_tokens_than_the_context_holds(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tokens must be at most" in cli_error(["bench", "--tokens", "99999999", "--rounds", "1"], capsys)
+
+
+def test_a_decode_step_that_cannot_compile_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`run --compile on` where compiling fails (no C++ compiler, a shape the compiler cannot lower): one line says
+    so, and the reply comes eagerly, the same tokens, exit 0; no traceback."""
+    from moelane.model.lm import LM
+
+    args = ["run", "--max-tokens", "6", "--temperature", "0", "def add(a, b):"]
+    assert main([*args, "--eager"]) == 0
+    eager = capsys.readouterr().out
+
+    def broken(self: LM, rows: list) -> list:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore")
+
+    monkeypatch.setattr(LM, "_decode", broken)
+    with caplog.at_level(logging.WARNING):
+        assert main([*args, "--compile", "on"]) == 0
+    out, err = capsys.readouterr()
+    assert out == eager and "Traceback" not in err
+    assert "running eagerly: compiling the decode step failed (InvalidCxxCompiler" in caplog.text
+    assert "more" not in caplog.text

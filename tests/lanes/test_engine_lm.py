@@ -123,14 +123,14 @@ def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
 
 
 def test_a_draft_model_that_cannot_compile_runs_eagerly(tiny, monkeypatch, caplog) -> None:
-    def broken(self: Any, n_prompt: int, max_tokens: int) -> None:
+    def broken(self: Any, *args: Any) -> None:
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore")
 
-    monkeypatch.setattr(LM, "warm_up", broken)
+    monkeypatch.setattr(LM, "step", broken)
     with caplog.at_level(logging.WARNING):
         draft = load_draft_model(tiny[1].folder)
     assert not draft.compile_enabled
-    assert "runs eagerly" in caplog.text and "No working C++ compiler" in caplog.text and "more" not in caplog.text
+    assert "running eagerly" in caplog.text and "No working C++ compiler" in caplog.text and "more" not in caplog.text
 
 
 @pytest.fixture(scope="module")

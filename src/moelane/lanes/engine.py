@@ -64,12 +64,8 @@ def load_draft_model(path: str | None = None, compile: bool = True) -> Any:
     draft = load(path)
     if compile:
         log.info("compiling the draft model's decode step...")
-        try:
-            draft.enable_compile()
-            draft.warm_up(1, 1)
-        except Exception as e:  # no C++ compiler, an unsupported platform: drafting still works, eagerly
-            log.warning("the draft model runs eagerly: compiling its decode step failed (%s)", str(e).splitlines()[0])
-            draft.disable_compile()
+        draft.enable_compile()
+        draft.warm_up(1, 1)  # (where it cannot be compiled, drafting still works, eagerly)
     return draft
 
 

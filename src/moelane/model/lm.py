@@ -254,10 +254,20 @@ class LM:
         """Whether decode rows run compiled (enabled, and no routing observer needs the eager pass)."""
         return self._compiled is not None and not self.observers
 
-    def warm_up(self, n_prompt: int, max_tokens: int) -> None:
-        """Compile the decode step (one graph for every row count and cache size) before anything is timed."""
-        if self._compiled is not None:
+    def warm_up(self, n_prompt: int, max_tokens: int) -> bool:
+        """Compile the decode step (one graph for every row count and cache size) before anything is timed. Where
+        it cannot be compiled (no C++ compiler for PyTorch's inductor, a platform or a model shape the compiler
+        fails on), say so in one line and run eagerly: the same tokens, more slowly. -> whether it compiled."""
+        if self._compiled is None:
+            return False
+        try:
             self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
+        except Exception as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            log.warning("running eagerly: compiling the decode step failed (%s)", reason)
+            self.disable_compile()
+            return False
+        return True
 
     def _decode_step(self, rows: torch.Tensor, pool: KVPool, keys: torch.Tensor) -> torch.Tensor:
         """rows [N, 3]: each row's token, position and cache slot in `pool`; keys [L]: the cache positions attention

@@ -80,7 +80,7 @@ def build(args: argparse.Namespace) -> Any:
             log.warning("compiling the decode step (10-60 s the first time; later starts use the cache)...")
             if not lm.compile_enabled:
                 lm.enable_compile()
-            lm.warm_up(1, 1)
+            compile = lm.warm_up(1, 1)  # (False: it could not be compiled, and serves eagerly)
         drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
         guard = {"auto": None, "on": True, "off": False}[args.guard]
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
