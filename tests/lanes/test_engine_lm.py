@@ -105,6 +105,26 @@ def test_lfm2_convolutions_roll_back_with_rejected_drafts(tmp_path: Path) -> Non
     assert right.holds > 0 and right.accepted > 0
 
 
+def test_a_model_of_one_kv_head_compiles_and_replies_as_its_compiled_solo_decode(tmp_path: Path) -> None:
+    """Multi-query attention (one KV head): the decode step compiles (inductor could not lower its attention
+    product once: a size-1 head dim beside the unbacked key length), its logits are the eager ones within fp32
+    rounding, and shared rounds with drafts give each stream its compiled solo decode."""
+    folder = random_model("mixtral", tmp_path / "mqa", num_attention_heads=4, num_key_value_heads=1)
+    eager = moelane.load(folder)
+    lm = moelane.load(folder, compile=True)
+    assert lm.warm_up(8, 16)
+    prompt = prompts(1, lm.vocab_size)[0]
+
+    def next_logits(model: LM) -> torch.Tensor:
+        cache = model.cache_for(len(prompt), 2)
+        model.forward([Rows(cache, prompt, 0)])
+        return model.forward([Rows(cache, [7], len(prompt), decode=True)])[0]
+
+    assert torch.allclose(next_logits(lm), next_logits(eager), atol=1e-4)
+    cases = [(p, list(lm.generate_ids(p, 12, params_of(i)))) for i, p in enumerate(prompts(4, lm.vocab_size))]
+    check_identity(lm, moelane.load(folder), cases, 12, drafter="model", max_streams=4, timed=False, guard=False)
+
+
 def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     """The draft model the engine loads runs its generated rows (and short catch-ups) through its compiled decode
     step; drafts are held and every reply still equals the solo decode."""

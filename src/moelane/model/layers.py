@@ -483,9 +483,13 @@ def attend_pooled(
     k_pool[slots, :, positions] = k.to(k_pool.dtype)
     v_pool[slots, :, positions] = v.to(v_pool.dtype)
     # each row's slot, read at key_pos only: [N, Hkv, L, D]
-    at = (slots[:, None, None], torch.arange(n_kv, device=q.device)[None, :, None], key_pos[None, None, :])
-    keys = k_pool[at].reshape(n * n_kv, length, d)
-    values = v_pool[at].reshape(n * n_kv, length, d_v)
+    if n_kv == 1:  # read without the head dim: inductor cannot lower a product whose input has a size-1 dim
+        at1 = (slots[:, None], key_pos[None, :])  # beside an unbacked one (one KV head: MQA)
+        keys, values = k_pool[:, 0][at1], v_pool[:, 0][at1]
+    else:
+        at = (slots[:, None, None], torch.arange(n_kv, device=q.device)[None, :, None], key_pos[None, None, :])
+        keys = k_pool[at].reshape(n * n_kv, length, d)
+        values = v_pool[at].reshape(n * n_kv, length, d_v)
     # (reshaped in steps that split or merge one dim at a time: the compiler then needs no guess about N's size)
     q_rows = q.view(n, n_kv, group, d).reshape(n * n_kv, group, d)
     scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, L]
