@@ -483,8 +483,10 @@ def attend_pooled(
     k_pool[slots, :, positions] = k.to(k_pool.dtype)
     v_pool[slots, :, positions] = v.to(v_pool.dtype)
     # each row's slot, read at key_pos only: [N, Hkv, L, D]
-    if n_kv == 1:  # read without the head dim: inductor cannot lower a product whose input has a size-1 dim
-        at1 = (slots[:, None], key_pos[None, :])  # beside an unbacked one (one KV head: MQA)
+    # One KV head (multi-query attention) is read without its head dim: inductor cannot lower a product over a
+    # gather whose size-1 dim sits beside the unbacked key length (it needs that length to lay the gather out).
+    if n_kv == 1:
+        at1 = (slots[:, None], key_pos[None, :])
         keys, values = k_pool[:, 0][at1], v_pool[:, 0][at1]
     else:
         at = (slots[:, None, None], torch.arange(n_kv, device=q.device)[None, :, None], key_pos[None, None, :])
