@@ -609,16 +609,17 @@ def test_staged_dispatch_equals_dispatch(dtype: torch.dtype) -> None:
             assert torch.equal(got, dispatch(x, slots, weights, w13, w2))
 
 
+@pytest.mark.parametrize("widths", [(40, 24), (36, 20)])  # (hidden, expert width); 36 bf16 values: 72 bytes a row
 @pytest.mark.parametrize("n_slots", [6, 40])  # slots dense in their range (grouped product), sparse (per slot)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype, n_slots: int) -> None:
+def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype, n_slots: int, widths: tuple[int, int]) -> None:
     """The eager dispatch's grouped products give each (token, expert) pair the bits of `expert_mlp` on that expert's
     rows alone: the tile rule holds through `torch._grouped_mm` and through one product per slot, for empty, partial
-    and multi-tile groups."""
+    and multi-tile groups, and for widths `torch._grouped_mm` refuses (rows not of whole 16-byte multiples)."""
     from moelane.model.moe import expert_mlp, grouped
 
     gen = torch.Generator().manual_seed(0)
-    hidden, width, k = 40, 24, 3
+    (hidden, width), k = widths, 3
     w13 = torch.randn(n_slots, 2 * width, hidden, generator=gen).to(dtype)
     w2 = torch.randn(n_slots, hidden, width, generator=gen).to(dtype)
     for n_tokens in (1, 3, 11, 40):

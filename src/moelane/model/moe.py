@@ -209,7 +209,8 @@ def grouped(
     rows), so every slot's group is a matrix of TILE-multiple rows that meets its expert in one matrix product, as
     `linear` would compute it (tested bit for bit). Where the used slots are dense in their range, one
     `torch._grouped_mm` over the range computes them all; it visits empty groups too (~2 us each here), so sparse
-    slots (a decode step's few experts in a big pager pool) are computed one slot at a time instead. A pair's result
+    slots (a decode step's few experts in a big pager pool), and experts whose widths `torch._grouped_mm` does not
+    take, are computed one slot at a time instead (the same bits: tested). A pair's result
     does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late
     ones). The layout is worked out on Python lists: a pass has at most a few thousand pairs, and a dozen small
     tensor ops cost more than that loop at decode sizes."""
@@ -232,7 +233,9 @@ def grouped(
     xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.tensor(rows)]
     at = torch.tensor(dest)
     lo, hi = used[0], used[-1]
-    if 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
+    # (torch._grouped_mm takes rows of whole 16-byte multiples only: a bf16 hidden or expert width of 36 it refuses)
+    aligned = all(n * w13.element_size() % 16 == 0 for n in (w13.shape[2], w2.shape[2]))
+    if aligned and 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
         per_group = [0] * (hi - lo + 1)
         for slot, size in zip(used, sizes, strict=True):
             per_group[slot - lo] = size
