@@ -275,3 +275,24 @@ def test_a_decode_step_that_cannot_compile_runs_eagerly(
     assert out == eager and "Traceback" not in err
     assert "running eagerly: compiling the decode step failed (InvalidCxxCompiler" in caplog.text
     assert "more" not in caplog.text
+
+
+def test_run_drafts_by_default_and_replies_the_same(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`run` drafts with copy unless told otherwise (none with --trace, which records one token a step); the reply
+    is the one-token decode's, greedy and seeded."""
+    import moelane.cli
+
+    used: list[str] = []
+    real = moelane.cli.generate
+    monkeypatch.setattr(moelane.cli, "generate", lambda lm, ids, args, params: used.append(args.drafter) or real(
+        lm, ids, args, params))  # fmt: skip
+    for extra in ([], ["--temperature", "0.8", "--seed", "5"]):
+        args = ["run", "--max-tokens", "40", *extra, "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
+        assert main(args) == 0
+        drafted = capsys.readouterr().out
+        assert main([*args, "--drafter", "none"]) == 0
+        assert capsys.readouterr().out == drafted
+    assert main(["run", "--max-tokens", "4", "--trace", str(tmp_path / "t.trc"), "hi"]) == 0
+    assert used == ["copy", "none", "copy", "none", "none"]

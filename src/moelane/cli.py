@@ -96,11 +96,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                      f"{COMPILE_PAYS_TOKENS} with all experts resident, where the warm-up pays (default)")  # fmt: skip
     how.add_argument("--eager", dest="compile", action="store_const", const="off",
                      help="run every pass eagerly, never compiled (for debugging; same as --compile off)")  # fmt: skip
-    p.add_argument("--drafter", choices=("none", "copy", "model"), default="none",
+    p.add_argument("--drafter", choices=("auto", "none", "copy", "model"), default="auto",
                    help="draft tokens and verify them several at a time, through the lanes engine with one stream "
                    "(the reply is the same, token for token): copy drafts from the prompt and the reply so far "
-                   "(edits, quotes, code; often 2-3x faster there), model from the shipped draft model (compiled "
-                   "unless --eager). Default none: one token a step")  # fmt: skip
+                   "(edits, quotes, code, a reply that repeats itself; often 2-3x faster there), model from the "
+                   "shipped draft model (compiled unless --eager), none one token a step. Default auto: copy, or "
+                   "none with --trace")  # fmt: skip
     p.add_argument("--trace", metavar="FILE", help="record the routing trace of this run to FILE")
     p.add_argument("--stats", action="store_true", help="print the expert pager's statistics to stderr")
     p.set_defaults(func=cmd_run)
@@ -202,6 +203,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if args.max_tokens < 1:  # (before the model loads)
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.drafter == "auto":  # drafts verified by the model cost little where none lands, and often pay
+        args.drafter = "none" if args.trace else "copy"
     if args.trace:
         if args.drafter != "none":  # (drafted rows that are rejected would be in it as tokens)
             raise InputError("--trace records one token a step: it does not apply with --drafter")
