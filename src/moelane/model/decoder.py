@@ -103,6 +103,17 @@ REQUIRED = object()
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
+def attention_heads(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a config: KV heads default to the query heads (no GQA), the head dim to
+    hidden size / query heads, as transformers reads them."""
+    n_heads = config["num_attention_heads"]
+    return (
+        n_heads,
+        config.get("num_key_value_heads") or n_heads,
+        config.get("head_dim") or config["hidden_size"] // n_heads,
+    )
+
+
 def config_get(config: dict[str, Any], *names: str, default: Any = REQUIRED) -> Any:
     """The first of several hub spellings present in a config (e.g. num_experts / num_local_experts); KeyError
     naming the first spelling when none is there and there is no `default` (`load` turns it into a clear line)."""

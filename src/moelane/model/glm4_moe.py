@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder, DenseMlp, config_get, past_last_layer
+from moelane.model.decoder import Decoder, DenseMlp, attention_heads, config_get, past_last_layer
 from moelane.model.layers import Attention, Rope, rope_parameters
 from moelane.model.moe import ROUTER_FP32, SigmoidMoe, check_groups
 
@@ -48,9 +48,7 @@ DEFAULTS = dict(n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=1
 def build(config: dict[str, Any]) -> Decoder:
     config = {**DEFAULTS, **config}
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-5)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     params = rope_parameters(config)
     factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
     rotary_dim = int(head_dim * float(factor if factor is not None else 0.5))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder, Routing, config_get
+from moelane.model.decoder import Decoder, Routing, attention_heads, config_get
 from moelane.model.layers import Attention, RMSNormScaledFp32, Rope, linear, pointwise, rope_parameters
 from moelane.model.loader import ExpertHandle, TensorRef, slice_stacked
 from moelane.model.moe import run_experts
@@ -111,9 +111,7 @@ def windows(config: dict[str, Any]) -> list[int | None]:
 
 def build(config: dict[str, Any]) -> Decoder:
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-5)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     width, top_k = expert_width(config), config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
     if n_experts(config) < 1:

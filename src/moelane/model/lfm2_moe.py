@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get
+from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
 from moelane.model.layers import Attention, Batch, Rope, linear, pointwise, rope_parameters, row_slots
 from moelane.model.moe import biased_group_topk, run_experts
 from moelane.model.provider import ExpertProvider
@@ -166,9 +166,7 @@ def layer_types(config: dict[str, Any]) -> list[str]:
 
 def build(config: dict[str, Any]) -> Decoder:
     hidden, eps = config["hidden_size"], config.get("norm_eps", 1e-5)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     n_layers = config["num_hidden_layers"]
     types = layer_types(config)
     kernel = int(config.get("conv_L_cache", 3))

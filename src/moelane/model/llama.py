@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from moelane.model.decoder import Decoder, DenseMlp, sliding_windows
+from moelane.model.decoder import Decoder, DenseMlp, attention_heads, sliding_windows
 from moelane.model.layers import Attention, Rope, rope_parameters
 
 EXPERT_NAMES: dict[str, str] = {}  # dense: no experts
@@ -26,9 +26,7 @@ def build_dense(config: dict[str, Any], qk_norm: str | None, sliding: bool) -> D
     """A dense decoder: attention (optionally with per-head q/k norm) and a SwiGLU MLP in every layer; `sliding`:
     Qwen's sliding-window layers (`sliding_windows`), where Llama has none whatever `sliding_window` says."""
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     n_layers = config["num_hidden_layers"]
     bias, mlp_bias = bool(config.get("attention_bias")), bool(config.get("mlp_bias"))
     windows = sliding_windows(config, flagged=True) if sliding else [None] * n_layers

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from moelane.model.decoder import Decoder, config_get
+from moelane.model.decoder import Decoder, attention_heads, config_get
 from moelane.model.layers import Attention, Rope, rope_parameters
 from moelane.model.qwen3_moe import SparseMoe
 
@@ -21,9 +21,7 @@ def expert_prefix(layer: int) -> str:
 
 def build(config: dict[str, Any]) -> Decoder:
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-5)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     top_k = config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
     bias = bool(config.get("attention_bias"))

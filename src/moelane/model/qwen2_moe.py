@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get, is_moe_layer, sliding_windows
+from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get, is_moe_layer, sliding_windows
 from moelane.model.layers import MLP, Attention, Rope, linear, pointwise, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
 from moelane.model.provider import ExpertProvider
@@ -46,9 +46,7 @@ class SharedExpertMoe(nn.Module):
 
 def build(config: dict[str, Any]) -> Decoder:
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     top_k = config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
     moe_layers = [i for i in range(n_layers) if n_experts(config) > 0 and is_moe_layer(config, i)]

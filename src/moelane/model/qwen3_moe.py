@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get, is_moe_layer
+from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get, is_moe_layer
 from moelane.model.layers import Attention, Rope, linear, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
 from moelane.model.provider import ExpertProvider
@@ -42,9 +42,7 @@ def build(config: dict[str, Any]) -> Decoder:
     if config.get("use_sliding_window") and config.get("sliding_window"):
         raise ModelLoadError("qwen3_moe with use_sliding_window is not supported (which layers slide is not agreed)")
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-    n_heads = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_heads
-    head_dim = config.get("head_dim") or hidden // n_heads
+    n_heads, n_kv, head_dim = attention_heads(config)
     n_experts = config_get(config, "num_experts", "num_local_experts")
     top_k = config["num_experts_per_tok"]
     n_layers = config["num_hidden_layers"]
