@@ -296,3 +296,110 @@ def test_run_drafts_by_default_and_replies_the_same(
         assert capsys.readouterr().out == drafted
     assert main(["run", "--max-tokens", "4", "--trace", str(tmp_path / "t.trc"), "hi"]) == 0
     assert used == ["copy", "none", "copy", "none", "none"]
+
+
+# ---- found by trying the command line as a new user would (2026-12-03) ----------------------------------------
+
+
+def test_unknown_options_point_at_their_commands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    line = cli_error(["run", "--foo", "hi"], capsys)
+    assert line.startswith("moelane run: error: unrecognized arguments: --foo") and "(see moelane run --help)" in line
+    assert "quotes" not in line  # (the hint is for words of a prompt, not for options)
+    assert "(see moelane trace synth --help)" in cli_error(["trace", "synth", "--out", "x.trc", "--bar"], capsys)
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("moelane ")
+    args = build_parser().parse_args(["run", "-v", "hi"])  # -v after the command, as before it
+    assert args.verbose and args.prompt == "hi"
+    assert not build_parser().parse_args(["run", "hi"]).verbose
+
+
+def test_output_that_cannot_be_written_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")  # (as `> /dev/full` does)
+
+    monkeypatch.setattr("sys.stdout", Full())
+    assert "cannot write the output: No space left on device" in cli_error(["run", "--max-tokens", "2", "hi"], capsys)
+    monkeypatch.setattr("sys.stdout", None)  # (started with standard output closed: `>&-`)
+    assert "standard output is closed" in cli_error(["run", "--max-tokens", "2", "hi"], capsys)
+
+
+def test_run_says_when_the_context_cuts_the_reply(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moelane.model.tokenizer import MAX_CHARS_PER_TOKEN
+
+    prompt = "x " * 2000  # 2,001 tokens of the shipped model's 2,048
+    with caplog.at_level(logging.WARNING, logger="moelane"):
+        assert main(["run", "--drafter", "none", "--max-tokens", "100", prompt]) == 0
+    assert "the reply can have at most 47 tokens, not --max-tokens 100" in caplog.text
+    assert "47 new tokens (context full)" in capsys.readouterr().err
+    assert main(["run", "--max-tokens", "3", "hi"]) == 0 and "3 new tokens (--max-tokens)" in capsys.readouterr().err
+    # a prompt of megabytes is refused from its head, not after a minute of tokenising
+    huge = "abc " * (2048 * MAX_CHARS_PER_TOKEN)
+    assert "tokens in its first 65536 characters alone" in cli_error(["run", huge], capsys)
+    assert "--expert-memory: not a memory size: ''" in cli_error(["run", "--expert-memory", "", "hi"], capsys)
+    assert "--host-memory: not a memory size: '1X'" in cli_error(["run", "--host-memory", "1X", "hi"], capsys)
+
+
+def test_traces_of_more_experts_than_their_ids_hold_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moelane.pager.trace import TraceHeader
+
+    synth = ["trace", "synth", "--out", str(tmp_path / "s.trc"), "--experts", "70000"]
+    assert "--experts must be at most 65536" in cli_error(synth, capsys)  # (ids past 65535 wrapped round)
+    with pytest.raises(ValueError, match="at most 65536"):
+        TraceHeader(n_layers=1, n_experts=70000, top_k=1, tiers=(("native", 1),))
+
+
+def test_analyze_leaves_out_a_predictor_too_big_for_memory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import moelane.pager.analyze
+
+    assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["predictors"] is not None
+    monkeypatch.setattr(moelane.pager.analyze, "COOCCURRENCE_BYTES", 1000)  # (70,000 experts would want 292 GiB)
+    assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["overall"]["predictors"] is None and all(r["predictors"] is None for r in report["requests"])
+    assert main(["trace", "analyze", str(TRACE)]) == 0 and "co-occurrence" not in capsys.readouterr().out
+
+
+def test_replay_pool_sizes_as_run_takes_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    header = read_trace(TRACE).header
+    total = header.n_total * header.expert_bytes
+    rows = {}
+    for budget in ("25%", str(total // 4), f"{total / 4 / 2**20}MiB"):
+        assert main(["trace", "replay", str(TRACE), "--budget", budget, "--policy", "lru", "--json"]) == 0
+        rows[budget] = json.loads(capsys.readouterr().out)
+    assert len({r["capacity"] for r in rows.values()}) == 1 and rows["25%"]["capacity"] == total // 4
+    assert "--budget: not a memory size" in cli_error(["trace", "replay", str(TRACE), "--budget", "abc"], capsys)
+    too_many = ["trace", "replay", str(TRACE), "--slots", str(header.n_total + 1)]
+    assert f"--slots must be from 1 to the trace's {header.n_total} experts" in cli_error(too_many, capsys)
+    lru = ["trace", "replay", str(TRACE), "--slots", "9", "--policy", "lru", "--plan-out", str(tmp_path / "p.json")]
+    assert "--plan-out writes the planner's plans" in cli_error(lru, capsys)  # (was silently not written)
+
+
+def test_replay_of_a_trace_without_prefill_shows_no_prefill_hit_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(tmp_path / "s.trc")
+    assert main(["trace", "synth", "--out", trace, "--prefill", "0", "--decode", "8", "--requests", "1"]) == 0
+    assert main(["trace", "replay", trace, "--slots", "40", "--policy", "lru"]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:2] == ["lru", "40"] and row[3] == "-"  # (was 100.0% of nothing)
+
+
+def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n\n" + json.dumps({"prompt": "x " * 3000}) + "\n")
+    out = tmp_path / "t.trc"
+    out.write_text("an earlier trace")
+    argv = ["trace", "record", "--prompts", str(prompts), "--out", str(out), "--max-tokens", "2"]
+    assert f"{prompts} line 3: prompt of 3001 tokens does not fit the context of 2048" in cli_error(argv, capsys)
+    assert out.read_text() == "an earlier trace"

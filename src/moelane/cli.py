@@ -43,11 +43,46 @@ def build_parser() -> argparse.ArgumentParser:
         "With no --model, commands use the small MoE model shipped inside the package.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("--version", action="version", version=f"moelane {version()}",
+                        help="print moelane's version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     add_run_parser(sub)
     for module in SUBCOMMANDS:
         importlib.import_module(module).add_parser(sub)
+    for command in leaf_parsers(parser):  # -v after the command too (`moelane run -v hi`)
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log debug messages")  # fmt: skip
+    return parser
+
+
+def leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parsers of the commands that run (`run`, `trace replay`, ...), not of those that only group others."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for sub in subs:
+        for child in dict.fromkeys(sub.choices.values()):  # (aliases map to the same parser)
+            yield from leaf_parsers(child)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("moelane")
+    except PackageNotFoundError:  # (run from a source tree that was not installed)
+        return "unknown"
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` were parsed for, so that its errors point at its own --help."""
+    for name in ("command", "trace_command"):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, name, None) not in sub.choices:
+            break
+        parser = sub.choices[getattr(args, name)]
     return parser
 
 
@@ -147,6 +182,14 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
             log.warning("--threads %d is more than the %d cores this process may use: passes will be slower",
                         args.threads, cores)  # fmt: skip
         torch.set_num_threads(args.threads)
+    from moelane.pager.memory import parse_memory
+
+    for flag, value in (("--expert-memory", args.expert_memory), ("--host-memory", args.host_memory)):
+        try:
+            if value is not None:  # (an empty value was taken as none given)
+                parse_memory(value)
+        except ValueError as e:
+            raise InputError(f"{flag}: {e}") from None
     if args.pager_policy and not args.expert_memory:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
     dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -228,10 +271,15 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
         params.check_vocab(lm.vocab_size)
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    prompt_ids = lm.tokenizer.encode(prompt)
+    prompt_ids = lm.tokenizer.encode_prompt(prompt, lm.max_context)
+    room = lm.max_context - len(prompt_ids)  # (none: the model refuses the prompt, in one line)
+    if 0 < room < args.max_tokens:
+        log.warning("the reply can have at most %d tokens, not --max-tokens %d: the prompt's %d tokens leave that "
+                    "much of the model's context of %d", room, args.max_tokens, len(prompt_ids),
+                    lm.max_context)  # fmt: skip
     # auto: compile where it pays, for all-resident experts; the reply the context leaves room for decides, not
     # what was asked
-    long_reply = min(args.max_tokens, lm.max_context - len(prompt_ids)) >= COMPILE_PAYS_TOKENS
+    long_reply = min(args.max_tokens, room) >= COMPILE_PAYS_TOKENS
     if args.compile == "auto" and long_reply and not paged(lm):
         lm.enable_compile()
     if lm.compile_enabled:
@@ -275,11 +323,20 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     t_end = time.perf_counter()
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0
-    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens, prefill {prefill:.1f} tok/s, "
-          f"decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({ended(stops.stopped, n_new, args.max_tokens, room)}),"
+          f" prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
     if args.stats:
         print_stats(lm)
     return 0
+
+
+def ended(stopped: bool, n_new: int, max_tokens: int, room: int) -> str:
+    """Why the reply ended, in the summary line's words."""
+    if stopped:
+        return "stop text"
+    if n_new >= room:
+        return "context full"
+    return "--max-tokens" if n_new >= max_tokens else "end of text"
 
 
 def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Iterator[int]:  # type: ignore[no-untyped-def]
@@ -347,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        hint = " (a prompt of several words goes in quotes)" if args.func is cmd_run else ""
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        words = args.func is cmd_run and not any(e.startswith("-") for e in extra)
+        hint = " (a prompt of several words goes in quotes)" if words else ""
+        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    if sys.stdout is None:  # (started with standard output closed: `moelane run hi >&-`)
+        return say_error("standard output is closed; redirect it to a file or /dev/null")
     # Denormal floats (tiny attention probabilities, tiny weights) are ~100x slower on x86 and change no token.
     torch.set_flush_denormal(True)
     logging.basicConfig(
@@ -357,12 +417,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except MoelaneError as e:
-        print(f"moelane: error: {e}", file=sys.stderr)
-        return 2
+        return say_error(str(e))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        if e.filename is not None:  # (a file's error that its command did not say in its own words)
+            return say_error(f"{e.filename}: {e.strerror or e}")
+        # most likely writing the output failed (`moelane run hi > /dev/full`: the disk is full)
+        return say_error(f"cannot write the output: {e.strerror or e}")
+
+
+def say_error(message: str) -> int:
+    """One line on stderr, exit code 2 (stderr itself may be closed or full: the exit code still says it)."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        print(f"moelane: error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ from tokenizers import Tokenizer as HfTokenizer
 from moelane.errors import InputError, ModelLoadError
 from moelane.model.loader import read_json
 
+# A prompt text longer than this many characters per context token is measured by its head first (`encode_prompt`):
+# tokenising a megabyte takes seconds (and holds the GIL, stalling a server's streams) only to refuse it.
+MAX_CHARS_PER_TOKEN = 32
+
 
 class Tokenizer:
     def __init__(self, folder: Path, eos_ids: frozenset[int]) -> None:
@@ -65,6 +69,15 @@ class Tokenizer:
                 raise InputError(f"the text is not valid Unicode: character {e.start} is a lone surrogate "
                                  f"({text[e.start]!r})") from None  # fmt: skip
             raise
+
+    def encode_prompt(self, text: str, context: int) -> list[int]:
+        """`encode(text)`, but a text whose head alone holds twice `context` tokens is refused unread: a prompt of
+        megabytes would take a minute to encode only to be refused for its length."""
+        head = context * MAX_CHARS_PER_TOKEN
+        if len(text) > head and (n_head := len(self.encode(text[:head]))) >= 2 * context:
+            raise InputError(f"the prompt has {n_head} tokens in its first {head} characters alone; this model's "
+                             f"context length is {context} tokens (prompt and reply together)")  # fmt: skip
+        return self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

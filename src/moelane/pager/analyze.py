@@ -155,10 +155,16 @@ def layer_usage(trace: Trace) -> list[dict[str, Any]]:
     return out
 
 
+COOCCURRENCE_BYTES = 1 << 30  # the most the co-occurrence predictor's counts may take; past it, it is left out
+
+
 def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
     """The full report as plain data (what `trace analyze --json` prints)."""
     reqs = _split_requests(trace)
-    preds = _predictors(trace, reqs, n_extra or trace.header.top_k)
+    h = trace.header
+    # its [layers, experts, experts] counts: a few MB for real models, hundreds of GB for a synthetic 70,000 experts
+    fits = h.n_layers * h.n_experts**2 * 8 <= COOCCURRENCE_BYTES
+    preds = _predictors(trace, reqs, n_extra or h.top_k) if fits else None
     ahead = _lookahead(reqs, trace.header.top_k) if trace.lookahead is not None else None
     requests: list[dict[str, Any]] = []
     all_cov: dict[str, list[float]] = defaultdict(list)
@@ -173,7 +179,7 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
                 "n_prefill_tokens": sum(1 for _, d in req.tokens if not d),
                 "n_decode_tokens": n_dec,
                 "coverage": _summarise(cov, size),
-                "predictors": preds[sid],
+                "predictors": None if preds is None else preds[sid],
                 **({"lookahead": ahead[sid]} if ahead is not None else {}),
             }
         )
@@ -187,7 +193,7 @@ def analyze(trace: Trace, n_extra: int | None = None) -> dict[str, Any]:
         return {k: float(sum(r[key][k] * r[key]["n_tokens"] for r in requests) / max(1, n_total)) for k in fields}
 
     pred_fields = ("repeat_recall", "delta_recall", "schedulable_coverage")
-    pred_overall = overall("predictors", pred_fields)
+    pred_overall = overall("predictors", pred_fields) if preds is not None else None
     return {
         "header": trace.header.to_dict(),
         "overall": {

@@ -16,12 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moelane.cli import check_output, in_flags
 from moelane.errors import InputError
 from moelane.pager.analyze import analyze
+from moelane.pager.memory import parse_memory
 from moelane.pager.policies import make_policy
 from moelane.pager.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
 from moelane.pager.sweep import default_capacities, sweep
-from moelane.pager.trace import Trace, read_trace
+from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
 SWEEP_POLICIES = ("lru", "lfu", "recent-k", "belady", "ema:0.85", "bandit", "planner", "planner:hard", "planner:score")
@@ -32,24 +34,34 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("trace", help="record, analyse and replay routing traces")
     sub = p.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
 
-    rec = sub.add_parser("record", help="record routing traces of prompts run through a model")
+    rec = sub.add_parser("record", help="record routing traces of prompts run through a model",
+                         description="Run each request of a JSONL file through a model (greedy or sampled, EOS "
+                         "ignored) and write which experts every token routed to, layer by layer, to a trace file "
+                         "(with the next layer's look-ahead predictions where the model's routers allow).")  # fmt: skip
     rec.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, one request a line: {"prompt": ...} '
                      'with optional "max_tokens", "prefill_chunk" and "temperature" overriding the flags')  # fmt: skip
     rec.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
     rec.add_argument("--model", default=None, metavar="DIR", help="model folder (default: the shipped default model)")
     rec.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default 64)")
     rec.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill pass (default 64)")
-    rec.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled with seed + request no.")
+    rec.add_argument("--temperature", type=float, default=0.0,
+                     help="0: greedy (default); else sampled, request i with seed --seed + i")  # fmt: skip
     rec.add_argument("--seed", type=int, default=0, help="sampling seed of the first request (default 0)")
     rec.set_defaults(func=cmd_record)
 
-    an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles")
+    an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles",
+                        description="How well sets known in advance (the prefill's experts, recent tokens', the "
+                        "most used) cover the experts each decode token routes to, per request and overall; the "
+                        "co-occurrence and look-ahead predictors' recall; per-layer expert usage.")  # fmt: skip
     an.add_argument("file", metavar="FILE", help="trace file (.trc)")
     an.add_argument("--json", action="store_true", help="print the report as one JSON object")
     an.add_argument("--plot", metavar="OUT.png", help="also draw the coverage to OUT.png (needs matplotlib)")
     an.set_defaults(func=cmd_analyze)
 
-    rp = sub.add_parser("replay", help="replay residency policies over a trace")
+    rp = sub.add_parser("replay", help="replay residency policies over a trace",
+                        description="Simulate an expert pool of a given size under each policy over a trace: hit "
+                        "rates, bytes fetched per token, stall time and tok/s predicted by a simple cost model "
+                        "(storage bandwidth, latency per batched fetch, compute per token).")  # fmt: skip
     rp.add_argument("file", metavar="FILE", help="trace file (.trc)")
     rp.add_argument(
         "--policy",
@@ -59,18 +71,25 @@ def add_parser(subparsers: Any) -> None:
     )
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="pool size in experts")
-    size.add_argument("--budget", type=int, metavar="BYTES", help="pool size in bytes (experts at their tier's size)")
+    size.add_argument("--budget", metavar="X", help="pool size in bytes (512MiB, 2GiB) or a share of all expert "
+                      "bytes (25%%), experts at their tier's size")  # fmt: skip
     size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
     size.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
     rp.add_argument("--plan-out", metavar="FILE", help="planner: write each published plan to FILE (atomically)")
     rp.add_argument("--json", action="store_true", help="print one JSON object per policy and pool size")
     rp.add_argument("--plot", metavar="OUT.png", help="also draw the rows to OUT.png (needs matplotlib)")
-    rp.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH, help="storage bytes/s")
-    rp.add_argument("--latency", type=float, default=DEFAULT_LATENCY, help="seconds per batched fetch")
-    rp.add_argument("--compute-floor", type=float, default=DEFAULT_COMPUTE_FLOOR, help="seconds per token")
+    rp.add_argument("--bandwidth", type=float, default=DEFAULT_BANDWIDTH,
+                    help=f"storage bytes/s (default {DEFAULT_BANDWIDTH:g})")  # fmt: skip
+    rp.add_argument("--latency", type=float, default=DEFAULT_LATENCY,
+                    help=f"seconds per batched fetch (default {DEFAULT_LATENCY:g})")  # fmt: skip
+    rp.add_argument("--compute-floor", type=float, default=DEFAULT_COMPUTE_FLOOR,
+                    help=f"seconds of compute per token (default {DEFAULT_COMPUTE_FLOOR:g})")  # fmt: skip
     rp.set_defaults(func=cmd_replay)
 
-    sy = sub.add_parser("synth", help="write a synthetic trace")
+    sy = sub.add_parser("synth", help="write a synthetic trace",
+                        description="Write a trace of made-up requests: experts drawn with Zipf popularity, a bonus "
+                        "for the previous token's experts, optional topic shifts; for trying policies without a "
+                        "model.")  # fmt: skip
     sy.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
     for name, default, least, what in SYNTH_INTS:
         sy.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default {default}; >= {least})")
@@ -82,7 +101,7 @@ def add_parser(subparsers: Any) -> None:
 
 # `trace synth` integer flags: name, default, least value, meaning
 SYNTH_INTS = (
-    ("layers", 8, 1, "MoE layers"), ("experts", 32, 1, "experts per layer"),
+    ("layers", 8, 1, "MoE layers"), ("experts", 32, 1, f"experts per layer, at most {MAX_EXPERTS}"),
     ("top-k", 4, 1, "experts per token and layer, at most --experts"), ("requests", 4, 1, "requests"),
     ("prefill", 256, 0, "prompt tokens per request"), ("chunk", 64, 1, "prompt tokens per prefill pass"),
     ("decode", 128, 0, "generated tokens per request"), ("shift-every", 0, 0, "tokens between topic shifts, 0: none"),
@@ -107,7 +126,6 @@ def _load(path: str) -> Trace:
 def _check_plot(path: str | None) -> None:
     """Before any work: --plot needs matplotlib and a place to write."""
     if path is not None:
-        from moelane.cli import check_output
         from moelane.pager.plots import _pyplot
 
         check_output(path, "--plot")
@@ -118,7 +136,6 @@ def cmd_record(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import moelane
-    from moelane.cli import check_output
     from moelane.model.sampling import SamplingParams
     from moelane.pager.recorder import open_recorder
 
@@ -128,10 +145,11 @@ def cmd_record(args: argparse.Namespace) -> int:
     requests = _read_prompts(args.prompts, defaults)
     check_output(args.out, "--out")
     lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
+    prompts = _encode_prompts(lm, args.prompts, requests)  # (every prompt fits, before anything is recorded)
     with open_recorder(args.out, lm, model=args.model or "default") as recorder:
-        for i, req in enumerate(tqdm(requests, desc="recording", unit="request", leave=False, delay=1.0)):
+        for i, ((_, req), ids) in enumerate(tqdm(list(zip(requests, prompts, strict=True)), desc="recording",
+                                                 unit="request", leave=False, delay=1.0)):  # fmt: skip
             recorder.stream = i
-            ids = lm.tokenizer.encode(req["prompt"])
             n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
             params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
             sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
@@ -139,8 +157,29 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_prompts(path: str, defaults: dict[str, Any]) -> list[dict[str, Any]]:
-    """The requests of a JSONL file, each with every setting (the flags' `defaults` where a line has none)."""
+def _encode_prompts(lm: Any, path: str, requests: list[tuple[int, dict[str, Any]]]) -> list[list[int]]:
+    """Each request's prompt ids, or InputError naming the line of one that does not fit the model's context. A
+    reply the context cuts short is said once."""
+    from moelane.model.lm import token_id_list
+
+    out, cut = [], 0
+    for no, req in requests:
+        try:
+            ids = lm.tokenizer.encode_prompt(req["prompt"], lm.max_context)
+            token_id_list(ids, lm.vocab_size, lm.max_context)
+        except InputError as e:
+            raise InputError(f"{path} line {no}: {e}") from None
+        cut += len(ids) + req["max_tokens"] > lm.max_context
+        out.append(ids)
+    if cut:
+        log.warning("%d of %d requests record fewer tokens than max_tokens: their prompts leave less of the model's "
+                    "context of %d", cut, len(requests), lm.max_context)  # fmt: skip
+    return out
+
+
+def _read_prompts(path: str, defaults: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """The requests of a JSONL file with their line numbers, each with every setting (the flags' `defaults` where a
+    line has none)."""
     if Path(path).is_dir():
         raise InputError(f"--prompts {path} is a folder; give a JSONL file")
     try:
@@ -157,7 +196,7 @@ def _read_prompts(path: str, defaults: dict[str, Any]) -> list[dict[str, Any]]:
             raise InputError(f"{path} line {no}: not JSON ({e})") from None
         if not isinstance(req, dict) or not isinstance(req.get("prompt"), str) or not req["prompt"]:
             raise InputError(f'{path} line {no}: must be a JSON object with a non-empty "prompt" string')
-        requests.append(_check_request({**defaults, **req}, functools.partial("{} line {}: {}".format, path, no)))
+        requests.append((no, _check_request({**defaults, **req}, functools.partial("{} line {}: {}".format, path, no))))
     if not requests:
         raise InputError(f"{path} holds no request (one JSON object a line)")
     return requests
@@ -213,14 +252,19 @@ def format_analysis(report: dict[str, Any]) -> str:
 
 
 def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
+    h = trace.header
     if args.slots is not None:
-        if args.slots < 1:
-            raise InputError(f"--slots must be at least 1, got {args.slots}")
+        if not 1 <= args.slots <= h.n_total:
+            raise InputError(f"--slots must be from 1 to the trace's {h.n_total} experts, got {args.slots}")
         return args.slots, "slots"
     if args.budget is not None:
-        if args.budget < (one := trace.header.tiers[0][1]):
-            raise InputError(f"--budget of {args.budget} bytes holds no expert ({one} bytes each)")
-        return args.budget, "bytes"
+        try:
+            budget = parse_memory(args.budget).resolve(h.n_total * h.expert_bytes)
+        except ValueError as e:
+            raise InputError(f"--budget: {e}") from None
+        if budget < h.expert_bytes:
+            raise InputError(f"--budget of {budget} bytes holds no expert ({h.expert_bytes} bytes each)")
+        return budget, "bytes"
     if args.fraction is not None:
         if not 0 < args.fraction <= 1:
             raise InputError(f"--fraction must be in (0, 1], got {args.fraction}")
@@ -229,11 +273,11 @@ def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from moelane.cli import check_output, in_flags
-
     with in_flags(frozenset({"bandwidth", "latency", "compute_floor"})):
         cost = CostModel(args.bandwidth, args.latency, args.compute_floor)
     if args.plan_out:
+        if not all(p.startswith("planner") for p in args.policy or ["planner"]) or args.sweep:
+            raise InputError("--plan-out writes the planner's plans: give it with planner policies only, no --sweep")
         check_output(args.plan_out, "--plan-out")
     _check_plot(args.plot)
     trace = _load(args.file)
@@ -262,21 +306,27 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         n = max(1, r["decode"]["n_tokens"])
         out.append(
-            f"{r['policy']:<22}{r['capacity']:>8}{r['decode_hit_rate']:>10.1%}{r['prefill']['hit_rate']:>10.1%}"
+            f"{r['policy']:<22}{r['capacity']:>8}{rate(r['decode']):>10}{rate(r['prefill']):>10}"
             f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}"
             f"{r['tok_s_aggregate']:>8.1f}"
         )
     return "\n".join(out) + "\n"
 
 
+def rate(phase: dict[str, Any]) -> str:
+    """A phase's hit rate for the table; "-" where it had no accesses (a trace without prefill)."""
+    return f"{phase['hit_rate']:.1%}" if phase["accesses"] else "-"
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moelane.cli import check_output, in_flags
     from moelane.pager.synth import SynthConfig, synth_trace
     from moelane.pager.trace import write_trace
 
     for name, _, least, _ in SYNTH_INTS:
         if (value := getattr(args, name.replace("-", "_"))) < least:
             raise InputError(f"--{name} must be >= {least}, got {value}")
+    if args.experts > MAX_EXPERTS:
+        raise InputError(f"--experts must be at most {MAX_EXPERTS} (a trace stores 16-bit ids), got {args.experts}")
     if args.top_k > args.experts:
         raise InputError(f"--top-k must be at most --experts ({args.experts}), got {args.top_k}")
     with in_flags(frozenset({"skew", "locality"})):

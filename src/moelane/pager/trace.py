@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MLTRACE1"
 SEG_MAGIC = b"SEGR"
 SEG_STRUCT = struct.Struct("<4sIIIII")  # magic, index, n_tokens, meta_len, payload_len, crc32(meta + payload)
+MAX_EXPERTS = 1 << 16  # expert ids are stored in 8 bits up to 256 experts a layer, else in 16
 PHASES = ("prefill", "decode", "mixed", "unknown")
 
 IntArray = npt.NDArray[np.int64]
@@ -53,6 +54,8 @@ class TraceHeader:
     def __post_init__(self) -> None:
         if self.n_layers < 1 or self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"bad trace shape L={self.n_layers} E={self.n_experts} K={self.top_k}")
+        if self.n_experts > MAX_EXPERTS:
+            raise ValueError(f"{self.n_experts} experts a layer: a trace holds at most {MAX_EXPERTS} (16-bit ids)")
         if not self.tiers or any(b <= 0 for _, b in self.tiers):
             raise ValueError(f"tiers must be non-empty with positive byte sizes, got {self.tiers}")
 
