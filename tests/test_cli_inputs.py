@@ -83,6 +83,7 @@ def test_every_flag_is_explained_by_help() -> None:
 def test_run_refuses_impossible_settings_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--threads must be at most" in cli_error(["run", "--threads", "100000", "hi"], capsys)  # (was a segfault)
     assert "--temperature must be a finite number" in cli_error(["run", "--temperature", "inf", "hi"], capsys)
+    assert "--seed must be a 64-bit integer" in cli_error(["run", "--seed", str(2**64), "hi"], capsys)  # (wrapped)
     assert "--pager-policy" in cli_error(["run", "--pager-policy", "lru", "hi"], capsys)  # (was silently ignored)
     assert "no such folder" in cli_error(["run", "--trace", str(tmp_path / "no" / "t.trc"), "hi"], capsys)
     assert "is a folder" in cli_error(["run", "--trace", str(tmp_path), "hi"], capsys)

@@ -246,6 +246,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     if args.max_tokens < 1:  # (before the model loads)
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**63:  # (as the server: OpenAI's int64 seeds)
+        raise InputError(f"--seed must be a 64-bit integer, from -2**63 to 2**63 - 1, got {args.seed}")
     if args.drafter == "auto":  # drafts verified by the model cost little where none lands, and often pay
         args.drafter = "none" if args.trace else "copy"
     if args.trace:
