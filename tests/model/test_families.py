@@ -264,6 +264,8 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     ("glm4_moe-no-partial_rotary_factor", "glm4_moe", dict(rope_parameters=dict(rope_theta=1e4, rope_type="default"))),
     # gpt-oss without rope keys: YaRN x32 from 4,096 positions at theta 150,000; without layer_types, even layers slide
     ("gpt_oss-no-rope-no-layer_types", "gpt_oss", dict(rope_parameters=None, layer_types=None)),
+    # dynamic NTK scaling moves the frequencies only past max_position_embeddings, where moelane's context ends
+    ("qwen3_moe-dynamic-rope", "qwen3_moe", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4))),
 ]  # fmt: skip
 
 
@@ -274,6 +276,20 @@ def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, 
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     with torch.no_grad():
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+
+
+def test_expert_widths_are_read_only_where_there_are_experts(tmp_path: Path) -> None:
+    """A config that leaves out the experts' width loads when no layer is MoE (as transformers does), and is
+    refused in one line when one is (it was a KeyError from the expert shape check)."""
+    dense = edit_config(random_model("qwen3_moe", tmp_path / "dense", mlp_only_layers=[0, 1, 2]),
+                        moe_intermediate_size=None)  # fmt: skip
+    ref, lm = reference(dense, torch.float32), moelane.load(dense)
+    prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+    moe = edit_config(random_model("qwen3_moe", tmp_path / "moe"), moe_intermediate_size=None)
+    with pytest.raises(ModelLoadError, match="missing or has a bad value for 'moe_intermediate_size'"):
+        moelane.load(moe)
 
 
 def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path: Path) -> None:

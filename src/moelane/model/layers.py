@@ -136,8 +136,9 @@ class Rope:
             inv, factor = yarn(inv, params, dim, base, max_positions)
         elif kind == "llama3":
             inv = llama3(inv, params, max_positions)
-        elif kind != "default":
-            raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn, llama3)")
+        elif kind not in ("default", "dynamic"):  # (dynamic NTK changes nothing within `max_positions`, the context)
+            raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn, llama3, "
+                                 "dynamic)")  # fmt: skip
         return cls(inv, factor)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,14 +74,14 @@ def load(
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     if config.get("hidden_act", "silu") not in ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
+    refs = scan_checkpoint(folder)  # (a folder without weights says so before its config's keys are read)
     try:
         check_sizes(config)
         check_top_k(family, config)
         model = family.build(config)
+        handles = expert_handles(family, model.moe_layers, config, refs, fp8_block)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
-    refs = scan_checkpoint(folder)
-    handles = expert_handles(family, model.moe_layers, config, refs, fp8_block)
     # (a fused checkpoint's stacked tensor starts where its first expert's slice does)
     expert_starts = {(ref.path, ref.offset) for hs in handles.values() for h in hs for ref in h.tensors.values()}
     skip = getattr(family, "ignored", lambda config, name: False)
@@ -156,6 +156,8 @@ def expert_handles(
     refs: dict[str, TensorRef],
     fp8_block: tuple[int, int] | None = None,
 ) -> dict[int, list[ExpertHandle]]:
+    if not moe_layers:  # (a config of dense layers only need not say how wide its experts would be)
+        return {}
     n_experts = int(family.n_experts(config))
     find = getattr(family, "find_experts", None)
     handles: dict[int, list[ExpertHandle]] = {}
