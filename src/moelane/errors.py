@@ -16,6 +16,10 @@ class InputError(MoelaneError):
     """A request that cannot be served as asked (prompt too long, bad sampling setting, ...)."""
 
 
+class PromptTooLong(InputError):
+    """A prompt that does not fit the model's context (the server says `context_length_exceeded`)."""
+
+
 def check_number(name: str, value: float, least: float, strict: bool = False) -> None:
     """ValueError unless `value` is a finite number >= `least` (> with `strict`), said as "`name` must be ..." (the
     CLI's `in_flags` names the flag instead)."""

@@ -236,3 +236,21 @@ def test_token_id_prompt_and_echo(client: openai.OpenAI, tiny_lm: Any) -> None:
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0).choices[0].text
     by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert by_text.choices[0].text == tiny_lm.tokenizer.decode(ids) + by_ids
+
+
+def test_models_retrieve_and_head_health(tiny_lm: Any) -> None:
+    """`client.models.retrieve` finds the served model (an id with a slash too) and says model_not_found of others;
+    load balancers' `HEAD /health` is answered."""
+    from tests.server.conftest import create_app, make_engine, running
+
+    for name in (MODEL, "org/tiny-moe"):
+        with running(create_app(make_engine(tiny_lm), tiny_lm, model_name=name)) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+            card = client.models.retrieve(name)
+            assert card.id == name and card.object == "model"
+            assert card.model_extra is not None and card.model_extra["max_model_len"] == tiny_lm.max_context
+            with pytest.raises(openai.NotFoundError) as refused:
+                client.models.retrieve("gpt-17")
+            assert refused.value.code == "model_not_found" and "does not exist" in refused.value.message
+            head = httpx.head(f"{base}/health", timeout=30)
+            assert head.status_code == 200 and head.content == b""

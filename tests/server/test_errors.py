@@ -109,6 +109,18 @@ CASES = [
         400,
         "not valid Unicode",
     ),
+    (
+        "stop a lone surrogate",
+        "/v1/completions",
+        b'{"prompt": "a", "stop": ["x", "a\\ud800"]}',
+        400,
+        "not valid Unicode",
+    ),
+    ("temperature NaN", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', 400, "finite number"),
+    ("top_p Infinity", "/v1/completions", b'{"prompt": "a", "top_p": Infinity}', 400, "finite number"),
+    ("penalty -Infinity", "/v1/completions", b'{"prompt": "a", "presence_penalty": -Infinity}', 400, "finite"),
+    ("bias NaN", "/v1/completions", b'{"prompt": "a", "logit_bias": {"5": NaN}}', 400, "finite number"),
+    ("too many messages", "/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 2049}, 400, "at most 2048"),
 ]
 
 
@@ -141,3 +153,43 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
     assert r.status_code == 405 and "error" in r.json()
     r = httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "code"),
+    [
+        ("/v1/completions", {**GOOD, "max_tokens": 10**12}, "max_tokens", "context_length_exceeded"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, "max_tokens", "context_length_exceeded"),
+        ("/v1/completions", {**GOOD, "prompt": [5] * 600}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {**GOOD, "prompt": "To be, or not " * 4000}, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {**GOOD, "prompt": ""}, "prompt", "invalid_value"),
+        ("/v1/completions", {**GOOD, "prompt": [1, 10**6]}, "prompt", "invalid_value"),
+        ("/v1/completions", {**GOOD, "prompt": ["a", "b"], "n": 41}, "n", "invalid_value"),
+        ("/v1/completions", b'{"prompt": "a", "stop": "\\udc00"}', "stop", "invalid_value"),
+        ("/v1/completions", b'{"prompt": "a\\ud800"}', "prompt", "invalid_value"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages",
+            "invalid_value",
+        ),
+        ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature", "invalid_value"),
+    ],
+)
+def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str, code: str) -> None:
+    """Stable `code`s as OpenAI gives them: context_length_exceeded for what does not fit the context,
+    invalid_value for other bad values."""
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}{path}", timeout=30, headers={"content-type": "application/json"}, **kwargs)  # type: ignore[arg-type]
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
+
+
+def test_model_may_be_left_out(url: str) -> None:
+    """As vLLM, llama.cpp and Ollama take it: no `model` means the served one, so a request that leaves it out
+    and has another field wrong is told about that field."""
+    r = httpx.post(f"{url}/v1/completions", json={k: v for k, v in GOOD.items() if k != "model"}, timeout=30)
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT["messages"], "temperature": 5}, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "temperature" and "model" not in error["message"], r.text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -157,3 +158,37 @@ def test_an_engine_failure_of_ours_says_what_it_was(serve: Any, tiny_lm: Any) ->
                      timeout=30)  # fmt: skip
     assert bad.status_code == 500 and bad.json()["error"]["code"] == "engine_error"
     assert "expert 3 of layer 1" in bad.json()["error"]["message"]
+
+
+class HeldTemplate:
+    """The tokenizer, its chat template held until `release`: as a template over very many messages takes seconds
+    to render."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.rendering, self.release = tokenizer, threading.Event(), threading.Event()
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+        self.rendering.set()
+        self.release.wait(10)
+        return self.tokenizer.apply_chat_template(*args, **kwargs)  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_a_slow_chat_template_stalls_no_other_request(tiny_lm: Any) -> None:
+    """The chat template renders off the event loop: while it does, /health answers and a stream is served."""
+    tokenizer = HeldTemplate(tiny_lm.tokenizer)
+    lm = SimpleNamespace(tokenizer=tokenizer, max_context=tiny_lm.max_context, vocab_size=tiny_lm.vocab_size)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 3, "max_tokens": 2}
+    with running(create_app(make_engine(tiny_lm), lm, model_name=MODEL)) as url, ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=chat, timeout=30)
+            assert tokenizer.rendering.wait(10)
+            assert httpx.get(f"{url}/health", timeout=2).status_code == 200
+            streamed = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                                                 "stream": True}, timeout=5)  # fmt: skip
+            assert streamed.text.endswith("data: [DONE]\n\n") and not held.done()
+        finally:
+            tokenizer.release.set()
+        assert held.result().status_code == 200

@@ -20,11 +20,11 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
-from moelane.errors import InputError, ModelLoadError
+from moelane.errors import InputError, ModelLoadError, PromptTooLong
 from moelane.model.loader import read_json
 
 # A prompt text longer than this many characters per context token is measured by its head first (`encode_prompt`):
-# tokenising a megabyte takes seconds (and holds the GIL, stalling a server's streams) only to refuse it.
+# tokenising a megabyte takes seconds (and holds the GIL: a server's streams would stall) only to refuse it.
 MAX_CHARS_PER_TOKEN = 32
 
 
@@ -75,8 +75,8 @@ class Tokenizer:
         megabytes would take a minute to encode only to be refused for its length."""
         head = context * MAX_CHARS_PER_TOKEN
         if len(text) > head and (n_head := len(self.encode(text[:head]))) >= 2 * context:
-            raise InputError(f"the prompt has {n_head} tokens in its first {head} characters alone; this model's "
-                             f"context length is {context} tokens (prompt and reply together)")  # fmt: skip
+            raise PromptTooLong(f"the prompt has {n_head} tokens in its first {head} characters alone; this "
+                                f"model's context length is {context} tokens (prompt and reply together)")  # fmt: skip
         return self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -24,9 +24,12 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateSyntaxError
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
-from moelane.errors import InputError
+from moelane.errors import InputError, ModelLoadError, PromptTooLong
+from moelane.model.tokenizer import chat_environment
 from moelane.server import errors
 from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_event
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
@@ -45,10 +48,8 @@ from moelane.server.protocol import (
 )
 from moelane.server.responses import DONE, Header, Logprobs, logprobs_body
 
-# A prompt text longer than this many characters per context token is measured by its head first: tokenising holds
-# the GIL, so a megabyte prompt refused only after a whole tokenisation would stall every stream for a second.
-MAX_CHARS_PER_TOKEN = 32
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
+OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
     "type": "object",
     "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
@@ -60,10 +61,23 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def bad_request(message: str, param: str | None = None) -> InputError:
+def bad_request(message: str, param: str | None = None, code: str | None = INVALID) -> InputError:
     e = InputError(message)
-    e.param = param  # type: ignore[attr-defined]
+    e.param, e.code = param, code  # type: ignore[attr-defined]
     return e
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """ModelLoadError if the model's chat template cannot be compiled: every chat request would fail, and that is
+    the model folder's fault, not the client's. (A template that refuses some messages at render time, with
+    `raise_exception`, is fine: those requests get a 400.)"""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return
+    try:
+        chat_environment().from_string(template)
+    except TemplateSyntaxError as e:  # (and an unknown filter or test, which Jinja finds when compiling)
+        raise ModelLoadError(f"the model's chat template cannot be compiled: {e.message} (line {e.lineno})") from None
 
 
 class ServerState:
@@ -118,21 +132,27 @@ class ServerState:
 
     # ---- prompts ------------------------------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
+        if name is not None and name != self.model_name:
             e = ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
             e.param = "model"  # type: ignore[attr-defined]
             raise e
 
-    def encode(self, text: str) -> list[int]:
-        """A prompt text's token ids; one whose head alone already holds twice the context is refused unread."""
-        context = int(self.lm.max_context)
-        head = context * MAX_CHARS_PER_TOKEN
-        if len(text) > head and (n_head := len(self.lm.tokenizer.encode(text[:head]))) >= 2 * context:
-            message = (f"the prompt has {n_head} tokens in its first {head} characters alone; this model's context "
-                       f"length is {context} tokens (prompt and completion together)")  # fmt: skip
-            raise bad_request(message, "prompt")
-        return self.lm.tokenizer.encode(text)  # type: ignore[no-any-return]
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """A prompt text's token ids; one whose head alone already holds twice the context is refused unread.
+        `param`: the request field the text came from."""
+        try:
+            return self.lm.tokenizer.encode_prompt(text, int(self.lm.max_context))  # type: ignore[no-any-return]
+        except PromptTooLong as e:
+            raise bad_request(str(e), "prompt", OVER_CONTEXT) from None
+        except InputError as e:  # a text the tokenizer cannot take (a lone surrogate)
+            raise bad_request(str(e), param) from None
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        """(token ids, echoed text) per prompt. Runs off the event loop (tokenising 128 long prompts takes a while)."""
+        prompts = [self.completion_prompt(p) for p in body.prompts()]
+        return [(ids, self.lm.tokenizer.decode(ids) if body.echo else "") for ids in prompts]
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -143,8 +163,14 @@ class ServerState:
         return prompt
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
+        messages takes seconds, in which no other stream would be served."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return self.encode(self.lm.tokenizer.apply_chat_template(messages, **body.template_variables()))
+        try:
+            text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
+        except InputError as e:  # the template refused the messages (roles out of order, say)
+            raise bad_request(str(e), "messages") from None
+        return self.encode(text, "messages")
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None) -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default."""
@@ -153,14 +179,14 @@ class ServerState:
             raise bad_request("the prompt is empty", "prompt")
         if n_prompt >= context:
             raise bad_request(f"the prompt has {n_prompt} tokens; this model's context length is {context} tokens "
-                              "(prompt and completion together)", "prompt")  # fmt: skip
+                              "(prompt and completion together)", "prompt", OVER_CONTEXT)  # fmt: skip
         room = context - n_prompt
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
             message = (f"max_tokens is too large: the prompt has {n_prompt} tokens and this model's context length "
                        f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
-            raise bad_request(message, "max_tokens")
+            raise bad_request(message, "max_tokens", OVER_CONTEXT)
         return requested
 
     # ---- serving ------------------------------------------------------------------------------------------------
@@ -423,9 +449,11 @@ def create_app(
     """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
     `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `cost_of(stream)` gives one request's
     pager cost (default zeros); `pager_stats()` the store's counters per level. `manage_engine`: the app's lifespan
-    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread."""
+    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. ModelLoadError if the
+    model's chat template cannot be compiled."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    check_chat_template(lm.tokenizer)
     streams = max_streams if max_streams is not None else engine.config.max_streams
     state = ServerState(engine, lm, model_name, streams, max_queue, limits or Limits(), cost_of, pager_stats)
 
@@ -474,15 +502,23 @@ def openapi_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    @app.head("/health", include_in_schema=False)  # (what load balancers' and uptime checks often send)
     async def health() -> JSONResponse:
         body = Health(status="stopping" if state.stopping else "ok", active_streams=state.engine.n_active,
                       waiting_streams=state.engine.n_waiting)  # fmt: skip
         return JSONResponse(body.model_dump(), status_code=503 if state.stopping else 200)
 
+    def card() -> ModelCard:
+        return ModelCard(id=state.model_name, created=state.created, max_model_len=state.lm.max_context)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.lm.max_context)
-        return ModelList(data=[card])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model_card(model: str) -> ModelCard:  # (`path`: served ids may hold a slash, "org/name")
+        state.check_model(model)
+        return card()
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
@@ -491,15 +527,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompts = [state.completion_prompt(p) for p in body.prompts()]
-        echoes = [state.lm.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
-        return await state.serve(request, body, list(zip(prompts, echoes, strict=True)), body.max_tokens,
-                                 DEFAULT_COMPLETION_TOKENS, False)  # fmt: skip
+        prompts = await run_in_threadpool(state.completion_prompts, body)
+        return await state.serve(request, body, prompts, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompt_ids = state.chat_prompt(body)
+        prompt_ids = await run_in_threadpool(state.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.budget(len(prompt_ids), body.max_tokens, None)  # the one not used must fit too
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True)

@@ -8,15 +8,14 @@ and the engine thread stops. Also runnable alone: `python -m moelane.server.comm
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger(__name__)
 MAX_DEPTH = 64  # most draft rows a stream may hold in a round (each is a row of the pass)
 
 
@@ -77,7 +76,7 @@ def build(args: argparse.Namespace) -> Any:
         lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
         compile = wants_compile(args, paged(lm))
         if compile:
-            log.warning("compiling the decode step (10-60 s the first time; later starts use the cache)...")
+            say("compiling the decode step (10-60 s the first time; later starts use the cache)...")
             if not lm.compile_enabled:
                 lm.enable_compile()
             compile = lm.warm_up(1, 1)  # (False: it could not be compiled, and serves eagerly)
@@ -86,7 +85,7 @@ def build(args: argparse.Namespace) -> Any:
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
                               compile_draft=args.compile != "off")  # fmt: skip
         if drafter == "model" and config.compile_draft:
-            log.warning("compiling the draft model's decode step (10-30 s the first time; later starts: cached)...")
+            say("compiling the draft model's decode step (10-30 s the first time; later starts: cached)...")
         return lm, Engine(lm, config)  # (which fits its rounds to what an expert store's pool holds)
 
     # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
@@ -97,8 +96,17 @@ def build(args: argparse.Namespace) -> Any:
     cost_of, pager_stats = pager_hooks(lm)
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
-    return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
-                      pager_stats=pager_stats)  # fmt: skip
+    try:
+        return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
+                          pager_stats=pager_stats)  # fmt: skip
+    except BaseException:  # (a chat template that cannot be compiled): an expert store's threads end first
+        lm.close()
+        raise
+
+
+def say(message: str) -> None:
+    """A line of serve's own progress on stderr, as `moelane run` says its own (uvicorn logs the requests)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def wants_compile(args: argparse.Namespace, paged: bool) -> bool:
@@ -108,8 +116,7 @@ def wants_compile(args: argparse.Namespace, paged: bool) -> bool:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Settings that cannot work, said in one line before the model loads; and whether the address can be bound
-    (a port in use would otherwise be found only after loading)."""
+    """Settings that cannot work, said in one line before the model loads."""
     from moelane.errors import InputError
     from moelane.lanes.config import EngineConfig
 
@@ -127,28 +134,46 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(f"{name} must be a finite number of seconds > 0, got {value}")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The socket serve will listen on, bound before the model loads: a port in use is said at once, and the port
+    is known (`--port 0`: the one the system chose)."""
+    from moelane.errors import InputError
+
     try:
-        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            probe.bind(infos[0][4])
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(infos[0][4])
+        except BaseException:
+            sock.close()
+            raise
     except OSError as e:
-        raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from moelane.errors import InputError
+
     check_args(args)
-    app = build(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.grace)  # fmt: skip
-    name = app.state.moelane.model_name
-    log.warning("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
+    where = f"[{args.host}]" if ":" in args.host else args.host
+    with bind(args.host, args.port) as sock:
+        app = build(args)
+        try:
+            config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace)
+            try:  # (connections wait in the backlog until uvicorn's loop takes them)
+                sock.listen(config.backlog)
+            except OSError as e:  # another server (with SO_REUSEADDR) listened on the port while the model loaded
+                raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+            say(f"serving {app.state.moelane.model_name} on http://{where}:{sock.getsockname()[1]}/v1")
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
     return 0
 
 

@@ -59,10 +59,12 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def describe(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI error body) for any exception."""
+    """(HTTP status, OpenAI error body) for any exception; an error's own `param` and `code` attributes, where it
+    has them, name the field and say which kind of bad value it is (`context_length_exceeded`, ...)."""
     for cls, status, type_, code in ERROR_KINDS:
         if isinstance(exc, cls):
-            return status, error_body(str(exc), type_, getattr(exc, "param", None), code)
+            param, code = getattr(exc, "param", None), getattr(exc, "code", None) or code
+            return status, error_body(str(exc), type_, param, code)
     log.error("unexpected error while serving a request", exc_info=exc)
     return 500, error_body("internal server error", "server_error", None, "internal_error")
 
@@ -154,7 +156,8 @@ def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+        code = "request_too_large" if exc.status_code == 413 else None  # (BodyLimit's, for a body sent in chunks)
+        return JSONResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))  # fmt: skip
 
     @app.exception_handler(Exception)

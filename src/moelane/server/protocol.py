@@ -29,6 +29,9 @@ from pydantic import (
 
 Stop = str | list[str] | None
 MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bound on n
+# Most messages per chat request, as OpenAI's bound: checked before any message is validated, so a body of a million
+# messages is refused at once instead of holding the event loop for seconds (validation runs on it).
+MAX_MESSAGES = 2048
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -71,11 +74,12 @@ def _unsupported(what: str, *off: object) -> Callable[[object], object]:
 class SamplingFields(Body):
     """Fields shared by both generation endpoints."""
 
-    model: str
+    model: str | None = Field(default=None, description="the served model's id (default: the served model)")
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    # Strict: a JSON number only (ints included); true, "1" and the like are errors, as the schema says.
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    # Strict: a JSON number only (ints included); true, "1" and the like are errors, as the schema says. Finite:
+    # Python's JSON reader takes NaN and Infinity, which would otherwise be said to be out of range.
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt = Field(default=0, ge=0)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's bounds (int64)
     stop: Stop = None
@@ -83,9 +87,9 @@ class SamplingFields(Body):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(default=1, ge=1, le=MAX_N, description="choices per prompt, each a stream of its own")
     user: str | None = None
-    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
     # Accepted in their off state only, so that a client asking for them gets a clear 400 rather than a reply
     # that silently lacks them.
     response_format: ResponseFormat | None = None
@@ -132,6 +136,12 @@ class SamplingFields(Body):
         stops = [v] if isinstance(v, str) else v or []
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
+        for i, stop in enumerate(stops):  # as a prompt with one is refused (the tokenizer cannot take it)
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop sequence {i} is not valid Unicode: character {e.start} is a lone surrogate "
+                                 f"({stop[e.start]!r})") from None  # fmt: skip
         return v
 
     def stop_list(self) -> list[str]:
@@ -213,7 +223,7 @@ TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
