@@ -105,7 +105,8 @@ LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 def attention_heads(config: dict[str, Any]) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of a config: KV heads default to the query heads (no GQA), the head dim to
-    hidden size / query heads, as transformers reads them."""
+    hidden size / query heads. (transformers' classes default KV heads to a number of their own instead, which
+    hub configs always override; a checkpoint whose K/V projections disagree is refused at load, by their shapes.)"""
     n_heads = config["num_attention_heads"]
     return (
         n_heads,
