@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -701,3 +702,56 @@ def test_a_cache_is_zeroed_as_far_as_passes_read_it(long_folder: Path) -> None:
     got += [lm.forward([Rows(cache, tokens[s : s + 256], s)])[0] for s in range(256, 700, 256)]
     assert pool._clean[cache.slot] == 1024
     assert torch.equal(torch.cat(got), want)
+
+
+# ---- the Python API against what users pass (found by trying it, 2026-12-03) ------------------------------------
+
+
+def test_api_arguments_of_the_wrong_kind_are_input_errors_naming_them(lm: moelane.LM) -> None:
+    ids = lm.tokenizer.encode("def add(a, b):")
+    cases = [
+        (lambda: lm.generate_ids(ids, 2.5), "max_tokens must be an integer"),  # (gave 3 tokens)
+        (lambda: lm.generate_ids(ids, True), "max_tokens must be an integer"),
+        (lambda: lm.generate_ids(ids, 3, prefill_chunk=-1), "prefill_chunk must be >= 1"),  # (UnboundLocalError)
+        (lambda: lm.generate_ids(ids, 3, {"temperature": 0.5}), "params must be a SamplingParams"),
+        (lambda: lm.generate(123), "prompt must be text"),  # (AttributeError: no encode)
+        (lambda: lm.generate("hi", stop=123), "stop must be a string or a list of strings"),
+        (lambda: lm.logits([1.5, 2.7]), "token ids must be integers"),  # (was silently [1, 2])
+        (lambda: lm.logits(torch.tensor([], dtype=torch.long)), "empty prompt"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InputError, match=message):
+            call()  # (checked at the call, not at the first token)
+    assert torch.equal(lm.logits(torch.tensor(ids)), lm.logits(np.array(ids)))  # (tensors and arrays were refused)
+    assert torch.equal(lm.logits(iter(ids)), lm.logits(ids))
+
+
+def test_tiny_temperatures_choose_as_greedy_does(lm: moelane.LM) -> None:
+    """logits / 1e-39 overflow float32: every token tied at infinity, and the reply was noise."""
+    greedy = lm.generate("def fibonacci(n):", max_tokens=12)
+    for t in (1e-6, 1e-39, 5e-324):
+        assert lm.generate("def fibonacci(n):", max_tokens=12, temperature=t, seed=3) == greedy
+
+
+def test_a_character_cut_off_by_max_tokens_ends_the_text_as_run_prints_it(lm: moelane.LM) -> None:
+    from moelane.model.tokenizer import Detokenizer
+
+    prompt = "日本語のテキスト:"
+    for n in range(1, 24):
+        ids = list(lm.generate_ids(lm.tokenizer.encode(prompt), n))
+        whole = Detokenizer(lm.tokenizer)
+        text = whole.push(ids) + whole.flush()
+        assert lm.generate(prompt, max_tokens=n) == text, n  # (the cut-off character was dropped)
+
+
+def test_a_closed_model_says_so(tmp_path: Path, folder: Path) -> None:
+    """A paged LM used after close() waited forever on its store's stopped threads."""
+    from moelane.errors import MoelaneError
+    from moelane.pager.store import store_factory
+
+    paged = moelane.load(folder, provider=store_factory("30%"))
+    assert paged.generate("hi", max_tokens=2)
+    paged.close()
+    paged.close()
+    with pytest.raises(MoelaneError, match="closed"):
+        paged.generate("hi", max_tokens=2)

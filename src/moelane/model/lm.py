@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from moelane.errors import InputError
+from moelane.errors import InputError, MoelaneError
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
 from moelane.model.layers import Batch, reach, row_slots
@@ -87,6 +87,7 @@ class LM:
         # Held by every pass and by cache allocation: a pool that grows replaces its tensors, which must not happen
         # while a pass writes into them.
         self._lock = threading.RLock()
+        self._closed = False
 
     # ---- passes -------------------------------------------------------------------------------------------------
 
@@ -121,6 +122,8 @@ class LM:
         """One pass over several streams' rows -> logits [n_i, vocab] per stream (only the last row's if
         `last_only`). With the decode step compiled, `decode` rows (generated tokens) run through it, all streams'
         together, exactly as a one-stream decode does; the other rows share one eager pass."""
+        if self._closed:
+            raise MoelaneError("this model was closed (LM.close); load it again to use it")
         if any(t < 0 or t >= self.vocab_size for r in rows for t in r.token_ids):
             raise InputError(f"token id out of range for a vocabulary of {self.vocab_size}")
         with self._lock:
@@ -208,11 +211,10 @@ class LM:
             observer.observe(record)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab] of a fresh sequence."""
-        if not token_ids:
-            raise InputError("empty token sequence")
-        cache = self.cache_for(len(token_ids), 0)
-        return self.forward([Rows(cache, list(token_ids), 0)])[0]
+        """Logits [T, vocab] of a fresh sequence (up to the whole context)."""
+        ids = token_id_list(token_ids, self.vocab_size, self.max_context + 1)
+        cache = self.cache_for(len(ids), 0)
+        return self.forward([Rows(cache, ids, 0)])[0]
 
     # ---- one stream ---------------------------------------------------------------------------------------------
 
@@ -236,7 +238,9 @@ class LM:
         self._step_provider = self.provider if whole else HostSide(self.provider)
 
     def close(self) -> None:
-        """Release what the expert provider holds (an expert store's threads and files); the LM is not used after."""
+        """Release what the expert provider holds (an expert store's threads and files); the LM is not used after
+        (a pass then raises MoelaneError)."""
+        self._closed = True
         close = getattr(self.provider, "close", None)
         if close is not None:
             close()
@@ -290,25 +294,32 @@ class LM:
         prefill_chunk: int | None = None,
         stop_ids: frozenset[int] | None = None,
     ) -> Iterator[int]:
-        """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`."""
+        """Token ids of the reply, one at a time; ends at an EOS id (not yielded) or after `max_tokens`. Its
+        arguments are checked when it is called (InputError), not at the first token."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams (moelane.model.sampling), got {type(params).__name__}")
         try:
             params.check_vocab(self.vocab_size)
         except ValueError as e:
             raise InputError(str(e)) from None
         if params.seed is None and not params.greedy:
             params = dataclasses.replace(params, seed=secrets.randbits(62))
-        if max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens = whole_number("max_tokens", max_tokens)
+        prefill_chunk = self.prefill_chunk if prefill_chunk is None else whole_number("prefill_chunk", prefill_chunk)
         prompt_ids = token_id_list(prompt_ids, self.vocab_size, self.max_context)
         max_tokens = min(max_tokens, self.max_context - len(prompt_ids))
-        stop_ids = self.eos_ids if stop_ids is None else stop_ids
+        stop_ids = self.eos_ids if stop_ids is None else frozenset(stop_ids)
+        return self._generate_ids(prompt_ids, max_tokens, params, prefill_chunk, stop_ids)
+
+    def _generate_ids(
+        self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, chunk: int, stop_ids: frozenset[int]
+    ) -> Iterator[int]:
         cache = self.cache_for(len(prompt_ids), max_tokens)
-        prefill_chunk = prefill_chunk or self.prefill_chunk
         with torch.no_grad():
-            for start in range(0, len(prompt_ids), prefill_chunk):
-                chunk = prompt_ids[start : start + prefill_chunk]
-                logits = self.forward([Rows(cache, chunk, start)], phase="prefill", last_only=True)[0][0]
+            for start in range(0, len(prompt_ids), chunk):
+                rows = Rows(cache, prompt_ids[start : start + chunk], start)
+                logits = self.forward([rows], phase="prefill", last_only=True)[0][0]
         position, reply = len(prompt_ids), list[int]()
         for i in range(max_tokens):
             token = sample(logits, params, position, reply)
@@ -330,20 +341,40 @@ class LM:
         seed: int | None = None,
         stop: list[str] | str | None = None,
     ) -> Iterator[str]:
-        """Text pieces of the reply as they are produced, cut before the first stop string."""
+        """Text pieces of the reply as they are produced, cut before the first stop string. A character cut off by
+        `max_tokens` ends it as U+FFFD, as `moelane run` prints it."""
+        if not isinstance(prompt, str):
+            raise InputError(f"prompt must be text (a str), got {type(prompt).__name__}; token ids go to generate_ids")
+        stops_list = [stop] if isinstance(stop, str) else stop or []
+        if not isinstance(stops_list, list | tuple) or not all(isinstance(s, str) for s in stops_list):
+            raise InputError(f"stop must be a string or a list of strings, got {stop!r}")
         params = sampling_params(temperature, top_p, top_k, seed)
-        detok, stops = Detokenizer(self.tokenizer), StopFilter([stop] if isinstance(stop, str) else stop or [])
-        for token in self.generate_ids(self.tokenizer.encode(prompt), max_tokens, params):
+        detok, stops = Detokenizer(self.tokenizer), StopFilter(list(stops_list))
+        for token in self.generate_ids(self.tokenizer.encode_prompt(prompt, self.max_context), max_tokens, params):
             if piece := stops.push(detok.push([token])):
                 yield piece
             if stops.stopped:
                 return
-        if tail := stops.flush():
+        if tail := stops.push(detok.flush()) + stops.flush():
             yield tail
 
     def generate(self, prompt: str, **kwargs: Any) -> str:
         """The whole reply as text (same settings as `stream`)."""
         return "".join(self.stream(prompt, **kwargs))
+
+
+def whole_number(name: str, value: object) -> int:
+    """`value` as an int >= 1 (numpy and 0-d tensor integers too), or InputError naming it: not a float that
+    happens to be whole, nor a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InputError(f"{name} must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise InputError(f"{name} must be >= 1, got {n}")
+    return int(n)
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | None, **adjust: Any) -> SamplingParams:

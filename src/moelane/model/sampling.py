@@ -1,10 +1,11 @@
 """Token choice as a pure function of (logits, settings, seed, absolute position, reply so far).
 
 The logits are first adjusted as the request asks (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`;
-the penalties count the tokens of the reply so far, not the prompt), then greedy takes the argmax (the lowest id on
-ties). Sampling is Gumbel-max: the noise for a position comes from a generator keyed by (seed, position), so the
-token chosen at position p is the same whether p is decoded alone, as a drafted row in a verify round, or in a
-batch with other streams. That is what lets the lanes engine verify drafts of sampled requests exactly.
+the penalties count the tokens of the reply so far, not the prompt), then greedy (temperature 0, or below
+`GREEDY_BELOW`) takes the argmax (the lowest id on ties). Sampling is Gumbel-max: the noise for a position comes
+from a generator keyed by (seed, position), so the token chosen at position p is the same whether p is decoded
+alone, as a drafted row in a verify round, or in a batch with other streams. That is what lets the lanes engine
+verify drafts of sampled requests exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 MASK63 = (1 << 63) - 1
+# Temperatures below this choose greedily (as vLLM's): logits divided by 1e-38 overflow float32, and every token
+# then ties at infinity; well before that, the sample is the argmax but for exact ties.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def adjusts(self) -> bool:
