@@ -2,6 +2,7 @@
 into an OpenAI-style error body. Internal invariants use `assert`, never these."""
 
 import math
+import operator
 
 
 class MoelaneError(Exception):
@@ -25,3 +26,14 @@ def check_number(name: str, value: float, least: float, strict: bool = False) ->
     CLI's `in_flags` names the flag instead)."""
     if not (math.isfinite(value) and (value > least if strict else value >= least)):
         raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {least:g}, got {value}")
+
+
+def integer(name: str, value: object) -> int:
+    """`value` as a plain int (numpy and torch integers too); ValueError naming `name` for a bool, a float (even a
+    whole one: 2.0 is a caller's mistake, not a count) or anything else."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an integer, got {value!r}")

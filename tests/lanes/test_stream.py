@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from moelane.lanes.stream import Stream
 
 
@@ -31,7 +33,8 @@ def test_listener_sees_every_token_in_order_then_the_end() -> None:
     assert late == [list(range(5, 60)), None]
 
 
-def test_a_failing_listener_does_not_reach_the_engine() -> None:
+def test_a_failing_listener_does_not_reach_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """What a listener raises is logged (a RuntimeError too: a closed event loop, or a bug) and goes no further."""
     stream = Stream(0, [1], 10)
 
     def closed_loop(_: list[int] | None) -> None:
@@ -42,6 +45,9 @@ def test_a_failing_listener_does_not_reach_the_engine() -> None:
 
     stream.subscribe(closed_loop)
     stream.subscribe(buggy)
-    stream._append([3])
-    stream._finish("stop")
+    with caplog.at_level("ERROR", logger="moelane.lanes.stream"):
+        stream._append([3])
+        stream._finish("stop")
     assert stream.token_ids == [3] and stream.finish_reason == "stop"
+    raised = [r.exc_info[0] for r in caplog.records if r.message == "a stream listener failed" and r.exc_info]
+    assert raised == [RuntimeError, ValueError, RuntimeError, ValueError]

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Real
 
+from moelane.errors import integer
 from moelane.lanes.depth import DEFAULT_PRICES
 
 DRAFTERS = ("none", "copy", "recall", "model")
+COUNTS = ("max_streams", "max_depth", "max_rows", "prefill_chunk", "min_match", "recall_tokens")
+
+
+def finite(name: str, value: object) -> float:
+    """`value` as a float; ValueError naming `name` unless it is a finite real number (not a bool)."""
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +58,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
+        for name in COUNTS:  # (plain ints from here on: a NaN or 2.5 would fail every round, not here)
+            object.__setattr__(self, name, integer(name, getattr(self, name)))
+        prices = tuple((integer("prices rows", n), finite("prices cost", c)) for n, c in self.prices)
+        object.__setattr__(self, "prices", prices)
+        object.__setattr__(self, "draft_price", finite("draft_price", self.draft_price))
         for name in ("max_streams", "max_rows", "prefill_chunk", "min_match", "recall_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moelane.errors import InputError
+from moelane.errors import InputError, MoelaneError, integer
 from moelane.lanes.clock import Clock, RealClock
 from moelane.lanes.config import EngineConfig
 from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate, probe_round
@@ -144,7 +144,8 @@ class Engine:
         self._span_start: float | None = None  # when the current round's host work (drafting) began
         self._drafted_for = PLAIN  # the mode the drafts for the next round were prepared in
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._stopping = False  # the engine thread is asked to end
+        self._stopped = False  # start()ed, then stopped: submit refuses until start() again
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moelane-forward") if self.config.overlap else None
         if self.config.timed:
             self._calibrate()
@@ -183,17 +184,22 @@ class Engine:
         stop token (not part of the reply) or after `max_tokens` tokens. `logit_bias` and the penalties adjust the
         logits as OpenAI's parameters of those names do (the penalties count the reply's tokens). With `logprobs`
         = n (0-20) the stream also gets each token's log-probability and the n most likely tokens there
-        (`Stream.logprobs`); with `prompt_logprobs` too, the prompt's tokens get theirs (`Stream.prompt_logprobs`)."""
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise InputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        if prompt_logprobs and logprobs is None:
-            raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
-        bias = tuple(sorted((logit_bias or {}).items()))
-        try:
+        (`Stream.logprobs`); with `prompt_logprobs` too, the prompt's tokens get theirs (`Stream.prompt_logprobs`).
+        InputError for a bad argument (counts, ids and seeds must be integers); MoelaneError once the engine thread
+        was `start`ed and then stopped."""
+        try:  # counts, ids and seeds as plain ints (numpy's too), before anything is queued
+            max_tokens, top_k = integer("max_tokens", max_tokens), integer("top_k", top_k)
+            seed = None if seed is None else integer("seed", seed)
+            logprobs = None if logprobs is None else integer("logprobs", logprobs)
+            bias = tuple(sorted((integer("logit_bias token id", t), b) for t, b in (logit_bias or {}).items()))
             params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
             params.check_vocab(self.target.vocab_size)
         except ValueError as e:
             raise InputError(str(e)) from None
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise InputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        if prompt_logprobs and logprobs is None:
+            raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
         if not params.greedy and params.seed is None:
             params = replace(params, seed=secrets.randbits(62))
         prompt = token_id_list(token_ids, self.target.vocab_size, self.target.max_context)
@@ -201,7 +207,9 @@ class Engine:
             raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
         max_tokens = min(max_tokens, self.target.max_context - len(prompt))
         stop_ids = self.target.eos_ids | frozenset(stop_token_ids or ())
-        with self._cv:
+        with self._cv:  # (stop()'s lock: a stream is queued before a stop, and ended by it, or refused)
+            if self._stopped:
+                raise MoelaneError("the engine is stopped; start() it again before submitting")
             stream = Stream(self._next_id, prompt, max_tokens)
             self._next_id += 1
             lane = Lane(stream, params, stop_ids, None, Acceptance(self.config.max_depth), prompt, len(prompt))
@@ -227,7 +235,14 @@ class Engine:
     # ---- rounds -------------------------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Run one round; False if there was nothing to do."""
+        """Run one round in this thread; False if there was nothing to do. Not while `start`ed (MoelaneError): then
+        the engine thread runs the rounds."""
+        if self._thread is not None:
+            raise MoelaneError("the engine thread runs the rounds (start()ed): stop() it before step() or "
+                               "run_until_idle()")  # fmt: skip
+        return self._step()
+
+    def _step(self) -> bool:
         self._admit()
         chosen = choose(self._active, self.config.max_streams, self.config.max_rows, self.config.prefill_chunk)
         if not chosen:
@@ -278,8 +293,7 @@ class Engine:
         self._span_start = None
 
     def run_until_idle(self) -> None:
-        """Run rounds in this thread until every submitted stream has finished (not while `start`ed)."""
-        assert self._thread is None, "run_until_idle while the engine thread runs"
+        """Run rounds in this thread until every submitted stream has finished (not while `start`ed: MoelaneError)."""
         while self.step():
             pass
 
@@ -381,7 +395,12 @@ class Engine:
                 if lane.stream.cancel_requested:
                     lane.stream._finish("cancelled")
                     continue
-                lane.cache = self.target.cache_for(lane.n_prompt, lane.stream.max_tokens)
+                try:
+                    lane.cache = self.target.cache_for(lane.n_prompt, lane.stream.max_tokens)
+                except Exception as e:  # (a cache it cannot have, as a failing pass: it ends alone)
+                    log.exception("lanes stream %d could not be admitted; ending it", lane.stream.id)
+                    self._retire(lane, "error", e)
+                    continue
                 self._active.append(lane)
                 joined.append(lane)
         return joined
@@ -418,29 +437,48 @@ class Engine:
     # ---- threaded mode ------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run rounds on a thread of the engine's own (for a server); `submit` from any thread."""
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="moelane-lanes", daemon=True)
-        self._thread.start()
+        """Run rounds on a thread of the engine's own (for a server); `submit` from any thread. Then `stop()` it (or
+        use `with engine:`, which starts and stops): a started engine is kept alive by its thread."""
+        with self._cv:
+            thread = self._thread
+            if thread is not None and not self._stopping:
+                return
+        if thread is not None:
+            thread.join()  # a stop asked on the engine thread itself: that thread is ending
+        with self._cv:
+            self._stopping = self._stopped = False
+            self._thread = threading.Thread(target=self._loop, name="moelane-lanes", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
-        """Stop the engine thread; streams still running end as "cancelled"."""
-        thread = self._thread
-        if thread is None:
-            return
+        """Stop the engine thread; every stream it leaves, running or waiting, ends "cancelled", and `submit` refuses
+        until `start()` again. Called on the engine thread itself (from a stream's listener), it asks for the stop
+        and returns: the thread ends the streams after its current round."""
         with self._cv:
-            self._stopping = True
+            thread = self._thread
+            if thread is None:
+                return
+            self._stopping = self._stopped = True
             self._cv.notify_all()
-        thread.join()
-        self._thread = None
-        with self._cv:
-            for lane in list(self._active) + list(self._waiting):
-                self._retire(lane, "cancelled")
-            self._waiting.clear()
+        if thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            with self._cv:
+                self._end_all("cancelled")
+                self._thread = None
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 if not (self._waiting or self._active):
@@ -449,9 +487,15 @@ class Engine:
                 if self._stopping:
                     return
             try:
-                self.step()
-            except Exception:  # outside any one round (admission, isolation): nothing is left to retry alone
+                self._step()
+            except Exception as e:  # outside any one round (choosing, isolating): it would fail again next round, so
+                # the streams the engine holds end with it (the loop then waits for new ones, never spins)
                 log.exception("lanes engine failed between rounds; ending its streams")
                 with self._cv:
-                    for lane in list(self._active):
-                        self._retire(lane, "error")
+                    self._end_all("error", e)
+
+    def _end_all(self, reason: str, error: BaseException | None = None) -> None:
+        """End every stream the engine holds, running or waiting (under the lock)."""
+        for lane in list(self._active) + list(self._waiting):
+            self._retire(lane, reason, error)
+        self._waiting.clear()

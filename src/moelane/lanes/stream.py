@@ -148,7 +148,5 @@ class Stream:
 def _call(listener: Callable[[list[int] | None], None], tokens: list[int] | None) -> None:
     try:
         listener(tokens)
-    except RuntimeError:  # the listener's event loop has closed (the server stopped first)
-        pass
-    except Exception:  # a listener's bug must not stop the engine
+    except Exception:  # a listener's bug (or its closed event loop) must not stop the engine, nor pass unsaid
         log.exception("a stream listener failed")

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from moelane.errors import InputError, MoelaneError
+from moelane.errors import InputError, MoelaneError, integer
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
 from moelane.model.layers import Batch, reach, row_slots
@@ -367,10 +367,8 @@ def whole_number(name: str, value: object) -> int:
     """`value` as an int >= 1 (numpy and 0-d tensor integers too), or InputError naming it: not a float that
     happens to be whole, nor a bool."""
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
+        n = integer(name, value)
+    except ValueError:
         raise InputError(f"{name} must be an integer >= 1, got {value!r}") from None
     if n < 1:
         raise InputError(f"{name} must be >= 1, got {n}")

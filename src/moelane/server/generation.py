@@ -166,7 +166,8 @@ class Generation:
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
 
         def hand_over(tokens: list[int] | None) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, tokens)
+            if not loop.is_closed():  # (the server stopped first: nobody is left to hand the tokens to)
+                loop.call_soon_threadsafe(queue.put_nowait, tokens)
 
         stream.subscribe(hand_over)
         deadline = time.monotonic() + self.limits.request_s
