@@ -64,24 +64,29 @@ def test_a_stream_that_cannot_be_admitted_ends_alone(threaded: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "name"),
+    ("kwargs", "message"),
     [
-        (dict(max_tokens=2.5), "max_tokens"),
-        (dict(max_tokens=700.0), "max_tokens"),
-        (dict(max_tokens=True), "max_tokens"),
-        (dict(max_tokens=None), "max_tokens"),
-        (dict(seed=1.5, temperature=0.7), "seed"),
-        (dict(seed="x", temperature=0.7), "seed"),
-        (dict(top_k=2.5, temperature=0.7), "top_k"),
-        (dict(logprobs=2.5), "logprobs"),
-        (dict(logprobs=True), "logprobs"),
-        (dict(logit_bias={1.5: 10.0}), "logit_bias token id"),
-        (dict(logit_bias={True: 10.0}), "logit_bias token id"),
+        (dict(max_tokens=2.5), "max_tokens must be an integer"),
+        (dict(max_tokens=700.0), "max_tokens must be an integer"),
+        (dict(max_tokens=True), "max_tokens must be an integer"),
+        (dict(max_tokens=None), "max_tokens must be an integer"),
+        (dict(seed=1.5, temperature=0.7), "seed must be an integer"),
+        (dict(seed="x", temperature=0.7), "seed must be an integer"),
+        (dict(top_k=2.5, temperature=0.7), "top_k must be an integer"),
+        (dict(logprobs=2.5), "logprobs must be an integer"),
+        (dict(logprobs=True), "logprobs must be an integer"),
+        (dict(logit_bias={1.5: 10.0}), "logit_bias token id must be an integer"),
+        (dict(logit_bias={True: 10.0}), "logit_bias token id must be an integer"),
+        (dict(logit_bias=[(1, 2.0)]), "logit_bias must be a mapping"),  # (AttributeError: no items)
+        (dict(logit_bias={1: "2"}), "logit_bias values must be numbers"),
+        (dict(temperature="0.5"), "temperature must be a number"),  # (TypeError from a comparison)
+        (dict(stop_token_ids=5), "stop_token_ids must be a list"),
+        (dict(stop_token_ids=[1.5]), "stop_token_ids must be an integer"),
     ],
 )
-def test_submit_refuses_arguments_of_the_wrong_type(kwargs: dict[str, Any], name: str) -> None:
+def test_submit_refuses_arguments_of_the_wrong_type(kwargs: dict[str, Any], message: str) -> None:
     engine = engine_of()
-    with pytest.raises(InputError, match=f"^{name} must be an integer"):
+    with pytest.raises(InputError, match=f"^{message}"):
         engine.submit([1, 2], **kwargs)
     assert engine.n_waiting == 0
 

@@ -21,7 +21,7 @@ import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -191,7 +191,12 @@ class Engine:
             max_tokens, top_k = integer("max_tokens", max_tokens), integer("top_k", top_k)
             seed = None if seed is None else integer("seed", seed)
             logprobs = None if logprobs is None else integer("logprobs", logprobs)
+            if not isinstance(logit_bias or {}, Mapping):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {logit_bias!r}")
             bias = tuple(sorted((integer("logit_bias token id", t), b) for t, b in (logit_bias or {}).items()))
+            if not isinstance(stop_token_ids or (), Sequence | Set):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+            stops = frozenset(integer("stop_token_ids", t) for t in (stop_token_ids or ()))
             params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
             params.check_vocab(self.target.vocab_size)
         except ValueError as e:
@@ -206,7 +211,7 @@ class Engine:
         if max_tokens < 1:
             raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
         max_tokens = min(max_tokens, self.target.max_context - len(prompt))
-        stop_ids = self.target.eos_ids | frozenset(stop_token_ids or ())
+        stop_ids = self.target.eos_ids | stops
         with self._cv:  # (stop()'s lock: a stream is queued before a stop, and ended by it, or refused)
             if self._stopped:
                 raise MoelaneError("the engine is stopped; start() it again before submitting")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -33,6 +34,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once for each time the reply already holds the token
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            if isinstance(value := getattr(self, name), bool) or not isinstance(value, Real):  # ("0.5" too)
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if any(isinstance(b, bool) or not isinstance(b, Real) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be numbers")
         if not 0 <= self.temperature < math.inf:  # (inf would sample every token alike: noise)
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
