@@ -126,8 +126,10 @@ def greedy(lm: Any, prompt: list[int]) -> list[int]:
 
 def greedy_ref(ref: Any, prompt: list[int]) -> list[int]:
     ref.generation_config.eos_token_id = None  # a generation_config argument alone still stops at the saved EOS
+    ids_t = torch.tensor([prompt])  # (with its mask said: else generate masks every token equal to pad_token_id)
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=N_GREEDY, pad_token_id=0)
+        out = ref.generate(ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False, max_new_tokens=N_GREEDY,
+                           pad_token_id=0)  # fmt: skip
     ids: list[int] = out[0, len(prompt) :].tolist()
     assert len(ids) == N_GREEDY
     return ids
