@@ -185,13 +185,14 @@ def test_a_prompt_far_over_the_context_is_refused_unread(tiny_lm: Any) -> None:
     lm = SimpleNamespace(tokenizer=tokenizer, max_context=tiny_lm.max_context, vocab_size=tiny_lm.vocab_size)
     huge = "To be, or not " * 100_000
     with running(create_app(make_engine(tiny_lm), lm, model_name=MODEL)) as base:
-        for path, body in [
-            ("/v1/completions", {**GOOD, "prompt": huge}),
-            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}),
+        for path, body, param in [
+            ("/v1/completions", {**GOOD, "prompt": huge}, "prompt"),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}, "messages"),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "To be " * 1000}]}, "messages"),
         ]:
             r = post(base, path, body)
             assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
-            assert r.json()["error"]["param"] == "prompt"
+            assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
         assert max(tokenizer.lengths) <= tiny_lm.max_context * MAX_CHARS_PER_TOKEN
 
 

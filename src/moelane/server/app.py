@@ -145,7 +145,7 @@ class ServerState:
         try:
             return self.lm.tokenizer.encode_prompt(text, int(self.lm.max_context))  # type: ignore[no-any-return]
         except PromptTooLong as e:
-            raise bad_request(str(e), "prompt", OVER_CONTEXT) from None
+            raise bad_request(str(e), param, OVER_CONTEXT) from None
         except InputError as e:  # a text the tokenizer cannot take (a lone surrogate)
             raise bad_request(str(e), param) from None
 
@@ -172,14 +172,15 @@ class ServerState:
             raise bad_request(str(e), "messages") from None
         return self.encode(text, "messages")
 
-    def budget(self, n_prompt: int, requested: int | None, default: int | None) -> int:
-        """max_tokens for the engine: the request's, checked against the context, or the endpoint's default."""
+    def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
+        """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.
+        `param`: the field the prompt came from (`messages` for chat)."""
         context = int(self.lm.max_context)
         if n_prompt == 0:
-            raise bad_request("the prompt is empty", "prompt")
+            raise bad_request("the prompt is empty", param)
         if n_prompt >= context:
             raise bad_request(f"the prompt has {n_prompt} tokens; this model's context length is {context} tokens "
-                              "(prompt and completion together)", "prompt", OVER_CONTEXT)  # fmt: skip
+                              "(prompt and completion together)", param, OVER_CONTEXT)  # fmt: skip
         room = context - n_prompt
         if requested is None:
             return room if default is None else min(default, room)
@@ -200,7 +201,8 @@ class ServerState:
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
             GenerationParams(
-                tuple(ids), self.budget(len(ids), limit, default), temperature=body.temperature, top_p=body.top_p,
+                tuple(ids), self.budget(len(ids), limit, default, "messages" if chat else "prompt"),
+                temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
@@ -535,5 +537,5 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         prompt_ids = await run_in_threadpool(state.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
-            state.budget(len(prompt_ids), body.max_tokens, None)  # the one not used must fit too
+            state.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True)
