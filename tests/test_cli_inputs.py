@@ -171,6 +171,7 @@ def test_replay_refuses_settings_that_give_nan_or_crash(
         ('{"prompt": "hi"}', ["--prefill-chunk", "-1"], "--prefill-chunk must be an integer >= 1"),
         ('{"prompt": "hi"}', ["--temperature", "nan"], "--temperature must be a finite number >= 0"),
         ('{"prompt": "hi"}', ["--out", "/nonexistent/t.trc"], "--out /nonexistent/t.trc: no such folder"),
+        ('{"prompt": "hi"}', ["--threads", "0"], "--threads must be at least 1"),
     ],
 )
 def test_record_checks_every_request_before_loading(

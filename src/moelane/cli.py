@@ -168,10 +168,9 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore[no-untyped-def]
+def set_threads(args: argparse.Namespace) -> None:
+    """torch's compute threads as `--threads` asks (left as they are without it)."""
     import torch
-
-    import moelane
 
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
@@ -182,6 +181,14 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
             log.warning("--threads %d is more than the %d cores this process may use: passes will be slower",
                         args.threads, cores)  # fmt: skip
         torch.set_num_threads(args.threads)
+
+
+def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore[no-untyped-def]
+    import torch
+
+    import moelane
+
+    set_threads(args)
     from moelane.pager.memory import parse_memory
 
     for flag, value in (("--expert-memory", args.expert_memory), ("--host-memory", args.host_memory)):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.cli import check_output, in_flags
+from moelane.cli import check_output, in_flags, set_threads
 from moelane.errors import InputError
 from moelane.pager.analyze import analyze
 from moelane.pager.memory import parse_memory
@@ -47,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
     rec.add_argument("--temperature", type=float, default=0.0,
                      help="0: greedy (default); else sampled, request i with seed --seed + i")  # fmt: skip
     rec.add_argument("--seed", type=int, default=0, help="sampling seed of the first request (default 0)")
+    rec.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core; "
+                     "OMP_NUM_THREADS if set)")  # fmt: skip
     rec.set_defaults(func=cmd_record)
 
     an = sub.add_parser("analyze", help="coverage of decode experts by prefill, recency, frequency, oracles",
@@ -144,6 +146,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     _check_request(defaults, lambda key: "--" + key.replace("_", "-"))  # the flags, then each line, before loading
     requests = _read_prompts(args.prompts, defaults)
     check_output(args.out, "--out")
+    set_threads(args)
     lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
     prompts = _encode_prompts(lm, args.prompts, requests)  # (every prompt fits, before anything is recorded)
     with open_recorder(args.out, lm, model=args.model or "default") as recorder:
