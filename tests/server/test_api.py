@@ -254,3 +254,22 @@ def test_models_retrieve_and_head_health(tiny_lm: Any) -> None:
             assert refused.value.code == "model_not_found" and "does not exist" in refused.value.message
             head = httpx.head(f"{base}/health", timeout=30)
             assert head.status_code == 200 and head.content == b""
+            other = httpx.options(f"{base}/health", timeout=30)  # (the schema's one method: it said HEAD)
+            assert other.status_code == 405 and other.headers["allow"] == "GET"
+
+
+def test_the_schema_says_null_is_taken_where_it_is(tiny_lm: Any) -> None:
+    """Every optional field of a request body takes null as its default (clients send it for fields left unset);
+    the schema says so, or schemathesis finds a request "violating" it accepted."""
+    from tests.server.conftest import create_app, make_engine, running
+
+    with running(create_app(make_engine(tiny_lm), tiny_lm, model_name=MODEL)) as base:
+        schemas = httpx.get(f"{base}/openapi.json", timeout=30).json()["components"]["schemas"]
+        for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions"):
+            body = schemas[name]
+            for key, prop in body["properties"].items():
+                takes_null = {"type": "null"} in prop.get("anyOf", [])
+                assert takes_null == (key not in body.get("required", [])), (name, key)
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                       "temperature": None, "model": None, "max_tokens": 2}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text

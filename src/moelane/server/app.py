@@ -35,6 +35,7 @@ from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerS
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.protocol import (
+    Body,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -498,13 +499,33 @@ def openapi_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
         for key in ("max_tokens", "max_completion_tokens"):
             if key in props:
                 props[key]["anyOf"][0]["maximum"] = int(state.lm.max_context) - 1
+    nullable_optionals(schemas)
     app.openapi_schema = schema
     return schema
 
 
+def nullable_optionals(schemas: dict[str, Any]) -> None:
+    """Say in the schema what `protocol.Body` does: an optional field of a request body takes null as its default
+    (OpenAI's schema makes most of them nullable, and clients send null for fields they leave unset)."""
+    classes, seen = [Body], set[str]()
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if (body := schemas.get(cls.__name__)) is None or cls.__name__ in seen:
+            continue
+        seen.add(cls.__name__)
+        required = set(body.get("required", ()))
+        for key, prop in body.get("properties", {}).items():
+            if key in required or {"type": "null"} in prop.get("anyOf", ()) or prop.get("type") == "null":
+                continue
+            outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            body["properties"][key] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    # (GET's route first: a 405 for another method then says `Allow: GET`, the schema's one method)
     @app.head("/health", include_in_schema=False)  # (what load balancers' and uptime checks often send)
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
         body = Health(status="stopping" if state.stopping else "ok", active_streams=state.engine.n_active,
                       waiting_streams=state.engine.n_waiting)  # fmt: skip
