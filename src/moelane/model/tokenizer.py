@@ -13,8 +13,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from jinja2 import nodes
-from jinja2.exceptions import TemplateError
+from jinja2 import Template, nodes
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,6 +42,7 @@ class Tokenizer:
         if cfg.is_file():
             self.config = read_json(cfg, "tokenizer_config.json")
         self.chat_template = read_chat_template(folder, self.config)
+        self._template: Template | None = None  # compiled at its first use (`compiled_chat_template`)
         eos_token = self._token_str("eos_token")
         self.eos_token = eos_token
         ids = set(eos_ids)
@@ -63,11 +64,8 @@ class Tokenizer:
         try:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
         except TypeError:  # what the tokenizers library says of a str it cannot take: one with a lone surrogate
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise InputError(f"the text is not valid Unicode: character {e.start} is a lone surrogate "
-                                 f"({text[e.start]!r})") from None  # fmt: skip
+            if (problem := lone_surrogate(text)) is not None:
+                raise InputError(f"the text is not valid Unicode: {problem}") from None
             raise
 
     def encode_prompt(self, text: str, context: int) -> list[int]:
@@ -87,16 +85,29 @@ class Tokenizer:
         tid = self._tok.token_to_id(token)
         return None if tid is None else int(tid)
 
+    def compiled_chat_template(self) -> Template:
+        """The chat template, compiled once (a server renders it for every request). InputError if the model has
+        none; ModelLoadError if it cannot be compiled (a syntax error, an unknown filter): the folder's fault, not a
+        request's."""
+        if self._template is None:
+            if not self.chat_template:
+                raise InputError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
+                                 "has no chat_template)")  # fmt: skip
+            try:
+                self._template = chat_environment().from_string(self.chat_template)
+            except TemplateSyntaxError as e:  # (an unknown filter or test too: Jinja finds them when compiling)
+                raise ModelLoadError(
+                    f"the model's chat template cannot be compiled: {e.message} (line {e.lineno})"
+                ) from None
+        return self._template
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: object
     ) -> str:
         """The template rendered over `messages`, with `variables` as more template variables (`enable_thinking`,
         `reasoning_effort`, ...)."""
-        if not self.chat_template:
-            raise InputError("this model has no chat template (no chat_template.jinja, and tokenizer_config.json "
-                             "has no chat_template)")  # fmt: skip
+        template = self.compiled_chat_template()
         try:
-            template = chat_environment().from_string(self.chat_template)
             return template.render(
                 **variables,
                 messages=messages,
@@ -108,6 +119,15 @@ class Tokenizer:
             raise InputError(f"the chat template refused the messages: {e}") from None
         except TemplateError as e:
             raise InputError(f"chat template failed: {e}") from None
+
+
+def lone_surrogate(text: str) -> str | None:
+    """What makes `text` not valid Unicode ("character 3 is a lone surrogate ('\\udc80')"), or None if it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"character {e.start} is a lone surrogate ({text[e.start]!r})"
+    return None
 
 
 def read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:

@@ -24,12 +24,10 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2.exceptions import TemplateSyntaxError
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from moelane.errors import InputError, ModelLoadError, PromptTooLong
-from moelane.model.tokenizer import chat_environment
+from moelane.errors import InputError, PromptTooLong
 from moelane.server import errors
 from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_event
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
@@ -72,13 +70,8 @@ def check_chat_template(tokenizer: Any) -> None:
     """ModelLoadError if the model's chat template cannot be compiled: every chat request would fail, and that is
     the model folder's fault, not the client's. (A template that refuses some messages at render time, with
     `raise_exception`, is fine: those requests get a 400.)"""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return
-    try:
-        chat_environment().from_string(template)
-    except TemplateSyntaxError as e:  # (and an unknown filter or test, which Jinja finds when compiling)
-        raise ModelLoadError(f"the model's chat template cannot be compiled: {e.message} (line {e.lineno})") from None
+    if getattr(tokenizer, "chat_template", None):
+        tokenizer.compiled_chat_template()
 
 
 class ServerState:

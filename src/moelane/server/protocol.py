@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from moelane.model.tokenizer import lone_surrogate
+
 Stop = str | list[str] | None
 MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bound on n
 # Most messages per chat request, as OpenAI's bound: checked before any message is validated, so a body of a million
@@ -137,11 +139,8 @@ class SamplingFields(Body):
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
         for i, stop in enumerate(stops):  # as a prompt with one is refused (the tokenizer cannot take it)
-            try:
-                stop.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"stop sequence {i} is not valid Unicode: character {e.start} is a lone surrogate "
-                                 f"({stop[e.start]!r})") from None  # fmt: skip
+            if (problem := lone_surrogate(stop)) is not None:
+                raise ValueError(f"stop sequence {i} is not valid Unicode: {problem}")
         return v
 
     def stop_list(self) -> list[str]:
