@@ -140,8 +140,7 @@ def test_an_error_between_rounds_ends_the_streams_once_and_never_spins() -> None
 
     engine._admit = broken  # type: ignore[method-assign]
     streams = [engine.submit([1, 2], max_tokens=5) for _ in range(3)]
-    engine.start()
-    try:
+    with engine:
         assert all_end(streams, 5)
         time.sleep(0.2)
         assert len(calls) == 1
@@ -149,8 +148,6 @@ def test_an_error_between_rounds_ends_the_streams_once_and_never_spins() -> None
         del engine._admit  # mended: the engine serves again
         again = engine.submit([1, 2], max_tokens=5)
         assert again.wait(5) and again.finish_reason == "length"
-    finally:
-        engine.stop()
 
 
 def test_submit_after_stop_is_refused_until_start() -> None:
@@ -164,12 +161,9 @@ def test_submit_after_stop_is_refused_until_start() -> None:
     with pytest.raises(MoelaneError, match="stopped"):
         engine.submit([1, 2], max_tokens=3)
     assert engine.n_waiting == 0
-    engine.start()
-    try:
+    with engine:
         again = engine.submit([1, 2], max_tokens=3)
         assert again.wait(5) and again.finish_reason == "length"
-    finally:
-        engine.stop()
 
 
 def test_submissions_racing_stop_all_end() -> None:
@@ -206,8 +200,7 @@ def test_stop_from_a_listener_on_the_engine_thread() -> None:
     """stop() called on the engine thread asks for the stop: its streams end "cancelled" after the round, and the
     engine can be started again."""
     engine = engine_of(max_streams=1)
-    engine.start()
-    try:
+    with engine:
         running = engine.submit([1, 2], max_tokens=100_000)
         waiting = engine.submit([3, 4], max_tokens=5)
         running.subscribe(lambda tokens: engine.stop() if tokens else None)
@@ -218,20 +211,15 @@ def test_stop_from_a_listener_on_the_engine_thread() -> None:
         engine.start()
         again = engine.submit([1, 2], max_tokens=3)
         assert again.wait(5) and again.finish_reason == "length"
-    finally:
-        engine.stop()
 
 
 def test_rounds_are_not_run_from_a_second_thread_while_started() -> None:
     engine = engine_of()
-    engine.start()
-    try:
+    with engine:
         with pytest.raises(MoelaneError, match="stop\\(\\) it"):
             engine.step()
         with pytest.raises(MoelaneError, match="stop\\(\\) it"):
             engine.run_until_idle()
-    finally:
-        engine.stop()
     assert engine.step() is False  # stopped: stepping is this thread's again
 
 
