@@ -17,23 +17,23 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from moelane.errors import InputError, PromptTooLong
 from moelane.server import errors
-from moelane.server.errors import ClientGone, ModelNotFound, Overloaded, ServerStopping, sse_event
+from moelane.server.errors import ClientGone, Overloaded, ServerStopping, sse_event
+from moelane.server.events import EventStream, merged
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from moelane.server.metrics import PagerStats, ServerMetrics
+from moelane.server.openapi import openapi_schema
+from moelane.server.prompts import Prompts, bad_request, check_chat_template
 from moelane.server.protocol import (
-    Body,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -48,30 +48,9 @@ from moelane.server.protocol import (
 from moelane.server.responses import DONE, Header, Logprobs, logprobs_body
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
-OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
-SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's media type is that of each event)
-    "type": "object",
-    "properties": {"data": {"type": "string", "description": "a JSON chunk, an error body, or [DONE]"},
-                   "event": {"type": "string"}},
-    "required": ["data"],
-}  # fmt: skip
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 404, 429, 500, 503, 504)
 }
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = INVALID) -> InputError:
-    e = InputError(message)
-    e.param, e.code = param, code  # type: ignore[attr-defined]
-    return e
-
-
-def check_chat_template(tokenizer: Any) -> None:
-    """ModelLoadError if the model's chat template cannot be compiled: every chat request would fail, and that is
-    the model folder's fault, not the client's. (A template that refuses some messages at render time, with
-    `raise_exception`, is fine: those requests get a 400.)"""
-    if getattr(tokenizer, "chat_template", None):
-        tokenizer.compiled_chat_template()
 
 
 class ServerState:
@@ -89,6 +68,7 @@ class ServerState:
         pager_stats: PagerStats | None,
     ) -> None:
         self.engine, self.lm, self.model_name, self.limits, self.cost_of = engine, lm, model_name, limits, cost_of
+        self.prompts = Prompts(lm, model_name)
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
         self.metrics = ServerMetrics(engine, pager_stats)
@@ -124,66 +104,6 @@ class ServerState:
             if gen.stream is not None:
                 gen.stream.cancel()
 
-    # ---- prompts ------------------------------------------------------------------------------------------------
-
-    def check_model(self, name: str | None) -> None:
-        """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
-        if name is not None and name != self.model_name:
-            e = ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
-            e.param = "model"  # type: ignore[attr-defined]
-            raise e
-
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """A prompt text's token ids; one whose head alone already holds twice the context is refused unread.
-        `param`: the request field the text came from."""
-        try:
-            return self.lm.tokenizer.encode_prompt(text, int(self.lm.max_context))  # type: ignore[no-any-return]
-        except PromptTooLong as e:
-            raise bad_request(str(e), param, OVER_CONTEXT) from None
-        except InputError as e:  # a text the tokenizer cannot take (a lone surrogate)
-            raise bad_request(str(e), param) from None
-
-    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
-        """(token ids, echoed text) per prompt. Runs off the event loop (tokenising 128 long prompts takes a while)."""
-        prompts = [self.completion_prompt(p) for p in body.prompts()]
-        return [(ids, self.lm.tokenizer.decode(ids) if body.echo else "") for ids in prompts]
-
-    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.encode(prompt)
-        vocab = int(self.lm.vocab_size)
-        if any(not 0 <= t < vocab for t in prompt):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return prompt
-
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
-        messages takes seconds, in which no other stream would be served."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
-        except InputError as e:  # the template refused the messages (roles out of order, say)
-            raise bad_request(str(e), "messages") from None
-        return self.encode(text, "messages")
-
-    def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
-        """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.
-        `param`: the field the prompt came from (`messages` for chat)."""
-        context = int(self.lm.max_context)
-        if n_prompt == 0:
-            raise bad_request("the prompt is empty", param)
-        if n_prompt >= context:
-            raise bad_request(f"the prompt has {n_prompt} tokens; this model's context length is {context} tokens "
-                              "(prompt and completion together)", param, OVER_CONTEXT)  # fmt: skip
-        room = context - n_prompt
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested > room:
-            message = (f"max_tokens is too large: the prompt has {n_prompt} tokens and this model's context length "
-                       f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
-            raise bad_request(message, "max_tokens", OVER_CONTEXT)
-        return requested
-
     # ---- serving ------------------------------------------------------------------------------------------------
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
@@ -195,7 +115,7 @@ class ServerState:
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
             GenerationParams(
-                tuple(ids), self.budget(len(ids), limit, default, "messages" if chat else "prompt"),
+                tuple(ids), self.prompts.budget(len(ids), limit, default, "messages" if chat else "prompt"),
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
@@ -378,57 +298,6 @@ def total_cost(gens: list[Generation]) -> PagerCost:
     )
 
 
-async def merged(sources: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
-    """The items of several async iterators, each source's in its order, as they come. An error in one source is
-    raised here (and ends the others); closing this ends them all."""
-    queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()  # None: a source has ended
-
-    async def pump(source: AsyncGenerator[str, None]) -> None:
-        try:
-            async for item in source:
-                queue.put_nowait(item)
-        except Exception as e:
-            queue.put_nowait(e)
-        finally:
-            queue.put_nowait(None)
-            with contextlib.suppress(BaseException):
-                await source.aclose()
-
-    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
-    try:
-        left = len(tasks)
-        while left:
-            item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose `on_close` runs however the response ends (even if its body never started)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._on_close()
-
-
 def create_app(
     engine: Any,
     lm: Any,
@@ -468,51 +337,8 @@ def create_app(
     app.state.moelane = state
     errors.install(app, max_body_bytes)
     add_routes(app, state)
-    app.openapi = lambda: openapi_schema(app, state)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app, model_name, int(lm.max_context))  # type: ignore[method-assign]
     return app
-
-
-def openapi_schema(app: FastAPI, state: ServerState) -> dict[str, Any]:
-    """FastAPI's schema, made to say what the server does: 400 (not 422) for invalid bodies, the one model id,
-    the context as the bound of max_tokens, and server-sent events as the other 200 body of the generation routes."""
-    if app.openapi_schema:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    for path in schema["paths"].values():
-        for op in path.values():
-            op["responses"].pop("422", None)
-            if "requestBody" in op:
-                op["responses"]["200"]["content"]["text/event-stream"] = {"schema": SSE_EVENT}
-    schemas = schema["components"]["schemas"]
-    for name in ("HTTPValidationError", "ValidationError"):
-        schemas.pop(name, None)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        props = schemas[name]["properties"]
-        props["model"] = {"type": "string", "enum": [state.model_name], "title": "Model"}
-        for key in ("max_tokens", "max_completion_tokens"):
-            if key in props:
-                props[key]["anyOf"][0]["maximum"] = int(state.lm.max_context) - 1
-    nullable_optionals(schemas)
-    app.openapi_schema = schema
-    return schema
-
-
-def nullable_optionals(schemas: dict[str, Any]) -> None:
-    """Say in the schema what `protocol.Body` does: an optional field of a request body takes null as its default
-    (OpenAI's schema makes most of them nullable, and clients send null for fields they leave unset)."""
-    classes, seen = [Body], set[str]()
-    while classes:
-        cls = classes.pop()
-        classes.extend(cls.__subclasses__())
-        if (body := schemas.get(cls.__name__)) is None or cls.__name__ in seen:
-            continue
-        seen.add(cls.__name__)
-        required = set(body.get("required", ()))
-        for key, prop in body.get("properties", {}).items():
-            if key in required or {"type": "null"} in prop.get("anyOf", ()) or prop.get("type") == "null":
-                continue
-            outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
-            body["properties"][key] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -533,7 +359,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def model_card(model: str) -> ModelCard:  # (`path`: served ids may hold a slash, "org/name")
-        state.check_model(model)
+        state.prompts.check_model(model)
         return card()
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -542,14 +368,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        state.check_model(body.model)
-        prompts = await run_in_threadpool(state.completion_prompts, body)
+        state.prompts.check_model(body.model)
+        prompts = await run_in_threadpool(state.prompts.completion_prompts, body)
         return await state.serve(request, body, prompts, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        state.check_model(body.model)
-        prompt_ids = await run_in_threadpool(state.chat_prompt, body)
+        state.prompts.check_model(body.model)
+        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
-            state.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
+            state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True)

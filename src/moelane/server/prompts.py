@@ -1,0 +1,97 @@
+"""`Prompts`: a request's prompt as the engine takes it: the served model checked, text (or a chat's messages
+through the model's chat template) tokenised, token ids checked against the vocabulary, and max_tokens checked
+against the context.
+
+Every refusal is an `InputError` whose `param` names the request field at fault and whose `code` is OpenAI's
+(`context_length_exceeded`, `invalid_value`); `errors.describe` turns it into the 400 body. Tokenising and
+rendering are slow for long prompts, so the server calls `completion_prompts` and `chat_prompt` off the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moelane.errors import InputError, PromptTooLong
+from moelane.server.errors import ModelNotFound
+from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
+
+OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = INVALID) -> InputError:
+    e = InputError(message)
+    e.param, e.code = param, code  # type: ignore[attr-defined]
+    return e
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """ModelLoadError if the model's chat template cannot be compiled: every chat request would fail, and that is
+    the model folder's fault, not the client's. (A template that refuses some messages at render time, with
+    `raise_exception`, is fine: those requests get a 400.)"""
+    if getattr(tokenizer, "chat_template", None):
+        tokenizer.compiled_chat_template()
+
+
+class Prompts:
+    """The prompt rules of one served model. `lm`: its tokenizer, `max_context` and `vocab_size`."""
+
+    def __init__(self, lm: Any, model_name: str) -> None:
+        self.lm, self.model_name = lm, model_name
+
+    def check_model(self, name: str | None) -> None:
+        """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
+        if name is not None and name != self.model_name:
+            e = ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+            e.param = "model"  # type: ignore[attr-defined]
+            raise e
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """A prompt text's token ids; one whose head alone already holds twice the context is refused unread.
+        `param`: the request field the text came from."""
+        try:
+            return self.lm.tokenizer.encode_prompt(text, int(self.lm.max_context))  # type: ignore[no-any-return]
+        except PromptTooLong as e:
+            raise bad_request(str(e), param, OVER_CONTEXT) from None
+        except InputError as e:  # a text the tokenizer cannot take (a lone surrogate)
+            raise bad_request(str(e), param) from None
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        """(token ids, echoed text) per prompt. Runs off the event loop (tokenising 128 long prompts takes a while)."""
+        prompts = [self.completion_prompt(p) for p in body.prompts()]
+        return [(ids, self.lm.tokenizer.decode(ids) if body.echo else "") for ids in prompts]
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        vocab = int(self.lm.vocab_size)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return prompt
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
+        messages takes seconds, in which no other stream would be served."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
+        except InputError as e:  # the template refused the messages (roles out of order, say)
+            raise bad_request(str(e), "messages") from None
+        return self.encode(text, "messages")
+
+    def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
+        """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.
+        `param`: the field the prompt came from (`messages` for chat)."""
+        context = int(self.lm.max_context)
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty", param)
+        if n_prompt >= context:
+            raise bad_request(f"the prompt has {n_prompt} tokens; this model's context length is {context} tokens "
+                              "(prompt and completion together)", param, OVER_CONTEXT)  # fmt: skip
+        room = context - n_prompt
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            message = (f"max_tokens is too large: the prompt has {n_prompt} tokens and this model's context length "
+                       f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
+            raise bad_request(message, "max_tokens", OVER_CONTEXT)
+        return requested
