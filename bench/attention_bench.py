@@ -38,13 +38,19 @@ SHAPES = {  # name: (query heads, KV heads, head dim)
 }
 
 
-def layers_of(rev: str, into: Path) -> ModuleType:
-    """`rev`'s `moelane/model/layers.py`, imported under a name of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:src/moelane/model/layers.py"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout  # fmt: skip
-    path = into / f"layers_{rev.replace('/', '_')}.py"
-    path.write_text(source)
-    name = f"layers_{len(sys.modules)}"
+def attention_of(rev: str, into: Path) -> ModuleType:
+    """`rev`'s `moelane/model/attention.py`, imported under a name of its own; before attention had a module of its
+    own, `rev`'s `layers.py`, which held it. (What the module imports, its building blocks in `layers.py` and the
+    caches, comes from this checkout.)"""
+    for stem in ("attention", "layers"):
+        shown = subprocess.run(["git", "show", f"{rev}:src/moelane/model/{stem}.py"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    path = into / f"{stem}_{rev.replace('/', '_')}.py"
+    path.write_text(shown.stdout)
+    name = f"{stem}_{len(sys.modules)}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -71,7 +77,7 @@ def main() -> None:
     from moelane.model.cache import KVCache, KVPool
 
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {"A": layers_of(args.revs[0], Path(tmp)), "B": layers_of(args.revs[1], Path(tmp))}
+        builds = {"A": attention_of(args.revs[0], Path(tmp)), "B": attention_of(args.revs[1], Path(tmp))}
         for shape in args.shapes.split(","):
             n_heads, n_kv, d = SHAPES[shape]
             for n in (int(x) for x in args.streams.split(",")):
@@ -103,13 +109,13 @@ def main() -> None:
                                   "threads": args.threads, "revs": args.revs}), flush=True)  # fmt: skip
 
 
-def batch_of(layers: ModuleType, caches: list, positions: torch.Tensor, ends: tuple[int, ...]) -> object:
-    """A decode round's batch (one row per stream) in `layers`' own `Batch`."""
-    return layers.Batch(tuple((i, 1) for i in range(len(caches))), tuple(caches), positions, ends)
+def batch_of(attention: ModuleType, caches: list, positions: torch.Tensor, ends: tuple[int, ...]) -> object:
+    """A decode round's batch (one row per stream) in `attention`'s own `Batch`."""
+    return attention.Batch(tuple((i, 1) for i in range(len(caches))), tuple(caches), positions, ends)
 
 
-def attend(layers: ModuleType, qkv: tuple[torch.Tensor, ...], batch: object, scale: float) -> torch.Tensor:
-    return layers.attend_streams(*qkv, 0, batch, scale)
+def attend(attention: ModuleType, qkv: tuple[torch.Tensor, ...], batch: object, scale: float) -> torch.Tensor:
+    return attention.attend_streams(*qkv, 0, batch, scale)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import moelane
 from moelane.cli import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.lanes.drafters import CopyDrafter, ModelDrafter
+from moelane.model.attention import reach
 from moelane.model.cache import Rows
-from moelane.model.layers import reach
 from moelane.model.sampling import SamplingParams, adjusted, sample
 from moelane.model.tokenizer import StopFilter
 from tests.helpers import random_model

@@ -19,7 +19,8 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from moelane.model.layers import MLP, Batch, RMSNorm, Rope, linear
+from moelane.model.attention import Batch
+from moelane.model.layers import MLP, RMSNorm, Rope, linear
 from moelane.model.provider import ExpertProvider
 
 Routing = list[tuple[torch.Tensor, torch.Tensor]]

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
+from moelane.model.attention import Batch, attend_streams
 from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get
-from moelane.model.layers import MLP, Batch, RMSNorm, Rope, apply_rope, attend_streams, linear, rope_parameters
+from moelane.model.layers import MLP, RMSNorm, Rope, apply_rope, linear, rope_parameters
 from moelane.model.moe import run_experts
 from moelane.model.provider import ExpertProvider
 

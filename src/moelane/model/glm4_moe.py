@@ -18,8 +18,9 @@ from typing import Any
 from torch import nn
 
 from moelane.errors import ModelLoadError
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, DenseMlp, attention_heads, config_get, past_last_layer
-from moelane.model.layers import Attention, Rope, rope_parameters
+from moelane.model.layers import Rope, rope_parameters
 from moelane.model.moe import ROUTER_FP32, SigmoidMoe, check_groups
 
 EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

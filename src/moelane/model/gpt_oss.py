@@ -1,5 +1,5 @@
 """gpt-oss (gpt-oss-20b, gpt-oss-120b): GQA with q/k/v/o biases and a learnt sink logit per query head in every
-softmax (`layers.with_sinks`); layers alternate sliding-window and full attention (`layer_types`; the default:
+softmax (`attention.with_sinks`); layers alternate sliding-window and full attention (`layer_types`; the default:
 even layers slide); YaRN rotary embeddings. Every layer is MoE: a linear router with a bias, whose top-k logits are
 softmaxed into the weights; experts with biases and a clamped SwiGLU, `(clamp(up) + 1) * g * sigmoid(alpha * g)`
 with `g = clamp(gate, max=limit)`, over interleaved gate/up outputs. RMSNorm applies its weight in fp32.
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelane.errors import ModelLoadError
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, Routing, attention_heads, config_get
-from moelane.model.layers import Attention, RMSNormScaledFp32, Rope, linear, pointwise, rope_parameters
+from moelane.model.layers import RMSNormScaledFp32, Rope, linear, pointwise, rope_parameters
 from moelane.model.loader import ExpertHandle, TensorRef, slice_stacked
 from moelane.model.moe import run_experts
 from moelane.model.provider import ExpertProvider

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
+from moelane.model.attention import Attention, Batch, row_slots
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
-from moelane.model.layers import Attention, Batch, Rope, linear, pointwise, rope_parameters, row_slots
+from moelane.model.layers import Rope, linear, pointwise, rope_parameters
 from moelane.model.moe import biased_group_topk, run_experts
 from moelane.model.provider import ExpertProvider
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, DenseMlp, attention_heads, sliding_windows
-from moelane.model.layers import Attention, Rope, rope_parameters
+from moelane.model.layers import Rope, rope_parameters
 
 EXPERT_NAMES: dict[str, str] = {}  # dense: no experts
 

@@ -28,9 +28,9 @@ from typing import Any, cast
 import torch
 
 from moelane.errors import InputError, MoelaneError, integer
+from moelane.model.attention import Batch, reach, row_slots
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.decoder import Decoder, config_get
-from moelane.model.layers import Batch, reach, row_slots
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample

@@ -8,8 +8,9 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, attention_heads, config_get, sliding_windows
-from moelane.model.layers import Attention, Rope, rope_parameters
+from moelane.model.layers import Rope, rope_parameters
 from moelane.model.qwen3_moe import SparseMoe
 
 EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}

@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, attention_heads, config_get
-from moelane.model.layers import Attention, Rope, rope_parameters
+from moelane.model.layers import Rope, rope_parameters
 from moelane.model.qwen3_moe import SparseMoe
 
 EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get, is_moe_layer, sliding_windows
-from moelane.model.layers import MLP, Attention, Rope, linear, pointwise, rope_parameters
+from moelane.model.layers import MLP, Rope, linear, pointwise, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
 from moelane.model.provider import ExpertProvider
 

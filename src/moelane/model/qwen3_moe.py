@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get, is_moe_layer
-from moelane.model.layers import Attention, Rope, linear, rope_parameters
+from moelane.model.layers import Rope, linear, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
 from moelane.model.provider import ExpertProvider
 
