@@ -155,7 +155,7 @@ def paged(lm) -> bool:  # type: ignore[no-untyped-def]
 
 
 def provider_factory(args: argparse.Namespace) -> Callable[..., object]:
-    from moelane.pager.store import fitting_factory, store_factory
+    from moelane.pager.build import fitting_factory, store_factory
 
     policy = args.pager_policy or "planner"
     if all_resident(args):  # all resident if they fit in memory, else paged within what is free
@@ -402,7 +402,7 @@ def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
 
 
 def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
-    from moelane.pager.store import format_stats
+    from moelane.pager.build import format_stats
 
     print(format_stats(lm.provider), file=sys.stderr)
 

@@ -11,14 +11,15 @@ import pytest
 import moelane
 from moelane.cli import main
 from moelane.model.provider import ResidentProvider
-from moelane.pager import store as store_module
-from moelane.pager.store import HEADROOM, ExpertStore, StoreError, fitting_factory
+from moelane.pager import build as build_module
+from moelane.pager.build import HEADROOM, fitting_factory
+from moelane.pager.store import ExpertStore, StoreError
 
 EXPERT_BYTES = 6 * 32 * 3 * 192 * 96 * 4  # the shipped model's experts in float32 (6 MoE layers of 32)
 
 
 def with_free(monkeypatch: pytest.MonkeyPatch, n_bytes: int) -> None:
-    monkeypatch.setattr(store_module, "available_memory", lambda: n_bytes)
+    monkeypatch.setattr(build_module, "available_memory", lambda: n_bytes)
 
 
 def test_experts_that_fit_stay_resident_and_others_are_paged_within_the_free_memory(

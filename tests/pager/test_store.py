@@ -16,10 +16,11 @@ import moelane
 import moelane.pager.store as store_module
 from moelane.model import moe
 from moelane.model.provider import ResidentProvider
+from moelane.pager.build import format_stats, store_factory
 from moelane.pager.memory import MemorySpec, parse_memory
 from moelane.pager.plan import Plan
 from moelane.pager.storage import ExpertReadError
-from moelane.pager.store import ExpertStore, StoreConfig, StoreError, format_stats, store_factory
+from moelane.pager.store import ExpertStore, StoreConfig, StoreError
 from moelane.pager.tiers import ExpertCodec
 from tests.helpers import random_model
 

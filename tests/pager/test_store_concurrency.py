@@ -10,7 +10,8 @@ import pytest
 
 import moelane
 import moelane.pager.store as store_module
-from moelane.pager.store import ExpertStore, store_factory
+from moelane.pager.build import store_factory
+from moelane.pager.store import ExpertStore
 from tests.helpers import random_model
 
 N_STREAMS = 8

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.pager.build import store_factory
 from moelane.pager.storage import (
     ExpertReadError,
     ShardFiles,
@@ -20,7 +21,7 @@ from moelane.pager.storage import (
     read_native,
     tier_dir,
 )
-from moelane.pager.store import ExpertStore, store_factory
+from moelane.pager.store import ExpertStore
 from moelane.pager.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
 
