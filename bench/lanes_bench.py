@@ -148,7 +148,7 @@ def main() -> None:
     lm = moelane.load(args.model, compile=args.compile)
     draft = None
     if args.drafter == "model":
-        from moelane.lanes.engine import load_draft_model
+        from moelane.lanes.drafters import load_draft_model
 
         draft = load_draft_model(args.draft)  # its decode step compiled (the engine's default)
     # the engine's own stop ids would end replies at different lengths; benchmark fixed work instead

@@ -355,7 +355,8 @@ def generate(lm, prompt_ids: list[int], args: argparse.Namespace, params) -> Ite
     if args.drafter == "none":
         return lm.generate_ids(prompt_ids, args.max_tokens, params)  # type: ignore[no-any-return]
     from moelane.lanes.config import EngineConfig
-    from moelane.lanes.engine import Engine, submit_kwargs
+    from moelane.lanes.engine import Engine
+    from moelane.lanes.request import submit_kwargs
 
     config = EngineConfig(drafter=args.drafter, max_streams=1, prefill_chunk=lm.prefill_chunk,
                           compile_draft=args.compile != "off")  # fmt: skip

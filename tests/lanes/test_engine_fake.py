@@ -10,8 +10,8 @@ import torch
 
 from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig, FakeClock
-from moelane.lanes.engine import submit_kwargs
 from moelane.lanes.fake import FakeTarget, linear_price
+from moelane.lanes.request import submit_kwargs
 from moelane.model.cache import Rows
 from moelane.model.sampling import SamplingParams
 from tests.lanes.reference import prompts, solo_decode

@@ -13,7 +13,8 @@ import torch
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
-from moelane.lanes.engine import load_draft_model, submit_kwargs
+from moelane.lanes.drafters import load_draft_model
+from moelane.lanes.request import submit_kwargs
 from moelane.model.cache import Rows
 from moelane.model.lm import LM
 from moelane.model.sampling import SamplingParams

@@ -11,8 +11,9 @@ See docs/lanes.md for the round, the depth rule and the guard.
 from moelane.lanes.clock import Clock, FakeClock, RealClock
 from moelane.lanes.config import EngineConfig
 from moelane.lanes.drafters import RecallStore
-from moelane.lanes.engine import Engine, EngineStats, Target
+from moelane.lanes.engine import Engine, EngineStats
 from moelane.lanes.stream import Stream, TokenLogprob
+from moelane.lanes.target import Target
 
 __all__ = [
     "Clock",

@@ -8,100 +8,42 @@ A round is one batched forward pass over the streams taking part:
     commit(verify(window, logits))   # accepted drafts + the model's token; rejected rows are rolled back
     draft(...)                       # proposals for the next round, in the mode the guard chose for it
 
-Streams join and leave between rounds. The target is anything with `new_cache`, `cache_for`, `forward(rows)`,
-`vocab_size`, `eos_ids` and `max_context` (`LM`, or the fake of `moelane.lanes.fake`). Every time reading goes
+Streams join and leave between rounds. The target is a `Target` (`moelane.lanes.target`: `LM`, or the fake of
+`moelane.lanes.fake`); requests are checked (`moelane.lanes.request`) before they are queued. Every time reading goes
 through the injected `Clock`; with `timed=False` nothing the engine decides depends on it. The engine knows nothing
 about text: callers detokenise and handle stop strings (cancelling the stream).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import secrets
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from moelane.errors import InputError, MoelaneError, integer
+from moelane.errors import InputError, MoelaneError
 from moelane.lanes.clock import Clock, RealClock
 from moelane.lanes.config import EngineConfig
 from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate, probe_round
-from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore
+from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore, load_draft_model
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
+from moelane.lanes.request import check_request
 from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, prompt_logprobs_of, verify
 from moelane.lanes.stream import Stream
+from moelane.lanes.target import Target, fit_to_target
 from moelane.model.cache import Rows
-from moelane.model.lm import token_id_list
-from moelane.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_PRICE_RATE = 0.2
 STEADY_FEED = 2  # a draft model's first feed in a round while it drafts every round: the last accepted draft (fed
 # only if it is verified) and the target's own token
-MAX_TOP_LOGPROBS = 20
-
-
-def load_draft_model(path: str | None = None, compile: bool = True) -> Any:
-    """A draft model folder (None: the shipped draft model, `moelane.assets.draft_model_path()`). With `compile`,
-    its decode step is compiled now (10-30 s the first time, cached after), where torch.compile works here: each draft
-    level is then one compiled call. Measured on the shipped draft model, one thread: ~0.5 ms a level for one
-    stream, against 3-4 ms eager."""
-    from moelane.model.load import load
-
-    if path is None:
-        try:
-            path = importlib.import_module("moelane.assets").draft_model_path()
-        except (ImportError, AttributeError) as e:
-            raise InputError("drafter 'model' needs the shipped draft model, which this install lacks") from e
-    draft = load(path)
-    if compile:
-        log.info("compiling the draft model's decode step...")
-        draft.enable_compile()
-        draft.warm_up(1, 1)  # (where it cannot be compiled, drafting still works, eagerly)
-    return draft
-
-
-def submit_kwargs(params: SamplingParams) -> dict[str, Any]:
-    """`Engine.submit`'s keyword arguments for these sampling settings (as `LM.generate_ids` takes them)."""
-    return dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty)  # fmt: skip
-
-
-class Target(Protocol):
-    vocab_size: int
-    eos_ids: frozenset[int]
-    max_context: int
-
-    def new_cache(self, capacity: int) -> Any: ...
-
-    def cache_for(self, n_prompt: int, max_tokens: int) -> Any: ...
-
-    def forward(self, rows: list[Rows], last_only: bool = False) -> list[torch.Tensor]:
-        """Logits [n_i, vocab] per stream, or [1, vocab] of each stream's last row if `last_only`."""
-        ...
-
-
-def fit_to_target(config: EngineConfig, target: Target) -> EngineConfig:
-    """`config` with rounds no bigger than one pass of `target` may be: a pager's small expert pool must hold every
-    expert one MoE layer's rows route to at once (`LM.max_pass_rows`), so rows, streams per round and prefill chunks
-    are capped to what it holds."""
-    limit = getattr(target, "max_pass_rows", None)
-    rows = limit() if callable(limit) else None
-    if rows is None or rows >= config.max_rows:
-        return config
-    log.warning("the expert memory holds the experts of %d rows per MoE layer: rounds take at most %d rows "
-                "(%d streams)", rows, rows, min(config.max_streams, rows))  # fmt: skip
-    return replace(config, max_rows=rows, max_streams=min(config.max_streams, rows),
-                   prefill_chunk=min(config.prefill_chunk, rows))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,38 +129,16 @@ class Engine:
         (`Stream.logprobs`); with `prompt_logprobs` too, the prompt's tokens get theirs (`Stream.prompt_logprobs`).
         InputError for a bad argument (counts, ids and seeds must be integers); MoelaneError once the engine thread
         was `start`ed and then stopped."""
-        try:  # counts, ids and seeds as plain ints (numpy's too), before anything is queued
-            max_tokens, top_k = integer("max_tokens", max_tokens), integer("top_k", top_k)
-            seed = None if seed is None else integer("seed", seed)
-            logprobs = None if logprobs is None else integer("logprobs", logprobs)
-            if not isinstance(logit_bias or {}, Mapping):
-                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {logit_bias!r}")
-            bias = tuple(sorted((integer("logit_bias token id", t), b) for t, b in (logit_bias or {}).items()))
-            if not isinstance(stop_token_ids or (), Sequence | Set):
-                raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
-            stops = frozenset(integer("stop_token_ids", t) for t in (stop_token_ids or ()))
-            params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
-            params.check_vocab(self.target.vocab_size)
-        except ValueError as e:
-            raise InputError(str(e)) from None
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise InputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
-        if prompt_logprobs and logprobs is None:
-            raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
-        if not params.greedy and params.seed is None:
-            params = replace(params, seed=secrets.randbits(62))
-        prompt = token_id_list(token_ids, self.target.vocab_size, self.target.max_context)
-        if max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
-        max_tokens = min(max_tokens, self.target.max_context - len(prompt))
-        stop_ids = self.target.eos_ids | stops
+        request = check_request(self.target, token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
+                                logit_bias, presence_penalty, frequency_penalty, logprobs, prompt_logprobs)  # fmt: skip
         with self._cv:  # (stop()'s lock: a stream is queued before a stop, and ended by it, or refused)
             if self._stopped:
                 raise MoelaneError("the engine is stopped; start() it again before submitting")
-            stream = Stream(self._next_id, prompt, max_tokens)
+            stream = Stream(self._next_id, request.prompt, request.max_tokens)
             self._next_id += 1
-            lane = Lane(stream, params, stop_ids, None, Acceptance(self.config.max_depth), prompt, len(prompt))
-            lane.top_logprobs, lane.prompt_logprobs = logprobs, prompt_logprobs
+            lane = Lane(stream, request.params, request.stop_ids, None, Acceptance(self.config.max_depth),
+                        request.prompt, len(request.prompt))  # fmt: skip
+            lane.top_logprobs, lane.prompt_logprobs = request.top_logprobs, request.prompt_logprobs
             self._waiting.append(lane)
             self._cv.notify_all()
         return stream
