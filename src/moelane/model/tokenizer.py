@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from jinja2 import Template, nodes
+from jinja2 import Template, meta, nodes
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
@@ -100,6 +100,12 @@ class Tokenizer:
                     f"the model's chat template cannot be compiled: {e.message} (line {e.lineno})"
                 ) from None
         return self._template
+
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (`messages`, `tools`, `enable_thinking`, ...)."""
+        if not self.chat_template:
+            return frozenset()
+        return frozenset(meta.find_undeclared_variables(chat_environment().parse(self.chat_template)))
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **variables: object

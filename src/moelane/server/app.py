@@ -33,19 +33,22 @@ from moelane.server.generation import Generation, GenerationParams, Limits, Reas
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.openapi import openapi_schema
 from moelane.server.prompts import Prompts, bad_request, check_chat_template
-from moelane.server.protocol import (
-    ChatCompletionRequest,
+from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, ToolCall
+from moelane.server.responses import (
+    DONE,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    Header,
     Health,
+    Logprobs,
     ModelCard,
     ModelList,
     PagerCost,
-    SamplingFields,
+    Reply,
+    logprobs_body,
 )
-from moelane.server.responses import DONE, Header, Logprobs, logprobs_body
+from moelane.server.tools import ToolCallReader, split_reply
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -107,10 +110,11 @@ class ServerState:
     # ---- serving ------------------------------------------------------------------------------------------------
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
-                    limit: int | None, default: int | None, chat: bool) -> Response:  # fmt: skip
+                    limit: int | None, default: int | None, chat: bool, tools: bool = False) -> Response:  # fmt: skip
         """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
         choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
-        with seed + j, so that its choices differ and each can be reproduced alone."""
+        with seed + j, so that its choices differ and each can be reproduced alone. `tools`: replies are read for
+        tool calls."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
@@ -135,7 +139,7 @@ class ServerState:
         n_prompt = sum(len(ids) for ids, _ in prompts)  # each prompt counted once, however many choices it has
         if body.stream:
             status = ["200"]  # how the stream ended, for the requests metric: set by _events
-            events = self._events(gens, header, echoes, started, n_prompt, status)
+            events = self._events(gens, header, echoes, started, n_prompt, status, tools)
             return EventStream(events, on_close=lambda: self._close(gens, endpoint, status[0]))
         try:
             texts = await self._collect(request, gens)
@@ -144,16 +148,17 @@ class ServerState:
             raise
         self._account(gens, started, n_prompt)
         self._close_sync(gens, endpoint, "200")
-        choices: list[tuple[str, str, BaseModel | None, str | None]] = []
+        replies: list[Reply] = []
         for gen, echo, (text, reasoning) in zip(gens, echoes, texts, strict=True):
-            assert gen.finish_reason is not None
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
-            choices.append((echo + text, gen.finish_reason, logprobs, reasoning))
+            content, calls = split_reply(text) if tools else (echo + text, [])
+            replies.append(Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls)))
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
-        whole = header.whole(choices, usage, total_cost(gens)).model_dump(mode="json")
-        for choice in whole["choices"]:  # a reply with no reasoning says nothing of it, as OpenAI's do
-            if "message" in choice and choice["message"].get("reasoning_content") is None:
-                del choice["message"]["reasoning_content"]
+        whole = header.whole(replies, usage, total_cost(gens)).model_dump(mode="json")
+        for choice in whole["choices"]:  # a reply with no reasoning or calls says nothing of them, as OpenAI's do
+            for key in ("reasoning_content", "tool_calls"):
+                if "message" in choice and choice["message"].get(key) is None:
+                    del choice["message"][key]
         return JSONResponse(whole)
 
     def start(self, params: list[GenerationParams]) -> list[Generation]:
@@ -205,12 +210,13 @@ class ServerState:
                         await t
 
     async def _events(self, gens: list[Generation], header: Header, echoes: list[str], started: float,
-                      n_prompt: int, status: list[str]) -> AsyncIterator[str]:  # fmt: skip
+                      n_prompt: int, status: list[str], tools: bool) -> AsyncIterator[str]:  # fmt: skip
         """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
         usage if asked, then [DONE]; an error ends it with an error event. `status[0]` becomes the HTTP status the
         request would have had unstreamed (499: the client went away)."""
         try:
-            choices = [self._choice_events(g, header, e, i) for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]
+            choices = [self._choice_events(g, header, e, i, ToolCallReader() if tools else None)
+                       for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]  # fmt: skip
             async with contextlib.aclosing(merged(choices)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -227,8 +233,10 @@ class ServerState:
             yield sse_event(body)
         yield DONE
 
-    async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int) -> AsyncGenerator[str, None]:
-        """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes, its finish reason."""
+    async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int,
+                             reader: ToolCallReader | None) -> AsyncGenerator[str, None]:  # fmt: skip
+        """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes (read for tool calls by
+        `reader`, if given), its finish reason."""
         if first := header.first(index):
             yield first
         # A scored echo waits for the prompt's entries, which the first reply token comes after.
@@ -245,11 +253,31 @@ class ServerState:
             if late_echo:
                 yield self._scored_echo(gen, header, echo, index)
                 late_echo = False
-            yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)), index)
+            if reader is None:
+                yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)), index)
+            else:
+                for chunk in self._read_calls(gen, header, reader, reader.feed(piece), index):
+                    yield chunk
         if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
             yield self._scored_echo(gen, header, echo, index)
-        assert gen.finish_reason is not None
-        yield header.last(gen.finish_reason, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
+        if reader is not None:
+            for chunk in self._read_calls(gen, header, reader, reader.end(), index):
+                yield chunk
+        finish = finish_reason(gen, reader is not None and reader.n_calls > 0)
+        yield header.last(finish, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
+
+    def _read_calls(self, gen: Generation, header: Header, reader: ToolCallReader, parts: list[str | ToolCall],
+                    index: int) -> list[str]:  # fmt: skip
+        """The chunks of what a tool-call reader gave back: content, and each call whole."""
+        chunks, n_calls = [], reader.n_calls - sum(isinstance(p, ToolCall) for p in parts)
+        for part in parts:
+            logprobs = self._fresh_logprobs(gen, header)
+            if isinstance(part, ToolCall):
+                chunks.append(header.calls([part], n_calls, logprobs, index))
+                n_calls += 1
+            else:
+                chunks.append(header.piece(part, logprobs, index))
+        return chunks
 
     def _fresh_logprobs(self, gen: Generation, header: Header, offset: int = 0) -> BaseModel | None:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
@@ -286,6 +314,12 @@ class ServerState:
         for gen in list(self.live):
             if gen.stream is not None:
                 gen.stream.cancel()
+
+
+def finish_reason(gen: Generation, made_calls: bool) -> str:
+    """A choice's finish reason, as OpenAI's: a reply that ended by itself after calling tools says so."""
+    assert gen.finish_reason is not None
+    return "tool_calls" if made_calls and gen.finish_reason == "stop" else gen.finish_reason
 
 
 def total_cost(gens: list[Generation]) -> PagerCost:
@@ -337,7 +371,9 @@ def create_app(
     app.state.moelane = state
     errors.install(app, max_body_bytes)
     add_routes(app, state)
-    app.openapi = lambda: openapi_schema(app, model_name, int(lm.max_context))  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(  # type: ignore[method-assign]
+        app, model_name, int(lm.max_context), state.prompts.tools_problem
+    )
     return app
 
 
@@ -378,4 +414,4 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True)
+        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, body.tools_on())

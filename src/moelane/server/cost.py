@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from moelane.server.protocol import PagerCost
+from moelane.server.responses import PagerCost
 
 Snapshot = tuple[int, int, float]  # experts read, bytes read, stall seconds
 

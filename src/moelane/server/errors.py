@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 from moelane.errors import InputError, MoelaneError
 from moelane.server.generation import EngineError, RequestTimeout
-from moelane.server.protocol import ErrorDetail, ErrorResponse
+from moelane.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
 from moelane.model.reasoning import ANSWER, REASONING, Openings, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
-from moelane.server.protocol import PagerCost
+from moelane.server.responses import PagerCost
 
 END = None  # queue sentinel: the engine stream has finished
 

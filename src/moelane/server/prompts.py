@@ -9,11 +9,13 @@ rendering are slow for long prompts, so the server calls `completion_prompts` an
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
+from moelane.server.tools import tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 
@@ -37,6 +39,12 @@ class Prompts:
 
     def __init__(self, lm: Any, model_name: str) -> None:
         self.lm, self.model_name = lm, model_name
+
+    @functools.cached_property
+    def tools_problem(self) -> str | None:
+        """Why this model cannot be served tools, or None (read from its chat template at the first request with
+        tools)."""
+        return tool_support(self.lm.tokenizer)
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
@@ -71,7 +79,9 @@ class Prompts:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
         messages takes seconds, in which no other stream would be served."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if body.tools_on() and (why := self.tools_problem) is not None:
+            raise bad_request(f"tools cannot be used with this model: {why}", "tools")
+        messages = [m.for_template() for m in body.messages]
         try:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
         except InputError as e:  # the template refused the messages (roles out of order, say)

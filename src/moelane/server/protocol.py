@@ -1,18 +1,17 @@
-"""The OpenAI wire format the server speaks: request bodies (validated here, so handlers see only well-typed
-values) and response bodies, plus moelane's one extension field.
+"""The OpenAI request bodies the server takes, validated here so that handlers see only well-typed values (the
+response bodies are in `responses.py`).
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400, and so do known OpenAI fields that ask for what the server does not do (tools and tool choices, JSON
-modes, best_of, suffix, non-text content parts) unless they are in their off state; `null` in an optional field
-means its default, as OpenAI's schema allows. Responses are plain pydantic models serialised with
-`model_dump(exclude_none=...)` as each endpoint needs. The extension field is `moelane` on every completion
-response and on each choice's last streamed chunk: what it cost the expert pager (docs/server.md).
+with a 400, and so do known OpenAI fields that ask for what the server does not do (a call forced by `tool_choice`,
+JSON modes, best_of, suffix, non-text content parts) unless they are in their off state; `null` in an optional field
+means its default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -95,9 +94,8 @@ class SamplingFields(Body):
     # Accepted in their off state only, so that a client asking for them gets a clear 400 rather than a reply
     # that silently lacks them.
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, object]] | None = None
     functions: list[dict[str, object]] | None = None  # the deprecated form of tools
-    # "none" and "auto" (with no tools: none) are off; "required" or a named tool asks for a tool call
+    # "required" or a named tool would force a call, which needs constrained decoding
     tool_choice: Annotated[object, AfterValidator(_unsupported("tool_choice other than 'none' or 'auto'", "none",
                                                                "auto"))] = None  # fmt: skip
     function_call: Annotated[object, AfterValidator(_unsupported("function_call other than 'none' or 'auto'", "none",
@@ -118,11 +116,11 @@ class SamplingFields(Body):
             raise ValueError(f"response_format {v.type!r} is not supported (only 'text')")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _tools(cls, v: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
+    def _functions(cls, v: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
         if v:
-            raise ValueError("tools (function calling) are not supported by this server")
+            raise ValueError("functions (the deprecated form of tools) are not supported by this server; send tools")
         return v
 
     def bias_map(self) -> dict[int, float]:
@@ -155,6 +153,7 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5, description="log-probabilities of the n most likely")
     best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
     suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
+    tools: Annotated[list[object] | None, AfterValidator(_unsupported("tools (a chat field)", []))] = None
 
     @model_validator(mode="after")
     def _zero_needs_echo(self) -> CompletionRequest:
@@ -198,12 +197,53 @@ def _text_content(v: object) -> object:
     return v
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(Body):
+    name: str
+    arguments: str  # a JSON text, as the model wrote it
 
+
+class ToolCall(Body):
+    """A call an assistant message made (in a request's history) or a reply makes."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's calls as chat templates read them: OpenAI sends `arguments` as a JSON text, and the
+    templates of transformers' convention want the object (Qwen3's takes either)."""
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        try:
+            arguments = json.loads(function.get("arguments", ""))
+        except (TypeError, ValueError):
+            arguments = None
+        if isinstance(arguments, dict):
+            function["arguments"] = arguments
+        out.append({**call, "function": function})
+    return out
+
+
+class ChatMessage(Body):
     role: Role
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_content)] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -216,6 +256,17 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, object]:
+        """The message as chat templates read it (transformers' convention)."""
+        out: dict[str, object] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")  # set by the server
@@ -230,6 +281,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
     chat_template_kwargs: dict[str, object] | None = None
+    tools: list[ToolDefinition] | None = None
+    parallel_tool_calls: StrictBool | None = None  # (a reply's calls are all given, however many)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -244,7 +297,13 @@ class ChatCompletionRequest(SamplingFields):
         extra = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             extra.setdefault("reasoning_effort", self.reasoning_effort)
+        if self.tools_on():
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in self.tools or ()]
         return extra
+
+    def tools_on(self) -> bool:
+        """The model is shown the tools, and its reply is read for calls (`tool_choice` "none": neither)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -257,143 +316,3 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# ---- responses ----------------------------------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class PagerCost(BaseModel):
-    """What one request cost the expert pager (zeros where the model's experts are all resident)."""
-
-    experts_fetched: int = 0
-    bytes_fetched: int = 0
-    stall_ms: float = 0.0
-
-
-class Extension(BaseModel):
-    """moelane's extension field, `moelane` on responses (docs/server.md)."""
-
-    pager: PagerCost
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions format: per token its text, log-probability, the top alternatives and where its text
-    starts in the reply."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprobEntry(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprobEntry] | None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    moelane: Extension | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    reasoning_content: str | None = None  # a reasoning model's thinking (gpt-oss: its analysis channel)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    moelane: Extension | None = None
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    moelane: Extension | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "moelane"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-class Health(BaseModel):
-    status: Literal["ok", "stopping"]
-    active_streams: int
-    waiting_streams: int

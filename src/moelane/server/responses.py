@@ -1,7 +1,10 @@
-"""OpenAI response bodies and server-sent events for the two generation endpoints, from a finished or running
-`Generation`. Pure formatting: no engine, no I/O.
+"""OpenAI response bodies (plain pydantic models, serialised with `model_dump` as each endpoint needs) and the
+server-sent events of the two generation endpoints, from a finished or running `Generation`. Pure formatting: no
+engine, no I/O. moelane's one extension field is `moelane` on every completion response and on each choice's last
+streamed chunk: what it cost the expert pager (docs/server.md).
 
-Stream layout (both endpoints): content chunks as text arrives; one chunk with `finish_reason` and the `moelane`
+Stream layout (both endpoints): content chunks as text arrives (chat: a tool call whole in a chunk of its own,
+`delta.tool_calls`, once its block has ended); one chunk with `finish_reason` and the `moelane`
 extension; a chunk with `usage` and no choices when the client asked (`stream_options.include_usage`: then, as
 OpenAI does, every other chunk carries `"usage": null`); `[DONE]`.
 """
@@ -11,27 +14,160 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel
 
 from moelane.lanes.stream import TokenLogprob
-from moelane.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    Delta,
-    Extension,
-    PagerCost,
-    TokenLogprobEntry,
-    TopLogprob,
-    Usage,
-)
+from moelane.server.protocol import ToolCall
+
+# ---- bodies ----------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PagerCost(BaseModel):
+    """What one request cost the expert pager (zeros where the model's experts are all resident)."""
+
+    experts_fetched: int = 0
+    bytes_fetched: int = 0
+    stall_ms: float = 0.0
+
+
+class Extension(BaseModel):
+    """moelane's extension field, `moelane` on responses (docs/server.md)."""
+
+    pager: PagerCost
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: per token its text, log-probability, the top alternatives and where its text
+    starts in the reply."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    moelane: Extension | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None  # None: the reply is only tool calls
+    reasoning_content: str | None = None  # a reasoning model's thinking (gpt-oss: its analysis channel)
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    moelane: Extension | None = None
+
+
+class DeltaToolCall(ToolCall):
+    index: int  # which of the choice's calls (each is streamed whole, in one chunk)
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    moelane: Extension | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moelane"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "stopping"]
+    active_streams: int
+    waiting_streams: int
+
+
+# ---- formatting ------------------------------------------------------------------------------------------------
 
 DONE = "data: [DONE]\n\n"
 # (token, its entry, where its text starts), as Generation keeps them; entry None: an echoed prompt's first token
@@ -83,6 +219,17 @@ def _by_text(top: tuple[tuple[int, float], ...], text_of: Callable[[int], str]) 
 
 
 @dataclass(frozen=True, slots=True)
+class Reply:
+    """One choice's finished reply. `text`: None when it is only tool calls (chat)."""
+
+    text: str | None
+    finish: str
+    logprobs: BaseModel | None = None
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Header:
     """What every body of one request shares."""
 
@@ -95,19 +242,18 @@ class Header:
     def usage(self, n_prompt: int, n_tokens: int) -> Usage:
         return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
 
-    def whole(self, choices: list[tuple[str, str, BaseModel | None, str | None]], usage: Usage,
-              cost: PagerCost) -> BaseModel:  # fmt: skip
-        """The response of a finished request: one (text, finish reason, logprobs, reasoning) per choice, by
-        index."""
+    def whole(self, choices: list[Reply], usage: Usage, cost: PagerCost) -> BaseModel:
+        """The response of a finished request: its choices' replies, by index."""
         ext = Extension(pager=cost)
         if self.chat:
-            chat = [ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=thought),
-                               finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
-                    for i, (text, finish, lp, thought) in enumerate(choices)]  # fmt: skip
+            chat = [ChatChoice(index=i, finish_reason=r.finish, logprobs=r.logprobs,  # type: ignore[arg-type]
+                               message=AssistantMessage(content=r.text, reasoning_content=r.reasoning,
+                                                        tool_calls=list(r.tool_calls) or None))
+                    for i, r in enumerate(choices)]  # fmt: skip
             return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=chat,
                                           usage=usage, moelane=ext)  # fmt: skip
-        plain = [CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lp)  # type: ignore[arg-type]
-                 for i, (text, finish, lp, _) in enumerate(choices)]  # fmt: skip
+        plain = [CompletionChoice(index=i, text=r.text or "", finish_reason=r.finish, logprobs=r.logprobs)  # type: ignore[arg-type]
+                 for i, r in enumerate(choices)]  # fmt: skip
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=plain, usage=usage,
                                   moelane=ext)  # fmt: skip
 
@@ -125,6 +271,12 @@ class Header:
             return self._event(self._chunk([delta]))
         choice = CompletionChoice(index=index, text=text, finish_reason=None, logprobs=logprobs)  # type: ignore[arg-type]
         return self._event(self._completion([choice]))
+
+    def calls(self, calls: list[ToolCall], first: int, logprobs: BaseModel | None = None, index: int = 0) -> str:
+        """A chunk of a choice's tool calls, each whole; `first`: the number of the choice's calls before them."""
+        numbered = [DeltaToolCall(index=first + k, **call.model_dump()) for k, call in enumerate(calls)]
+        choice = ChatChunkChoice(index=index, delta=Delta(tool_calls=numbered), logprobs=logprobs)  # type: ignore[arg-type]
+        return self._event(self._chunk([choice]))
 
     def last(self, finish: str, cost: PagerCost, logprobs: BaseModel | None = None, index: int = 0) -> str:
         """A choice's last chunk: its finish reason, and what the choice cost the pager."""

@@ -1,0 +1,122 @@
+"""Tool calls (OpenAI's function calling) for chat models whose template writes them as Hermes-style tags, as
+Qwen2.5's and Qwen3's templates do:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_support(tokenizer)` says whether a model's chat template takes tools and whether the server can read the calls
+its model writes; `ToolCallReader` splits a reply's text, as it streams, into content and calls.
+
+Invariant: no reply text is lost. A block that does not read as a call (JSON that does not parse, no name, a block
+cut off by max_tokens or a stop) stays in the content as the model wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from moelane.server.protocol import FunctionCall, ToolCall
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_support(tokenizer: Any) -> str | None:
+    """None if the server can read tool calls of this model; else why tools cannot be served (one sentence)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "this model has no chat template"
+    if "tools" not in tokenizer.chat_template_variables():
+        return "this model's chat template takes no tools"
+    if OPEN not in tokenizer.chat_template:
+        return (f"this server reads tool calls written as {OPEN} JSON {CLOSE} (as Qwen's and Hermes' templates "
+                "write them), and this model's chat template writes them otherwise")  # fmt: skip
+    return None
+
+
+def read_call(body: str) -> ToolCall | None:
+    """The call a block's text holds, or None if it is not one."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(name := value.get("name"), str) or not name:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=text))
+
+
+class ToolCallReader:
+    """Feeds on a reply's text piece by piece and gives back content and calls in order. Text that may be the
+    start of a tag is held until it is known not to be. Whitespace that only stands beside a call (the blank lines
+    a model writes before, between and after its calls) is dropped; all other text is given back as written."""
+
+    def __init__(self) -> None:
+        self.pending = ""  # text not read yet (in a block: its body so far)
+        self.inside = False
+        self.held = ""  # trailing whitespace of the content: dropped if a call follows
+        self.after_call = False  # leading whitespace is dropped
+        self.n_calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self.pending += text
+        out: list[str | ToolCall] = []
+        while True:
+            if self.inside:
+                end = self.pending.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE) :], False
+                if (call := read_call(body)) is None:
+                    self._content(out, OPEN + body + CLOSE)
+                else:
+                    self.held, self.after_call, self.n_calls = "", True, self.n_calls + 1
+                    out.append(call)
+                continue
+            start = self.pending.find(OPEN)
+            if start >= 0:
+                self._content(out, self.pending[:start])
+                self.pending, self.inside = self.pending[start + len(OPEN) :], True
+                continue
+            cut = len(self.pending) - partial_tag(self.pending)
+            self._content(out, self.pending[:cut])
+            self.pending = self.pending[cut:]
+            return out
+
+    def end(self) -> list[str | ToolCall]:
+        """The rest, when the reply has ended: an unfinished block is content."""
+        out: list[str | ToolCall] = []
+        self._content(out, (OPEN if self.inside else "") + self.pending)
+        if self.held:
+            out.append(self.held)
+        self.pending, self.inside, self.held = "", False, ""
+        return out
+
+    def _content(self, out: list[str | ToolCall], text: str) -> None:
+        if self.after_call:
+            text = text.lstrip()
+            self.after_call = not text
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        if body:
+            out.append(body)
+
+
+def partial_tag(text: str) -> int:
+    """How many of `text`'s last characters could begin the opening tag."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_reply(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's content (None when it is only calls, as OpenAI's) and calls."""
+    reader = ToolCallReader()
+    parts = reader.feed(text) + reader.end()
+    calls = [p for p in parts if isinstance(p, ToolCall)]
+    content = "".join(p for p in parts if isinstance(p, str))
+    return (content or None) if calls else content, calls

@@ -1,0 +1,185 @@
+"""Tool calls: the tools and the call history reach a chat template that takes them (Hermes-style `<tool_call>`
+blocks, as Qwen's templates write them), and a reply's calls come back as OpenAI's `tool_calls`, streamed and not,
+as the official `openai` client reads them; a model whose template takes no tools refuses them in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from moelane.model.tokenizer import Tokenizer
+from moelane.server.app import create_app
+from moelane.server.tools import ToolCallReader, split_reply
+from tests.helpers import write_tokenizer
+from tests.server.conftest import running
+from tests.server.fake_engine import FakeEngine
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.role == "tool" %}
+<tool_response>{{ m.tool_call_id }}: {{ m.content }}</tool_response>
+{%- else %}
+{{ m.content }}
+{%- for call in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}{%- endif %}<|im_end|>
+{% endfor %}<|im_start|>assistant
+"""
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]  # fmt: skip
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')  # fmt: skip
+REPLY = "Let me look.\n\n" + CALLS
+REQUEST: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Paris?"}], "tools": TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder: Path = tmp_path_factory.mktemp("tools")
+    write_tokenizer(folder, 300)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return Tokenizer(folder, frozenset())
+
+
+class FakeLM:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [REPLY, CALLS, "no calls at all\n", "a <tool_call>{not json}</tool_call> b", "cut <tool_call>\n{\"name\": \"f\"",
+     "x <tool_ y <tool_callz", "\n" + CALLS + "\n\nand after", '<tool_call>{"arguments": {}}</tool_call>'],
+)  # fmt: skip
+def test_a_reply_reads_the_same_however_it_streams(reply: str) -> None:
+    content, calls = split_reply(reply)
+    rng = random.Random(0)
+    for _ in range(100):
+        reader, parts, at = ToolCallReader(), [], 0
+        while at < len(reply):
+            n = rng.randint(1, 6)
+            parts += reader.feed(reply[at : at + n])
+            at += n
+        parts += reader.end()
+        assert [p for p in parts if not isinstance(p, str)] == [
+            c.model_copy(update={"id": p.id}) for c, p in zip(calls, [p for p in parts if not isinstance(p, str)],
+                                                               strict=True)
+        ]  # fmt: skip
+        text = "".join(p for p in parts if isinstance(p, str))
+        assert (text or None if calls else text) == content
+    if not calls:  # no text is lost: a block that is not a call stays as written
+        assert content == reply
+
+
+def test_calls_are_read_and_blank_lines_beside_them_dropped() -> None:
+    content, calls = split_reply(REPLY)
+    assert content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]  # fmt: skip
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert split_reply(CALLS)[0] is None  # only calls: no content, as OpenAI's
+
+
+@pytest.mark.parametrize("per_round", [1, 3])
+def test_the_openai_client_reads_the_calls_streamed_and_not(tokenizer: Tokenizer, per_round: int) -> None:
+    engine = FakeEngine(tokenizer.encode(REPLY), per_round=per_round)
+    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        whole = client(base).chat.completions.create(**REQUEST)
+        with client(base).chat.completions.stream(**REQUEST) as stream:
+            streamed = stream.get_final_completion()
+    for choice in (whole.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me look."
+        calls = choice.message.tool_calls or []
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [  # type: ignore[union-attr]
+            ("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]  # fmt: skip
+    prompt = tokenizer.decode(engine.streams[0].prompt_ids)
+    assert json.dumps(TOOLS[0]["function"]["parameters"]) in prompt and '"name": "get_time"' in prompt
+    with running(app) as base:
+        schema = httpx.get(f"{base}/openapi.json", timeout=30).json()
+    assert "maxItems" not in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]["anyOf"][0]
+
+
+def test_the_call_history_reaches_the_template(tokenizer: Tokenizer) -> None:
+    """An assistant's calls (arguments sent as JSON text, given to the template as the object) and the tool's
+    answer, with the id of the call it answers."""
+    engine = FakeEngine(tokenizer.encode("It is sunny."))
+    history = [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                                "function": {"name": "get_weather",
+                                                                             "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, "messages": history}, timeout=30)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert (
+        message == {"role": "assistant", "content": "It is sunny."}
+        and r.json()["choices"][0]["finish_reason"] == "stop"
+    )
+    prompt = tokenizer.decode(engine.streams[0].prompt_ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>call_1: sunny</tool_response>" in prompt
+
+
+def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(tokenizer.encode(REPLY))
+    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        body = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, "tool_choice": "none"}, timeout=30).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
+    assert "<tools>" not in tokenizer.decode(engine.streams[0].prompt_ids)
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "needle"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name", "pattern"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "'function'"),
+        ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ],
+)
+def test_bad_tools_get_400(tokenizer: Tokenizer, change: dict[str, Any], param: str, needle: str) -> None:
+    app = create_app(FakeEngine([]), FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, **change}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_a_model_whose_template_takes_no_tools_refuses_them(tiny_lm: Any) -> None:
+    app = create_app(FakeEngine([]), tiny_lm, model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=REQUEST, timeout=30)
+        completion = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "tools": TOOLS}, timeout=30)
+        schema = httpx.get(f"{base}/openapi.json", timeout=30).json()  # says so, for clients and schema fuzzers
+    tools = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]
+    assert tools["anyOf"][0]["maxItems"] == 0 and "takes no tools" in tools["description"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "takes no tools" in r.json()["error"]["message"]
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "tools", completion.text
