@@ -183,3 +183,95 @@ def test_a_model_whose_template_takes_no_tools_refuses_them(tiny_lm: Any) -> Non
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert "takes no tools" in r.json()["error"]["message"]
     assert completion.status_code == 400 and completion.json()["error"]["param"] == "tools", completion.text
+
+
+# ---- gpt-oss's harmony messages to functions -------------------------------------------------------------------
+
+HARMONY_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|end|>"
+    "{% endif %}{% for m in messages %}<|start|>{{ m.role }}{% if m.tool_calls %} to=functions."
+    "{{ m.tool_calls[0].function.name }}<|channel|>commentary json<|message|>{{ m.tool_calls[0].function.arguments"
+    " | tojson }}<|call|>{% else %}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}<|start|>assistant"
+)
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The test tokenizer with harmony's special tokens, and a chat template that takes tools."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from moelane.model.reasoning import SPECIALS
+
+    folder: Path = tmp_path_factory.mktemp("harmony_tools")
+    write_tokenizer(folder, 300)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HARMONY_TEMPLATE}))
+    return Tokenizer(folder, frozenset())
+
+
+def harmony_ids(tok: Tokenizer, text: str) -> list[int]:
+    """`text` with harmony's special tokens written as themselves, as ids."""
+    import re
+
+    ids: list[int] = []
+    for part in re.split(r"(<\|[a-z]+\|>)", text):
+        special = tok.token_id(part) if part.startswith("<|") else None
+        ids += [special] if special is not None else tok.encode(part) if part else []
+    return ids
+
+
+THOUGHT = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+WEATHER = (
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+)
+TIME = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
+
+
+@pytest.mark.parametrize("per_round", [1, 4])
+@pytest.mark.parametrize(
+    ("reply", "calls", "content"),
+    [
+        # the engine ends the reply at <|call|>, an end-of-sequence token of gpt-oss's: the call is not followed by it
+        (THOUGHT + WEATHER, [("get_weather", {"city": "Paris"})], None),
+        # the recipient before the channel, a call ended by <|call|> itself, then an answer
+        (THOUGHT + TIME + "<|start|>assistant<|channel|>final<|message|>Noon.<|return|>", [("get_time", {})], "Noon."),
+        (THOUGHT + TIME + WEATHER, [("get_time", {}), ("get_weather", {"city": "Paris"})], None),
+    ],
+)
+def test_harmony_calls_come_back_as_tool_calls(
+    harmony: Tokenizer, reply: str, calls: list[tuple[str, Any]], content: str | None, per_round: int
+) -> None:
+    engine = FakeEngine(harmony_ids(harmony, reply), per_round=per_round)
+    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        whole = client(base).chat.completions.create(**REQUEST)
+        with client(base).chat.completions.stream(**REQUEST) as stream:
+            streamed = stream.get_final_completion()
+    for choice in (whole.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls"
+        assert (choice.message.content or None) == content  # (streamed: "", from the role chunk that opens a reply)
+        assert choice.message.reasoning_content == "Need the weather."  # type: ignore[attr-defined]
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        assert got == calls
+    assert "get_weather;get_time;" in harmony.decode(engine.streams[0].prompt_ids)
+
+
+def test_harmony_calls_without_tools_or_cut_off_are_reasoning(harmony: Tokenizer) -> None:
+    """A request without tools reads a message to a function as reasoning, as before; so does a call cut off by
+    max_tokens (its arguments are not whole)."""
+    engine = FakeEngine(harmony_ids(harmony, THOUGHT + WEATHER))
+    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
+    n_tokens = len(engine.reply)
+    with running(app) as base:
+        plain = client(base).chat.completions.create(model="m", messages=REQUEST["messages"])
+        cut = client(base).chat.completions.create(**REQUEST, max_tokens=n_tokens - 2)
+    for choice in (plain.choices[0], cut.choices[0]):
+        assert not choice.message.tool_calls
+        assert choice.message.reasoning_content.startswith("Need the weather.")  # type: ignore[attr-defined]
+    assert (
+        plain.choices[0].finish_reason == "stop" and '{"city": "Paris"}' in plain.choices[0].message.reasoning_content
+    )  # type: ignore[attr-defined]
+    assert cut.choices[0].finish_reason == "length" and '{"city": "Pa' in cut.choices[0].message.reasoning_content  # type: ignore[attr-defined]

@@ -3,27 +3,42 @@
 Two formats:
 - gpt-oss's channels (OpenAI's "harmony"): the prompt ends `<|start|>assistant` and the reply is messages such as
   `<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...<|return|>`; the final
-  channel is the answer, the others reasoning (`Channels`);
+  channel is the answer, the others reasoning (`Channels`). A message addressed to a function (`to=functions.NAME`
+  in its header, before or after the channel name) is a tool call, its body the arguments;
 - think tags (Qwen3, DeepSeek-R1, GLM-4.5): reasoning between `<think>` and `</think>`, the answer after. A prompt
   may open the block itself (DeepSeek-R1's template ends `<think>\n`), or close an empty one (Qwen3 with thinking
   off): `ThinkTags` starts inside the block when the prompt's last tag opens one.
 
 `splitter_for(tokenizer, prompt_ids)` picks the format from the tokenizer's vocabulary, or None (a plain reply).
-`push(token)` returns `ANSWER` for a token of the answer, `REASONING` for one of the reasoning, None for markup.
+`push(token)` returns `ANSWER` for a token of the answer, `REASONING` for one of the reasoning, `CALL` for one of a
+tool call's arguments (then `recipient` names the function), None for markup.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from moelane.model.tokenizer import Tokenizer
 
 SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
-ANSWER, REASONING = "answer", "reasoning"
+ANSWER, REASONING, CALL = "answer", "reasoning", "call"
 FINAL = "final"  # harmony's answer channel
+FUNCTIONS = "functions."  # harmony's recipients that are the caller's tools (others are the model's own: browser, ...)
+RECIPIENT = re.compile(r"\bto=(\S+)")
+
+
+def recipient_in(header: str) -> str | None:
+    """The function a harmony message header addresses (`to=functions.get_weather`: "get_weather"), or None."""
+    match = RECIPIENT.search(header)
+    if match is None or not match.group(1).startswith(FUNCTIONS):
+        return None
+    return match.group(1)[len(FUNCTIONS) :] or None
 
 
 class Splitter(Protocol):
+    recipient: str | None  # the function the tokens of a CALL part are arguments of
+
     def push(self, token: int) -> str | None: ...
 
 
@@ -49,6 +64,8 @@ def splitter_for(tokenizer: Tokenizer, prompt_ids: list[int]) -> Splitter | None
 
 class ThinkTags:
     """The state of one reply with `<think>...</think>` reasoning."""
+
+    recipient: str | None = None  # (no calls in this format: templates that write them write text)
 
     def __init__(self, open_id: int, close_id: int, inside: bool) -> None:
         self._open, self._close, self._inside = open_id, close_id, inside
@@ -78,7 +95,9 @@ class Channels:
         self._constrain = ids["<|constrain|>"]
         self._name: list[int] | None = None  # the channel name's ids while reading it
         self._named = False  # the name is read (a `<|constrain|>` follows it: "commentary <|constrain|>json")
+        self._before: list[int] = []  # the header's ids before `<|channel|>` (" to=functions.f")
         self._body: str | None = None  # the channel whose message body is being read
+        self.recipient: str | None = None  # the function that body is addressed to
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer) -> Channels | None:
@@ -89,26 +108,34 @@ class Channels:
         return cls(tokenizer, {name: i for name, i in ids.items() if i is not None})
 
     def push(self, token: int) -> str | None:
-        """ANSWER for a token of the final channel's message, REASONING for one of another channel's, None for the
-        markup."""
+        """ANSWER for a token of the final channel's message, CALL for one of a message to a function, REASONING
+        for one of another channel's, None for the markup."""
         channel = self._channel_of(token)
-        return None if channel is None else ANSWER if channel == FINAL else REASONING
+        if channel is None:
+            return None
+        return CALL if self.recipient is not None else ANSWER if channel == FINAL else REASONING
 
     def _channel_of(self, token: int) -> str | None:
         """The channel of the message body `token` is part of, or None for structure."""
         if token == self._message:
-            words = self._tokenizer.decode(self._name or []).split()
-            self._body, self._name = (words[0] if words else FINAL), None
+            name = self._tokenizer.decode(self._name or [])
+            words = name.split()
+            self._body = words[0] if words else FINAL
+            self.recipient = recipient_in(self._tokenizer.decode(self._before)) or recipient_in(name)
+            self._name, self._before = None, []
             return None
         if token == self._channel:
             self._name, self._body, self._named = [], None, False
             return None
         if token == self._start or token in self._ends:
-            self._name = self._body = None
+            self._name = self._body = self.recipient = None
+            self._before = []
             return None
         if self._body is None:
             self._named = self._named or token == self._constrain
-            if self._name is not None and not self._named:
+            if self._name is None:
+                self._before.append(token)
+            elif not self._named:
                 self._name.append(token)
             return None
         return self._body

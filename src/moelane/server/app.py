@@ -48,7 +48,9 @@ from moelane.server.responses import (
     Reply,
     logprobs_body,
 )
-from moelane.server.tools import ToolCallReader, split_reply
+from moelane.server.tools import HARMONY, HERMES, ToolCallReader, split_reply
+
+Collected = tuple[str, str | None, list[ToolCall]]  # a whole reply's text, reasoning, and calls read token by token
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -110,11 +112,12 @@ class ServerState:
     # ---- serving ------------------------------------------------------------------------------------------------
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
-                    limit: int | None, default: int | None, chat: bool, tools: bool = False) -> Response:  # fmt: skip
+                    limit: int | None, default: int | None, chat: bool,
+                    tools: str | None = None) -> Response:  # fmt: skip
         """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
         choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
         with seed + j, so that its choices differ and each can be reproduced alone. `tools`: replies are read for
-        tool calls."""
+        tool calls written in this form (`tools.HERMES`, `tools.HARMONY`)."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
@@ -124,7 +127,7 @@ class ServerState:
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
-                prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
+                prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat, tool_calls=tools == HARMONY,
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -149,9 +152,14 @@ class ServerState:
         self._account(gens, started, n_prompt)
         self._close_sync(gens, endpoint, "200")
         replies: list[Reply] = []
-        for gen, echo, (text, reasoning) in zip(gens, echoes, texts, strict=True):
+        for gen, echo, (text, reasoning, calls) in zip(gens, echoes, texts, strict=True):
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
-            content, calls = split_reply(text) if tools else (echo + text, [])
+            content: str | None = echo + text
+            if tools == HERMES:
+                content, written = split_reply(text)
+                calls = calls + written
+            if calls and not content:
+                content = None  # only calls, as OpenAI's say it
             replies.append(Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls)))
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
         whole = header.whole(replies, usage, total_cost(gens)).model_dump(mode="json")
@@ -176,14 +184,16 @@ class ServerState:
             raise
         return gens
 
-    async def _collect(self, request: Request, gens: list[Generation]) -> list[tuple[str, str | None]]:
-        """The whole replies (text, and reasoning or None); cancels the generations if the client goes away while
-        waiting."""
+    async def _collect(self, request: Request, gens: list[Generation]) -> list[Collected]:
+        """The whole replies (text, reasoning or None, the calls the generation read); cancels the generations if
+        the client goes away while waiting."""
 
-        async def join(gen: Generation) -> tuple[str, str | None]:
+        async def join(gen: Generation) -> Collected:
             pieces = [piece async for piece in gen.run()]
             thoughts = [p for p in pieces if isinstance(p, Reasoning)]
-            return "".join(p for p in pieces if not isinstance(p, Reasoning)), "".join(thoughts) if thoughts else None
+            calls = [p for p in pieces if isinstance(p, ToolCall)]
+            text = "".join(p for p in pieces if isinstance(p, str) and not isinstance(p, Reasoning))
+            return text, "".join(thoughts) if thoughts else None, calls
 
         async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
             with contextlib.suppress(Exception):  # a broken receive channel means the client is gone too
@@ -191,7 +201,7 @@ class ServerState:
                     pass
 
         tasks = [asyncio.ensure_future(join(gen)) for gen in gens]
-        every: asyncio.Future[list[tuple[str, str | None]]] = asyncio.gather(*tasks)
+        every: asyncio.Future[list[Collected]] = asyncio.gather(*tasks)
         watch = asyncio.ensure_future(gone())
         try:
             await asyncio.wait([every, cast(asyncio.Future[Any], watch)], return_when=asyncio.FIRST_COMPLETED)
@@ -210,12 +220,12 @@ class ServerState:
                         await t
 
     async def _events(self, gens: list[Generation], header: Header, echoes: list[str], started: float,
-                      n_prompt: int, status: list[str], tools: bool) -> AsyncIterator[str]:  # fmt: skip
+                      n_prompt: int, status: list[str], tools: str | None) -> AsyncIterator[str]:  # fmt: skip
         """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
         usage if asked, then [DONE]; an error ends it with an error event. `status[0]` becomes the HTTP status the
         request would have had unstreamed (499: the client went away)."""
         try:
-            choices = [self._choice_events(g, header, e, i, ToolCallReader() if tools else None)
+            choices = [self._choice_events(g, header, e, i, ToolCallReader() if tools == HERMES else None)
                        for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]  # fmt: skip
             async with contextlib.aclosing(merged(choices)) as chunks:
                 async for chunk in chunks:
@@ -236,14 +246,14 @@ class ServerState:
     async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int,
                              reader: ToolCallReader | None) -> AsyncGenerator[str, None]:  # fmt: skip
         """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes (read for tool calls by
-        `reader`, if given), its finish reason."""
+        `reader`, if given) and its calls, its finish reason."""
         if first := header.first(index):
             yield first
         # A scored echo waits for the prompt's entries, which the first reply token comes after.
         late_echo = bool(echo) and gen.params.prompt_logprobs
         if echo and not late_echo:
             yield header.piece(echo, index=index)
-        sent = 0
+        sent = n_calls = 0
         async for piece in gen.run():
             self.metrics.rate.add(gen.n_tokens - sent)
             sent = gen.n_tokens
@@ -253,31 +263,24 @@ class ServerState:
             if late_echo:
                 yield self._scored_echo(gen, header, echo, index)
                 late_echo = False
-            if reader is None:
-                yield header.piece(piece, self._fresh_logprobs(gen, header, len(echo)), index)
-            else:
-                for chunk in self._read_calls(gen, header, reader, reader.feed(piece), index):
-                    yield chunk
+            parts = reader.feed(piece) if reader is not None and isinstance(piece, str) else [piece]
+            for part in parts:
+                logprobs = self._fresh_logprobs(gen, header, len(echo))
+                if isinstance(part, ToolCall):  # each whole, in a chunk of its own
+                    yield header.calls([part], n_calls, logprobs, index)
+                    n_calls += 1
+                else:
+                    yield header.piece(part, logprobs, index)
         if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
             yield self._scored_echo(gen, header, echo, index)
-        if reader is not None:
-            for chunk in self._read_calls(gen, header, reader, reader.end(), index):
-                yield chunk
-        finish = finish_reason(gen, reader is not None and reader.n_calls > 0)
-        yield header.last(finish, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
-
-    def _read_calls(self, gen: Generation, header: Header, reader: ToolCallReader, parts: list[str | ToolCall],
-                    index: int) -> list[str]:  # fmt: skip
-        """The chunks of what a tool-call reader gave back: content, and each call whole."""
-        chunks, n_calls = [], reader.n_calls - sum(isinstance(p, ToolCall) for p in parts)
-        for part in parts:
-            logprobs = self._fresh_logprobs(gen, header)
+        for part in reader.end() if reader is not None else ():
             if isinstance(part, ToolCall):
-                chunks.append(header.calls([part], n_calls, logprobs, index))
+                yield header.calls([part], n_calls, self._fresh_logprobs(gen, header), index)
                 n_calls += 1
             else:
-                chunks.append(header.piece(part, logprobs, index))
-        return chunks
+                yield header.piece(part, self._fresh_logprobs(gen, header), index)
+        finish = finish_reason(gen, n_calls > 0)
+        yield header.last(finish, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
 
     def _fresh_logprobs(self, gen: Generation, header: Header, offset: int = 0) -> BaseModel | None:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
@@ -372,7 +375,7 @@ def create_app(
     errors.install(app, max_body_bytes)
     add_routes(app, state)
     app.openapi = lambda: openapi_schema(  # type: ignore[method-assign]
-        app, model_name, int(lm.max_context), state.prompts.tools_problem
+        app, model_name, int(lm.max_context), state.prompts.tools.why_not or None
     )
     return app
 
@@ -414,4 +417,5 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, body.tools_on())
+        tools = state.prompts.tools.syntax if body.tools_on() else None
+        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools)

@@ -5,7 +5,8 @@ string, client gone, timeout, server stopping).
 
 A chat reply of a model that reasons aloud (gpt-oss's channels, `<think>` tags: `moelane.model.reasoning`) is split:
 the answer is the content, cut at stop strings; the reasoning comes as `Reasoning` pieces; the markup between them
-is dropped, and so is the whitespace that opens each part.
+is dropped, and so is the whitespace that opens each part. With `tool_calls`, a harmony message to a function comes
+as one `ToolCall` piece once it has ended (formats that write calls as text are read by the app: `tools.py`).
 
 Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
 cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
@@ -22,9 +23,11 @@ from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
-from moelane.model.reasoning import ANSWER, REASONING, Openings, splitter_for
+from moelane.model.reasoning import ANSWER, CALL, REASONING, Openings, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
+from moelane.server.protocol import FunctionCall, ToolCall
 from moelane.server.responses import PagerCost
+from moelane.server.tools import call_id
 
 END = None  # queue sentinel: the engine stream has finished
 
@@ -105,6 +108,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely
     prompt_logprobs: bool = False  # the prompt's tokens' too (completions with echo)
     reasoning: bool = False  # split the reply's reasoning from its answer, where the model writes both (chat)
+    tool_calls: bool = False  # harmony's messages to functions are calls (else reasoning)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -131,6 +135,8 @@ class Generation:
         self._reasoning = Detokenizer(tokenizer)
         self._openings = Openings()
         self._ids: list[int] = []  # the content's tokens
+        self._call_ids: list[int] = []  # the arguments so far of a harmony call
+        self._call_name = ""
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
         self.stream: Any = None
@@ -156,9 +162,9 @@ class Generation:
             logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
         )  # fmt: skip
 
-    async def run(self) -> AsyncIterator[str]:
-        """Text pieces as the engine commits tokens (`Reasoning` ones for a reply's reasoning); ends with
-        `finish_reason` set to "stop" or "length"."""
+    async def run(self) -> AsyncIterator[str | ToolCall]:
+        """Text pieces as the engine commits tokens (`Reasoning` ones for a reply's reasoning, and `ToolCall`s);
+        ends with `finish_reason` set to "stop" or "length"."""
         if self.stream is None:
             self.submit()
         stream = self.stream
@@ -180,14 +186,21 @@ class Generation:
                     self.first_token_at = time.monotonic()
                 if not self.params.max_tokens:  # only the prompt was asked for: its one token is not part of it
                     continue
-                thought, piece = self._text(batch)
+                thought, piece, calls = self._text(batch)
                 if thought:
                     yield Reasoning(thought)
+                for call in calls:
+                    yield call
                 if piece:
                     yield piece
                 if self._stops.stopped:
                     self.finish_reason = "stop"
                     return
+            if self._call_ids:  # a call the model ended with an end-of-sequence token (gpt-oss's <|call|> is one)
+                if stream.finish_reason == "stop":
+                    yield self._take_call()
+                else:  # cut off by max_tokens: arguments, but not a call
+                    yield Reasoning(self._tokenizer.decode(self._call_ids))
             if thought := self._opened(REASONING, self._reasoning.flush()):
                 yield Reasoning(thought)
             if tail := self._tail():
@@ -215,12 +228,22 @@ class Generation:
             batch.extend(more)
         return batch
 
-    def _text(self, token_ids: list[int]) -> tuple[str, str]:
+    def _text(self, token_ids: list[int]) -> tuple[str, str, list[ToolCall]]:
         """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string. -> (reasoning,
-        content) text."""
-        out, thoughts = [], []
+        content) text, and the calls that ended."""
+        out, thoughts, calls = [], [], []
         for token in token_ids:
             part = ANSWER if self._splitter is None else self._splitter.push(token)
+            if part == CALL and not self.params.tool_calls:
+                part = REASONING
+            if part != CALL and self._call_ids:  # the call's message has ended
+                calls.append(self._take_call())
+            if part == CALL:
+                assert self._splitter is not None and self._splitter.recipient is not None
+                self.n_tokens += 1
+                self._call_ids.append(token)
+                self._call_name = self._splitter.recipient
+                continue
             if part != ANSWER:  # reasoning, or the markup around it
                 self.n_tokens += 1
                 if part is not None:
@@ -235,7 +258,12 @@ class Generation:
             out.append(self._stops.push(self._opened(ANSWER, piece)))
             if self._stops.stopped:
                 break
-        return "".join(thoughts), "".join(out)
+        return "".join(thoughts), "".join(out), calls
+
+    def _take_call(self) -> ToolCall:
+        arguments = self._tokenizer.decode(self._call_ids).strip()
+        self._call_ids = []
+        return ToolCall(id=call_id(), function=FunctionCall(name=self._call_name, arguments=arguments))
 
     def _opened(self, part: str, text: str) -> str:
         """`text` without the whitespace that opens a part of a split reply (`<think>\n`, `</think>\n\n`)."""

@@ -19,9 +19,9 @@ SSE_EVENT = {  # one server-sent event (OpenAPI < 3.2: the schema of a stream's 
 }  # fmt: skip
 
 
-def openapi_schema(app: FastAPI, model_name: str, max_context: int, tools_problem: str | None) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, model_name: str, max_context: int, no_tools: str | None) -> dict[str, Any]:
     """FastAPI's schema, made to say what the server does: 400 (not 422) for invalid bodies, the one model id,
-    the context as the bound of max_tokens, no tools where the model takes none (`tools_problem` says why), and
+    the context as the bound of max_tokens, no tools where the model takes none (`no_tools` says why), and
     server-sent events as the other 200 body of the generation routes."""
     if app.openapi_schema:
         return app.openapi_schema
@@ -40,10 +40,10 @@ def openapi_schema(app: FastAPI, model_name: str, max_context: int, tools_proble
         for key in ("max_tokens", "max_completion_tokens"):
             if key in props:
                 props[key]["anyOf"][0]["maximum"] = max_context - 1
-    if tools_problem is not None:
+    if no_tools is not None:
         tools = schemas["ChatCompletionRequest"]["properties"]["tools"]
         tools["anyOf"][0]["maxItems"] = 0
-        tools["description"] = f"none: {tools_problem}"
+        tools["description"] = f"none: {no_tools}"
     nullable_optionals(schemas)
     app.openapi_schema = schema
     return schema

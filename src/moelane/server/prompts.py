@@ -15,7 +15,7 @@ from typing import Any
 from moelane.errors import InputError, PromptTooLong
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
-from moelane.server.tools import tool_support
+from moelane.server.tools import ToolSupport, tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 
@@ -41,9 +41,8 @@ class Prompts:
         self.lm, self.model_name = lm, model_name
 
     @functools.cached_property
-    def tools_problem(self) -> str | None:
-        """Why this model cannot be served tools, or None (read from its chat template at the first request with
-        tools)."""
+    def tools(self) -> ToolSupport:
+        """How this model writes tool calls (read from its chat template when first asked)."""
         return tool_support(self.lm.tokenizer)
 
     def check_model(self, name: str | None) -> None:
@@ -79,8 +78,8 @@ class Prompts:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
         messages takes seconds, in which no other stream would be served."""
-        if body.tools_on() and (why := self.tools_problem) is not None:
-            raise bad_request(f"tools cannot be used with this model: {why}", "tools")
+        if body.tools_on() and self.tools.syntax is None:
+            raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
         messages = [m.for_template() for m in body.messages]
         try:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())

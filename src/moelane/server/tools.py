@@ -1,12 +1,15 @@
-"""Tool calls (OpenAI's function calling) for chat models whose template writes them as Hermes-style tags, as
-Qwen2.5's and Qwen3's templates do:
+"""Tool calls (OpenAI's function calling). Two forms are read:
+- Hermes-style tags, as Qwen2.5's and Qwen3's templates have their models write them, read from the reply's text by
+  `ToolCallReader` here:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-`tool_support(tokenizer)` says whether a model's chat template takes tools and whether the server can read the calls
-its model writes; `ToolCallReader` splits a reply's text, as it streams, into content and calls.
+- gpt-oss's harmony messages to a function (`<|channel|>commentary to=functions.get_weather ...<|message|>{...}`),
+  read token by token with its channels (`moelane.model.reasoning`, `Generation`).
+
+`tool_support(tokenizer)` says which form a model writes, or why the server cannot serve it tools.
 
 Invariant: no reply text is lost. A block that does not read as a call (JSON that does not parse, no name, a block
 cut off by max_tokens or a stop) stays in the content as the model wrote it.
@@ -16,23 +19,35 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from moelane.model.reasoning import Channels
 from moelane.server.protocol import FunctionCall, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES, HARMONY = "hermes", "harmony"
 
 
-def tool_support(tokenizer: Any) -> str | None:
-    """None if the server can read tool calls of this model; else why tools cannot be served (one sentence)."""
+@dataclass(frozen=True, slots=True)
+class ToolSupport:
+    syntax: str | None  # HERMES or HARMONY; None: tools cannot be served
+    why_not: str = ""  # one sentence, when they cannot
+
+
+def tool_support(tokenizer: Any) -> ToolSupport:
+    """How this model writes tool calls, from its chat template and vocabulary."""
     if not getattr(tokenizer, "chat_template", None):
-        return "this model has no chat template"
+        return ToolSupport(None, "this model has no chat template")
     if "tools" not in tokenizer.chat_template_variables():
-        return "this model's chat template takes no tools"
-    if OPEN not in tokenizer.chat_template:
-        return (f"this server reads tool calls written as {OPEN} JSON {CLOSE} (as Qwen's and Hermes' templates "
-                "write them), and this model's chat template writes them otherwise")  # fmt: skip
-    return None
+        return ToolSupport(None, "this model's chat template takes no tools")
+    if OPEN in tokenizer.chat_template:
+        return ToolSupport(HERMES)
+    if Channels.for_tokenizer(tokenizer) is not None:
+        return ToolSupport(HARMONY)
+    why = (f"this server reads tool calls written as {OPEN} JSON {CLOSE} (Qwen's, Hermes') or as harmony messages "
+           "(gpt-oss's), and this model's chat template writes them otherwise")  # fmt: skip
+    return ToolSupport(None, why)
 
 
 def read_call(body: str) -> ToolCall | None:
@@ -45,7 +60,11 @@ def read_call(body: str) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=text))
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class ToolCallReader:
