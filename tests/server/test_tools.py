@@ -15,7 +15,8 @@ import pytest
 
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
-from moelane.server.tools import ToolCallReader, split_reply
+from moelane.server.protocol import ChatMessage
+from moelane.server.tools import ToolCallReader, split_reply, tool_support
 from tests.helpers import write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
@@ -69,7 +70,11 @@ def client(base: str) -> openai.OpenAI:
 @pytest.mark.parametrize(
     "reply",
     [REPLY, CALLS, "no calls at all\n", "a <tool_call>{not json}</tool_call> b", "cut <tool_call>\n{\"name\": \"f\"",
-     "x <tool_ y <tool_callz", "\n" + CALLS + "\n\nand after", '<tool_call>{"arguments": {}}</tool_call>'],
+     "x <tool_ y <tool_callz", "\n" + CALLS + "\n\nand after", '<tool_call>{"arguments": {}}</tool_call>',
+     "1.\n" + CALLS + "\n2.\n" + CALLS + "\n3.", "<tool_call>" + "[" * 1200 + "]" * 1200 + "</tool_call>",
+     '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": NaN}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'],
 )  # fmt: skip
 def test_a_reply_reads_the_same_however_it_streams(reply: str) -> None:
     content, calls = split_reply(reply)
@@ -94,6 +99,13 @@ def test_a_reply_reads_the_same_however_it_streams(reply: str) -> None:
 def test_calls_are_read_and_blank_lines_beside_them_dropped() -> None:
     content, calls = split_reply(REPLY)
     assert content == "Let me look."
+    # text on both sides of calls keeps what parted it from them, once
+    assert split_reply("1.\n" + CALLS + "\n2.\n\n" + CALLS + "\n\n3.")[0] == "1.\n2.\n\n3."
+    assert split_reply("Here:\n```\n" + CALLS + "\n```\n")[0] == "Here:\n```\n```\n"
+    # arguments: an object, or the JSON text of one, or none at all
+    for arguments, text in (("null", "{}"), ('"{\\"a\\": 1}"', '{"a": 1}'), ('{"x": "\\u00e9"}', '{"x": "é"}')):
+        reply = '<tool_call>{"name": "f", "arguments": ' + arguments + "}</tool_call>"
+        assert [c.function.arguments for c in split_reply(reply)[1]] == [text], reply
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]  # fmt: skip
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
@@ -177,11 +189,13 @@ def test_a_model_whose_template_takes_no_tools_refuses_them(tiny_lm: Any) -> Non
     with running(app) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=REQUEST, timeout=30)
         completion = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "tools": TOOLS}, timeout=30)
+        unshown = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, "tool_choice": "none"}, timeout=30)
         schema = httpx.get(f"{base}/openapi.json", timeout=30).json()  # says so, for clients and schema fuzzers
     tools = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]
     assert tools["anyOf"][0]["maxItems"] == 0 and "takes no tools" in tools["description"]
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert "takes no tools" in r.json()["error"]["message"]
+    assert unshown.status_code == 400, unshown.text  # as its schema says: no tools at all
     assert completion.status_code == 400 and completion.json()["error"]["param"] == "tools", completion.text
 
 
@@ -252,7 +266,7 @@ def test_harmony_calls_come_back_as_tool_calls(
             streamed = stream.get_final_completion()
     for choice in (whole.choices[0], streamed.choices[0]):
         assert choice.finish_reason == "tool_calls"
-        assert (choice.message.content or None) == content  # (streamed: "", from the role chunk that opens a reply)
+        assert choice.message.content == content
         assert choice.message.reasoning_content == "Need the weather."  # type: ignore[attr-defined]
         got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
         assert got == calls
@@ -275,3 +289,62 @@ def test_harmony_calls_without_tools_or_cut_off_are_reasoning(harmony: Tokenizer
         plain.choices[0].finish_reason == "stop" and '{"city": "Paris"}' in plain.choices[0].message.reasoning_content
     )  # type: ignore[attr-defined]
     assert cut.choices[0].finish_reason == "length" and '{"city": "Pa' in cut.choices[0].message.reasoning_content  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_gives_the_first_call_only(tokenizer: Tokenizer, stream: bool) -> None:
+    engine = FakeEngine(tokenizer.encode(CALLS))
+    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    request = {**REQUEST, "parallel_tool_calls": False}
+    with running(app) as base:
+        if stream:
+            with client(base).chat.completions.stream(**request) as s:
+                message = s.get_final_completion().choices[0].message
+        else:
+            message = client(base).chat.completions.create(**request).choices[0].message
+    assert [c.function.name for c in message.tool_calls or []] == ["get_weather"]  # type: ignore[union-attr]
+    assert message.content is None
+
+
+class TemplateOnly:
+    """What `tool_support` reads of a tokenizer."""
+
+    def __init__(self, template: str, special_tag: bool = False) -> None:
+        self.chat_template, self.special_tag = template, special_tag
+
+    def chat_template_variables(self) -> frozenset[str]:
+        return frozenset({"messages", "tools"})
+
+    def token_id(self, token: str) -> int | None:
+        return 7 if token == "<tool_call>" else None
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.special_tag else "<tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("template", "special_tag", "needle"),
+    [
+        ("<tool_call>\n<function={{ name }}>\n<parameter=x>", False, "<function="),  # Qwen3-Coder's form
+        ("<tool_call>{{ name }}\n<arg_key>x</arg_key>", False, "<arg_key>"),  # GLM-4.5's
+        ('<tool_call>\n{"name": ...', True, "drops <tool_call>"),
+    ],
+)
+def test_calls_the_server_cannot_read_refuse_tools(template: str, special_tag: bool, needle: str) -> None:
+    support = tool_support(TemplateOnly(template, special_tag))
+    assert support.syntax is None and needle in support.why_not
+    assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).syntax == "hermes"
+
+
+def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    user = ChatMessage.model_validate({"role": "user", "content": "hi", "tool_calls": [call]})
+    assistant = ChatMessage.model_validate({"role": "assistant", "tool_calls": [call], "reasoning_content": "hm"})
+    assert user.for_template() == {"role": "user", "content": "hi"}
+    calls = [{**call, "function": {"name": "f", "arguments": {}}}]  # (arguments as an object, for templates)
+    assert assistant.for_template() == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "hm",
+        "tool_calls": calls,
+    }

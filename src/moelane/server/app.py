@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.server import errors
 from moelane.server.errors import ClientGone, Overloaded, ServerStopping, sse_event
-from moelane.server.events import EventStream, merged
+from moelane.server.events import EventStream, merged, whole_replies
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.openapi import openapi_schema
@@ -48,9 +48,7 @@ from moelane.server.responses import (
     Reply,
     logprobs_body,
 )
-from moelane.server.tools import HARMONY, HERMES, ToolCallReader, split_reply
-
-Collected = tuple[str, str | None, list[ToolCall]]  # a whole reply's text, reasoning, and calls read token by token
+from moelane.server.tools import HARMONY, HERMES, ToolCallReader, ToolUse, split_reply
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -113,11 +111,11 @@ class ServerState:
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
                     limit: int | None, default: int | None, chat: bool,
-                    tools: str | None = None) -> Response:  # fmt: skip
+                    tools: ToolUse | None = None) -> Response:  # fmt: skip
         """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
         choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
-        with seed + j, so that its choices differ and each can be reproduced alone. `tools`: replies are read for
-        tool calls written in this form (`tools.HERMES`, `tools.HARMONY`)."""
+        with seed + j, so that its choices differ and each can be reproduced alone. `tools`: how replies are read
+        for tool calls."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
@@ -127,7 +125,8 @@ class ServerState:
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
-                prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat, tool_calls=tools == HARMONY,
+                prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
+                tool_calls=tools is not None and tools.syntax == HARMONY,
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -145,8 +144,10 @@ class ServerState:
             events = self._events(gens, header, echoes, started, n_prompt, status, tools)
             return EventStream(events, on_close=lambda: self._close(gens, endpoint, status[0]))
         try:
-            texts = await self._collect(request, gens)
+            texts = await whole_replies(request, gens)
         except BaseException as e:
+            if isinstance(e, ClientGone):
+                self.metrics.cancelled.inc()
             self._close_sync(gens, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
             raise
         self._account(gens, started, n_prompt)
@@ -155,9 +156,11 @@ class ServerState:
         for gen, echo, (text, reasoning, calls) in zip(gens, echoes, texts, strict=True):
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
             content: str | None = echo + text
-            if tools == HERMES:
+            if tools is not None and tools.syntax == HERMES:
                 content, written = split_reply(text)
                 calls = calls + written
+            if tools is not None and not tools.parallel:
+                calls = calls[:1]
             if calls and not content:
                 content = None  # only calls, as OpenAI's say it
             replies.append(Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls)))
@@ -184,48 +187,13 @@ class ServerState:
             raise
         return gens
 
-    async def _collect(self, request: Request, gens: list[Generation]) -> list[Collected]:
-        """The whole replies (text, reasoning or None, the calls the generation read); cancels the generations if
-        the client goes away while waiting."""
-
-        async def join(gen: Generation) -> Collected:
-            pieces = [piece async for piece in gen.run()]
-            thoughts = [p for p in pieces if isinstance(p, Reasoning)]
-            calls = [p for p in pieces if isinstance(p, ToolCall)]
-            text = "".join(p for p in pieces if isinstance(p, str) and not isinstance(p, Reasoning))
-            return text, "".join(thoughts) if thoughts else None, calls
-
-        async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
-            with contextlib.suppress(Exception):  # a broken receive channel means the client is gone too
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-
-        tasks = [asyncio.ensure_future(join(gen)) for gen in gens]
-        every: asyncio.Future[list[Collected]] = asyncio.gather(*tasks)
-        watch = asyncio.ensure_future(gone())
-        try:
-            await asyncio.wait([every, cast(asyncio.Future[Any], watch)], return_when=asyncio.FIRST_COMPLETED)
-            if every.done():
-                return every.result()
-            self.metrics.cancelled.inc()
-            raise ClientGone("the client disconnected")
-        finally:
-            # the gathering future first: cancelling it cancels the tasks, and awaiting it retrieves its outcome
-            # (a gather left holding a child's CancelledError is logged as "exception was never retrieved")
-            others: list[asyncio.Future[Any]] = [every, *tasks, watch]
-            for t in others:
-                if not t.done():
-                    t.cancel()
-                    with contextlib.suppress(BaseException):
-                        await t
-
     async def _events(self, gens: list[Generation], header: Header, echoes: list[str], started: float,
-                      n_prompt: int, status: list[str], tools: str | None) -> AsyncIterator[str]:  # fmt: skip
+                      n_prompt: int, status: list[str], tools: ToolUse | None) -> AsyncIterator[str]:  # fmt: skip
         """The stream of events of a request: its choices' chunks as they come (each choice's in order), then
         usage if asked, then [DONE]; an error ends it with an error event. `status[0]` becomes the HTTP status the
         request would have had unstreamed (499: the client went away)."""
         try:
-            choices = [self._choice_events(g, header, e, i, ToolCallReader() if tools == HERMES else None)
+            choices = [self._choice_events(g, header, e, i, tools)
                        for i, (g, e) in enumerate(zip(gens, echoes, strict=True))]  # fmt: skip
             async with contextlib.aclosing(merged(choices)) as chunks:
                 async for chunk in chunks:
@@ -244,16 +212,18 @@ class ServerState:
         yield DONE
 
     async def _choice_events(self, gen: Generation, header: Header, echo: str, index: int,
-                             reader: ToolCallReader | None) -> AsyncGenerator[str, None]:  # fmt: skip
-        """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes (read for tool calls by
-        `reader`, if given) and its calls, its finish reason."""
-        if first := header.first(index):
+                             tools: ToolUse | None) -> AsyncGenerator[str, None]:  # fmt: skip
+        """One choice's chunks: (chat) its role, the echoed prompt, its text as it comes and its tool calls, its
+        finish reason."""
+        if first := header.first(index, tools is not None):
             yield first
+        reader = ToolCallReader() if tools is not None and tools.syntax == HERMES else None
+        one_call = tools is not None and not tools.parallel
         # A scored echo waits for the prompt's entries, which the first reply token comes after.
         late_echo = bool(echo) and gen.params.prompt_logprobs
         if echo and not late_echo:
             yield header.piece(echo, index=index)
-        sent = n_calls = 0
+        sent, calls = 0, list[ToolCall]()
         async for piece in gen.run():
             self.metrics.rate.add(gen.n_tokens - sent)
             sent = gen.n_tokens
@@ -264,23 +234,28 @@ class ServerState:
                 yield self._scored_echo(gen, header, echo, index)
                 late_echo = False
             parts = reader.feed(piece) if reader is not None and isinstance(piece, str) else [piece]
-            for part in parts:
-                logprobs = self._fresh_logprobs(gen, header, len(echo))
-                if isinstance(part, ToolCall):  # each whole, in a chunk of its own
-                    yield header.calls([part], n_calls, logprobs, index)
-                    n_calls += 1
-                else:
-                    yield header.piece(part, logprobs, index)
+            for chunk in self._chunks(gen, header, parts, calls, index, len(echo), one_call):
+                yield chunk
         if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
             yield self._scored_echo(gen, header, echo, index)
-        for part in reader.end() if reader is not None else ():
-            if isinstance(part, ToolCall):
-                yield header.calls([part], n_calls, self._fresh_logprobs(gen, header), index)
-                n_calls += 1
-            else:
-                yield header.piece(part, self._fresh_logprobs(gen, header), index)
-        finish = finish_reason(gen, n_calls > 0)
-        yield header.last(finish, gen.cost, self._fresh_logprobs(gen, header, len(echo)), index)
+        for chunk in self._chunks(gen, header, reader.end() if reader else [], calls, index, len(echo), one_call):
+            yield chunk
+        yield header.last(
+            finish_reason(gen, bool(calls)), gen.cost, self._fresh_logprobs(gen, header, len(echo)), index
+        )
+
+    def _chunks(self, gen: Generation, header: Header, parts: list[str | ToolCall], calls: list[ToolCall], index: int,
+                offset: int, one_call: bool) -> list[str]:  # fmt: skip
+        """The chunks of a choice's text pieces and tool calls, each call whole in a chunk of its own; `calls`: the
+        choice's calls sent so far, to which these are added (with `one_call`, only a first one is sent)."""
+        chunks = []
+        for part in parts:
+            if not isinstance(part, ToolCall):
+                chunks.append(header.piece(part, self._fresh_logprobs(gen, header, offset), index))
+            elif not (one_call and calls):
+                chunks.append(header.calls([part], len(calls), self._fresh_logprobs(gen, header, offset), index))
+                calls.append(part)
+        return chunks
 
     def _fresh_logprobs(self, gen: Generation, header: Header, offset: int = 0) -> BaseModel | None:
         """The logprobs of the tokens counted since the last chunk, if the request asked and there are any."""
@@ -417,5 +392,5 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        tools = state.prompts.tools.syntax if body.tools_on() else None
+        tools = state.prompts.tool_use(body)
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools)

@@ -1,15 +1,23 @@
-"""Streaming plumbing of the server: `merged` interleaves several choices' event streams, and `EventStream` is
-a server-sent-events response that runs its close hook however the response ends (the hook releases the request's
-admission slots and cancels its engine streams)."""
+"""Waiting on generations for the server: `whole_replies` gathers a request's whole replies while watching for the
+client to go away; `merged` interleaves several choices' event streams, and `EventStream` is a server-sent-events
+response that runs its close hook however the response ends (the hook releases the request's admission slots and
+cancels its engine streams)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
+
+from moelane.server.errors import ClientGone
+from moelane.server.generation import Generation, Reasoning
+from moelane.server.protocol import ToolCall
+
+Collected = tuple[str, str | None, list[ToolCall]]  # a whole reply's text, reasoning, and calls read token by token
 
 
 async def merged(sources: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
@@ -61,3 +69,38 @@ class EventStream(StreamingResponse):
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self._on_close()
+
+
+async def whole_replies(request: Request, gens: list[Generation]) -> list[Collected]:
+    """The whole replies (text, reasoning or None, the calls the generation read); cancels the generations if
+    the client goes away while waiting (then ClientGone)."""
+
+    async def join(gen: Generation) -> Collected:
+        pieces = [piece async for piece in gen.run()]
+        thoughts = [p for p in pieces if isinstance(p, Reasoning)]
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        text = "".join(p for p in pieces if isinstance(p, str) and not isinstance(p, Reasoning))
+        return text, "".join(thoughts) if thoughts else None, calls
+
+    async def gone() -> None:  # the body has been read: what the server receives next is the disconnect
+        with contextlib.suppress(Exception):  # a broken receive channel means the client is gone too
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+    tasks = [asyncio.ensure_future(join(gen)) for gen in gens]
+    every: asyncio.Future[list[Collected]] = asyncio.gather(*tasks)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait([every, cast(asyncio.Future[Any], watch)], return_when=asyncio.FIRST_COMPLETED)
+        if every.done():
+            return every.result()
+        raise ClientGone("the client disconnected")
+    finally:
+        # the gathering future first: cancelling it cancels the tasks, and awaiting it retrieves its outcome
+        # (a gather left holding a child's CancelledError is logged as "exception was never retrieved")
+        others: list[asyncio.Future[Any]] = [every, *tasks, watch]
+        for t in others:
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t

@@ -15,7 +15,7 @@ from typing import Any
 from moelane.errors import InputError, PromptTooLong
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
-from moelane.server.tools import ToolSupport, tool_support
+from moelane.server.tools import ToolSupport, ToolUse, tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 
@@ -44,6 +44,13 @@ class Prompts:
     def tools(self) -> ToolSupport:
         """How this model writes tool calls (read from its chat template when first asked)."""
         return tool_support(self.lm.tokenizer)
+
+    def tool_use(self, body: ChatCompletionRequest) -> ToolUse | None:
+        """How a chat request's replies are read for calls; None: they are not (no tools, or tool_choice "none")."""
+        if not body.tools_on():
+            return None
+        assert self.tools.syntax is not None  # (chat_prompt refuses tools otherwise)
+        return ToolUse(self.tools.syntax, parallel=body.parallel_tool_calls is not False)
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
@@ -78,7 +85,7 @@ class Prompts:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
         messages takes seconds, in which no other stream would be served."""
-        if body.tools_on() and self.tools.syntax is None:
+        if body.tools and self.tools.syntax is None:  # (with tool_choice "none" too: the schema says no tools)
             raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
         messages = [m.for_template() for m in body.messages]
         try:

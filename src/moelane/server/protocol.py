@@ -205,7 +205,7 @@ class FunctionCall(Body):
 class ToolCall(Body):
     """A call an assistant message made (in a request's history) or a reply makes."""
 
-    id: str = ""
+    id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -244,6 +244,7 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    reasoning_content: str | None = None  # an assistant's thinking, which some templates keep (Qwen3's, mid-tools)
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -260,8 +261,10 @@ class ChatMessage(Body):
     def for_template(self) -> dict[str, object]:
         """The message as chat templates read it (transformers' convention)."""
         out: dict[str, object] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
+        if self.tool_calls and self.role == "assistant":
             out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":
@@ -282,7 +285,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
     chat_template_kwargs: dict[str, object] | None = None
     tools: list[ToolDefinition] | None = None
-    parallel_tool_calls: StrictBool | None = None  # (a reply's calls are all given, however many)
+    parallel_tool_calls: StrictBool | None = None  # false: a reply's first call only
 
     @field_validator("chat_template_kwargs")
     @classmethod

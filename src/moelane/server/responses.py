@@ -257,11 +257,13 @@ class Header:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=plain, usage=usage,
                                   moelane=ext)  # fmt: skip
 
-    def first(self, index: int = 0) -> str | None:
-        """The opening chunk of a choice (chat only: the assistant role)."""
+    def first(self, index: int = 0, tools: bool = False) -> str | None:
+        """The opening chunk of a choice (chat only: the assistant role; with `tools`, as OpenAI's, no content yet:
+        a reply of calls only has none)."""
         if not self.chat:
             return None
-        return self._event(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
+        delta = Delta(role="assistant", content=None if tools else "")
+        return self._event(self._chunk([ChatChunkChoice(index=index, delta=delta)]))
 
     def piece(self, text: str, logprobs: BaseModel | None = None, index: int = 0, reasoning: bool = False) -> str:
         """A chunk of a choice's text (chat, `reasoning`: of its reasoning, `delta.reasoning_content`)."""

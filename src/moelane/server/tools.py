@@ -26,7 +26,16 @@ from moelane.model.reasoning import Channels
 from moelane.server.protocol import FunctionCall, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OTHER_TAGGED = ("<function=", "<arg_key>")  # calls in <tool_call> but not as JSON: Qwen3-Coder's, GLM-4.5's
 HERMES, HARMONY = "hermes", "harmony"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How one request's replies are read for calls."""
+
+    syntax: str  # HERMES or HARMONY
+    parallel: bool = True  # False: a reply's first call only (`parallel_tool_calls: false`; OpenAI gives one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +51,12 @@ def tool_support(tokenizer: Any) -> ToolSupport:
     if "tools" not in tokenizer.chat_template_variables():
         return ToolSupport(None, "this model's chat template takes no tools")
     if OPEN in tokenizer.chat_template:
+        if other := next((m for m in OTHER_TAGGED if m in tokenizer.chat_template), None):
+            why = f"this model's chat template writes calls inside {OPEN} as {other}...; this server reads JSON there"
+            return ToolSupport(None, why + ' ({"name": ..., "arguments": ...}, as Qwen3\'s)')
+        if (tag := tokenizer.token_id(OPEN)) is not None and not tokenizer.decode([tag]):
+            return ToolSupport(None, f"this model's tokenizer drops {OPEN} from the text it decodes (a special "
+                                     "token), so its calls cannot be read")  # fmt: skip
         return ToolSupport(HERMES)
     if Channels.for_tokenizer(tokenizer) is not None:
         return ToolSupport(HARMONY)
@@ -51,16 +66,29 @@ def tool_support(tokenizer: Any) -> ToolSupport:
 
 
 def read_call(body: str) -> ToolCall | None:
-    """The call a block's text holds, or None if it is not one."""
+    """The call a block's text holds, or None if it is not one: a JSON object with a `name` and, as `arguments`
+    (or `parameters`), an object or the JSON text of one (none: `{}`)."""
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = json.loads(body, parse_constant=_not_json)
+        if not isinstance(value, dict) or not isinstance(name := value.get("name"), str) or not name:
+            return None
+        arguments = value.get("arguments", value.get("parameters"))
+        if arguments is None:
+            arguments = {}
+        elif isinstance(arguments, str):
+            if not isinstance(json.loads(arguments, parse_constant=_not_json), dict):
+                return None
+            return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
+        if not isinstance(arguments, dict):
+            return None
+        text = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):  # (JSON nested a thousand deep: Python's parser gives up, as do we)
         return None
-    if not isinstance(value, dict) or not isinstance(name := value.get("name"), str) or not name:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")  # (Python's reader takes NaN and Infinity; clients' do not)
 
 
 def call_id() -> str:
@@ -69,14 +97,18 @@ def call_id() -> str:
 
 class ToolCallReader:
     """Feeds on a reply's text piece by piece and gives back content and calls in order. Text that may be the
-    start of a tag is held until it is known not to be. Whitespace that only stands beside a call (the blank lines
-    a model writes before, between and after its calls) is dropped; all other text is given back as written."""
+    start of a tag is held until it is known not to be. The whitespace around calls is kept once, where it parts
+    text before them from text after them, and dropped where it only opens or ends the content (the blank lines a
+    model writes before and after its calls); all other text is given back as written."""
 
     def __init__(self) -> None:
         self.pending = ""  # text not read yet (in a block: its body so far)
+        self.scanned = 0  # how far `pending` is known to hold no closing tag (a long block is searched once)
         self.inside = False
         self.held = ""  # trailing whitespace of the content: dropped if a call follows
-        self.after_call = False  # leading whitespace is dropped
+        self.gap = ""  # the whitespace that stood before the calls since the last content
+        self.after_call = False  # leading whitespace is dropped, or becomes the gap
+        self.said = False  # content has been given back
         self.n_calls = 0
 
     def feed(self, text: str) -> list[str | ToolCall]:
@@ -84,14 +116,17 @@ class ToolCallReader:
         out: list[str | ToolCall] = []
         while True:
             if self.inside:
-                end = self.pending.find(CLOSE)
+                end = self.pending.find(CLOSE, self.scanned)
                 if end < 0:
+                    self.scanned = max(0, len(self.pending) - len(CLOSE) + 1)
                     return out
                 body, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE) :], False
+                self.scanned = 0
                 if (call := read_call(body)) is None:
                     self._content(out, OPEN + body + CLOSE)
                 else:
-                    self.held, self.after_call, self.n_calls = "", True, self.n_calls + 1
+                    self.gap, self.held = self.gap or self.held, ""
+                    self.after_call, self.n_calls = True, self.n_calls + 1
                     out.append(call)
                 continue
             start = self.pending.find(OPEN)
@@ -115,13 +150,18 @@ class ToolCallReader:
 
     def _content(self, out: list[str | ToolCall], text: str) -> None:
         if self.after_call:
-            text = text.lstrip()
-            self.after_call = not text
+            stripped = text.lstrip()
+            if not stripped:
+                self.gap = self.gap or text
+                return
+            gap = self.gap or text[: len(text) - len(stripped)]
+            text, self.gap, self.after_call = (gap if self.said else "") + stripped, "", False
         text = self.held + text
         body = text.rstrip()
         self.held = text[len(body) :]
         if body:
             out.append(body)
+            self.said = True
 
 
 def partial_tag(text: str) -> int:
