@@ -1,6 +1,7 @@
-"""Tool calls: the tools and the call history reach a chat template that takes them (Hermes-style `<tool_call>`
-blocks, as Qwen's templates write them), and a reply's calls come back as OpenAI's `tool_calls`, streamed and not,
-as the official `openai` client reads them; a model whose template takes no tools refuses them in one line."""
+"""Tool calls: the tools and the call history reach a chat template that takes them, and a reply's calls come back
+as OpenAI's `tool_calls`, streamed and not, as the official `openai` client reads them, in each form the server reads
+(`<tool_call>` blocks of JSON, Qwen3-Coder's tags, GLM-4.5's keys, gpt-oss's harmony messages); a model whose
+template takes no tools refuses them in one line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.protocol import ChatMessage
-from moelane.server.tools import ToolCallReader, split_reply, tool_support
+from moelane.server.tools import ToolCallReader, read_function_call, read_keyed_call, split_reply, tool_support
 from tests.helpers import write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
@@ -322,18 +323,84 @@ class TemplateOnly:
         return "" if self.special_tag else "<tool_call>"
 
 
+def test_a_tokenizer_that_drops_the_tag_refuses_tools() -> None:
+    support = tool_support(TemplateOnly('<tool_call>\n{"name": ...', special_tag=True))
+    assert support.syntax is None and "drops <tool_call>" in support.why_not
+    assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).syntax == "hermes"
+
+
+# Each form as a template of the model's own writes a call (Qwen3's, Qwen3-Coder's, GLM-4.5's: written here, not
+# copied): a reply written that way must read back as the call, and the call, sent back in the history, must render
+# as the reply did.
+CALL_IN_HISTORY = {
+    "hermes": ('{%- for call in m.tool_calls %}\n<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
+               "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}"),
+    "qwen3_coder": ("{%- for call in m.tool_calls %}\n<tool_call>\n<function={{ call.function.name }}>\n"
+                    "{% for key, value in call.function.arguments | items %}<parameter={{ key }}>\n"
+                    "{{ value if value is string else value | tojson }}\n</parameter>\n{% endfor %}</function>\n"
+                    "</tool_call>{% endfor %}"),
+    "glm45": ("{%- for call in m.tool_calls %}\n<tool_call>{{ call.function.name }}\n"
+              "{% for key, value in call.function.arguments | items %}<arg_key>{{ key }}</arg_key>\n"
+              "<arg_value>{{ value if value is string else value | tojson }}</arg_value>\n{% endfor %}</tool_call>"
+              "{% endfor %}"),
+}  # fmt: skip
+ARGUMENTS = {"city": "Paris", "days": 3, "code": "007", "opts": {"a": [1, True]}, "note": "two\n\nlines", "on": False}
+TYPES = {"city": "string", "days": "integer", "code": "string", "opts": "object", "note": ["string", "null"],
+         "on": "boolean"}  # fmt: skip
+SCHEMA = {"type": "object", "properties": {key: {"type": kind} for key, kind in TYPES.items()}}
+
+
+@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
+def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: str) -> None:
+    template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.tool_calls %}" + CALL_IN_HISTORY[syntax] +
+                "{% else %}\n{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant")  # fmt: skip
+    write_tokenizer(tmp_path, 300)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    tok = Tokenizer(tmp_path, frozenset())
+    assert tool_support(tok).syntax == syntax
+    call = {"id": "call_1", "type": "function", "function": {"name": "plan", "arguments": json.dumps(ARGUMENTS)}}
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages = [ChatMessage.model_validate(m).for_template() for m in history]  # as the server gives them
+    written = tok.apply_chat_template(messages, add_generation_prompt=False).split("<|im_start|>assistant")[1]
+    reply = written.removesuffix("<|im_end|>\n") + "\n\nDone."  # what the model writes: the call, then more text
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
+    engine = FakeEngine(tok.encode(reply), per_round=3)
+    app = create_app(engine, FakeLM(tok), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        whole = client(base).chat.completions.create(model="m", messages=history[:1], tools=tools)  # type: ignore[arg-type]
+        with client(base).chat.completions.stream(model="m", messages=history[:1], tools=tools) as stream:  # type: ignore[arg-type]
+            streamed = stream.get_final_completion()
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": history, "tools": tools}, timeout=30)
+        # arguments that are not JSON reach the template as text: where it needs an object, a 400, not a 500
+        bad = {**call, "function": {"name": "plan", "arguments": "oops"}}
+        odd = [history[0], {**history[1], "tool_calls": [bad]}]
+        refused = httpx.post(f"{base}/v1/chat/completions", json={"messages": odd, "tools": tools}, timeout=30)
+    for choice in (whole.choices[0], streamed.choices[0]):
+        calls = choice.message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("plan", ARGUMENTS)]  # type: ignore[union-attr]
+        assert choice.message.content == "Done." and choice.finish_reason == "tool_calls"
+    assert r.status_code == 200, r.text
+    if syntax != "hermes":  # (Qwen3's writes the text as it is)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+    assert written in tok.decode(engine.streams[2].prompt_ids)  # (the history request's)
+
+
 @pytest.mark.parametrize(
-    ("template", "special_tag", "needle"),
+    ("read", "body"),
     [
-        ("<tool_call>\n<function={{ name }}>\n<parameter=x>", False, "<function="),  # Qwen3-Coder's form
-        ("<tool_call>{{ name }}\n<arg_key>x</arg_key>", False, "<arg_key>"),  # GLM-4.5's
-        ('<tool_call>\n{"name": ...', True, "drops <tool_call>"),
+        (read_function_call, "\n<function=f>\n<parameter=a>\n1\n</parameter>\nstray text\n</function>\n"),
+        (read_function_call, "\n<function=f>\n<parameter=a>\n1\n"),  # no </parameter>, no </function>
+        (read_function_call, '\n{"name": "f", "arguments": {}}\n'),
+        (read_keyed_call, "f\n<arg_key>a</arg_key>\nstray\n<arg_value>1</arg_value>\n"),
+        (read_keyed_call, '{"name": "f", "arguments": {}}'),
+        (read_keyed_call, "two words\n<arg_key>a</arg_key><arg_value>1</arg_value>"),
     ],
 )
-def test_calls_the_server_cannot_read_refuse_tools(template: str, special_tag: bool, needle: str) -> None:
-    support = tool_support(TemplateOnly(template, special_tag))
-    assert support.syntax is None and needle in support.why_not
-    assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).syntax == "hermes"
+def test_tagged_blocks_that_are_not_calls_are_not_read(read: Any, body: str) -> None:
+    assert read(body, {}) is None
+    assert read_keyed_call("now\n", {}) is not None  # (a call without arguments)
 
 
 def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() -> None:

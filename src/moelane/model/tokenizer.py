@@ -125,6 +125,8 @@ class Tokenizer:
             raise InputError(f"the chat template refused the messages: {e}") from None
         except TemplateError as e:
             raise InputError(f"chat template failed: {e}") from None
+        except Exception as e:  # a value of the messages' the template cannot use (`|items` of a string, say)
+            raise InputError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
 
 
 def lone_surrogate(text: str) -> str | None:

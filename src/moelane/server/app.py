@@ -48,7 +48,7 @@ from moelane.server.responses import (
     Reply,
     logprobs_body,
 )
-from moelane.server.tools import HARMONY, HERMES, ToolCallReader, ToolUse, split_reply
+from moelane.server.tools import HARMONY, ToolUse, split_reply
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -156,8 +156,8 @@ class ServerState:
         for gen, echo, (text, reasoning, calls) in zip(gens, echoes, texts, strict=True):
             logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
             content: str | None = echo + text
-            if tools is not None and tools.syntax == HERMES:
-                content, written = split_reply(text)
+            if tools is not None and tools.syntax != HARMONY:
+                content, written = split_reply(text, tools.reader())
                 calls = calls + written
             if tools is not None and not tools.parallel:
                 calls = calls[:1]
@@ -217,7 +217,7 @@ class ServerState:
         finish reason."""
         if first := header.first(index, tools is not None):
             yield first
-        reader = ToolCallReader() if tools is not None and tools.syntax == HERMES else None
+        reader = tools.reader() if tools is not None and tools.syntax != HARMONY else None
         one_call = tools is not None and not tools.parallel
         # A scored echo waits for the prompt's entries, which the first reply token comes after.
         late_echo = bool(echo) and gen.params.prompt_logprobs

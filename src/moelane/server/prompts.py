@@ -50,7 +50,8 @@ class Prompts:
         if not body.tools_on():
             return None
         assert self.tools.syntax is not None  # (chat_prompt refuses tools otherwise)
-        return ToolUse(self.tools.syntax, parallel=body.parallel_tool_calls is not False)
+        types = {tool.function.name: properties(tool.function.parameters) for tool in body.tools or ()}
+        return ToolUse(self.tools.syntax, parallel=body.parallel_tool_calls is not False, types=types)
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
@@ -111,3 +112,9 @@ class Prompts:
                        f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
             raise bad_request(message, "max_tokens", OVER_CONTEXT)
         return requested
+
+
+def properties(parameters: dict[str, object] | None) -> dict[str, Any]:
+    """A tool's parameters by name, as its JSON schema gives them (a schema without `properties`: none)."""
+    found = (parameters or {}).get("properties")
+    return found if isinstance(found, dict) else {}

@@ -1,46 +1,56 @@
-"""Tool calls (OpenAI's function calling). Two forms are read:
-- Hermes-style tags, as Qwen2.5's and Qwen3's templates have their models write them, read from the reply's text by
-  `ToolCallReader` here:
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
+"""Tool calls (OpenAI's function calling). The forms read:
+- `<tool_call>` blocks in the reply's text, read by `ToolCallReader` here, holding
+  - JSON (`HERMES`), as Qwen2.5's and Qwen3's templates have their models write them:
+    `<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>`;
+  - tags (`QWEN3_CODER`), as Qwen3-Coder's do:
+    `<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`;
+  - keys and values (`GLM45`), as GLM-4.5's do:
+    `<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>`.
+  Tagged values are text: a parameter the tool's schema says is a string is kept as written, any other is read as
+  JSON where it parses (`3` is a number, `true` a boolean, `{...}` an object), as the templates write them.
 - gpt-oss's harmony messages to a function (`<|channel|>commentary to=functions.get_weather ...<|message|>{...}`),
   read token by token with its channels (`moelane.model.reasoning`, `Generation`).
 
 `tool_support(tokenizer)` says which form a model writes, or why the server cannot serve it tools.
 
-Invariant: no reply text is lost. A block that does not read as a call (JSON that does not parse, no name, a block
-cut off by max_tokens or a stop) stays in the content as the model wrote it.
+Invariant: no reply text is lost. A block that does not read as a call (JSON that does not parse, no name, text
+between tags, a block cut off by max_tokens or a stop) stays in the content as the model wrote it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from moelane.model.reasoning import Channels
 from moelane.server.protocol import FunctionCall, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-OTHER_TAGGED = ("<function=", "<arg_key>")  # calls in <tool_call> but not as JSON: Qwen3-Coder's, GLM-4.5's
-HERMES, HARMONY = "hermes", "harmony"
+HERMES, QWEN3_CODER, GLM45, HARMONY = "hermes", "qwen3_coder", "glm45", "harmony"
+Types = dict[str, dict[str, Any]]  # per function, its parameters' JSON schemas (`parameters.properties`)
 
 
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """How one request's replies are read for calls."""
 
-    syntax: str  # HERMES or HARMONY
+    syntax: str  # HERMES, QWEN3_CODER, GLM45 or HARMONY
     parallel: bool = True  # False: a reply's first call only (`parallel_tool_calls: false`; OpenAI gives one)
+    types: Types = field(default_factory=dict)
+
+    def reader(self) -> ToolCallReader:
+        """A reader of a reply's `<tool_call>` blocks (not for HARMONY, whose calls are read token by token)."""
+        return ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types))
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSupport:
-    syntax: str | None  # HERMES or HARMONY; None: tools cannot be served
+    syntax: str | None  # HERMES, QWEN3_CODER, GLM45 or HARMONY; None: tools cannot be served
     why_not: str = ""  # one sentence, when they cannot
 
 
@@ -50,22 +60,22 @@ def tool_support(tokenizer: Any) -> ToolSupport:
         return ToolSupport(None, "this model has no chat template")
     if "tools" not in tokenizer.chat_template_variables():
         return ToolSupport(None, "this model's chat template takes no tools")
-    if OPEN in tokenizer.chat_template:
-        if other := next((m for m in OTHER_TAGGED if m in tokenizer.chat_template), None):
-            why = f"this model's chat template writes calls inside {OPEN} as {other}...; this server reads JSON there"
-            return ToolSupport(None, why + ' ({"name": ..., "arguments": ...}, as Qwen3\'s)')
+    template = tokenizer.chat_template
+    if OPEN in template:
         if (tag := tokenizer.token_id(OPEN)) is not None and not tokenizer.decode([tag]):
             return ToolSupport(None, f"this model's tokenizer drops {OPEN} from the text it decodes (a special "
                                      "token), so its calls cannot be read")  # fmt: skip
-        return ToolSupport(HERMES)
+        if "<function=" in template and "<parameter=" in template:
+            return ToolSupport(QWEN3_CODER)
+        return ToolSupport(GLM45 if "<arg_key>" in template else HERMES)
     if Channels.for_tokenizer(tokenizer) is not None:
         return ToolSupport(HARMONY)
-    why = (f"this server reads tool calls written as {OPEN} JSON {CLOSE} (Qwen's, Hermes') or as harmony messages "
-           "(gpt-oss's), and this model's chat template writes them otherwise")  # fmt: skip
+    why = (f"this server reads tool calls written in {OPEN} blocks (Qwen's, Qwen3-Coder's, GLM-4.5's, Hermes') or "
+           "as harmony messages (gpt-oss's), and this model's chat template writes them otherwise")  # fmt: skip
     return ToolSupport(None, why)
 
 
-def read_call(body: str) -> ToolCall | None:
+def read_call(body: str, types: Types | None = None) -> ToolCall | None:
     """The call a block's text holds, or None if it is not one: a JSON object with a `name` and, as `arguments`
     (or `parameters`), an object or the JSON text of one (none: `{}`)."""
     try:
@@ -91,6 +101,56 @@ def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")  # (Python's reader takes NaN and Infinity; clients' do not)
 
 
+FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+KEY_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def read_function_call(body: str, types: Types) -> ToolCall | None:
+    """Qwen3-Coder's `<function=NAME>` with its `<parameter=KEY>` values, or None."""
+    if (match := FUNCTION.fullmatch(body)) is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    return tagged_call(name, PARAMETER, inner, types.get(name, {}))
+
+
+def read_keyed_call(body: str, types: Types) -> ToolCall | None:
+    """GLM-4.5's name, then its `<arg_key>`/`<arg_value>` pairs, or None."""
+    name, _, inner = body.partition("<arg_key>")
+    name, inner = name.strip(), "<arg_key>" + inner if inner else ""
+    return tagged_call(name, KEY_VALUE, inner, types.get(name, {}))
+
+
+def tagged_call(name: str, pairs: re.Pattern[str], inner: str, schemas: dict[str, Any]) -> ToolCall | None:
+    """The call of `name` with the arguments `pairs` finds in `inner`; None if anything but whitespace is left."""
+    if not name or any(c.isspace() for c in name) or pairs.sub("", inner).strip():
+        return None
+    arguments = {key.strip(): typed(value, schemas.get(key.strip())) for key, value in pairs.findall(inner)}
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+def typed(text: str, schema: Any) -> Any:
+    """A tagged value: as written where the tool's schema says it is a string, else its JSON value if it parses."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+        return text
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError):
+        return text
+
+
+BLOCK_READERS: dict[str, Callable[..., ToolCall | None]] = {
+    HERMES: read_call,
+    QWEN3_CODER: read_function_call,
+    GLM45: read_keyed_call,
+}
+
+
 def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -101,7 +161,8 @@ class ToolCallReader:
     text before them from text after them, and dropped where it only opens or ends the content (the blank lines a
     model writes before and after its calls); all other text is given back as written."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[str], ToolCall | None] = read_call) -> None:
+        self.read = read  # a block's call, or None
         self.pending = ""  # text not read yet (in a block: its body so far)
         self.scanned = 0  # how far `pending` is known to hold no closing tag (a long block is searched once)
         self.inside = False
@@ -122,7 +183,7 @@ class ToolCallReader:
                     return out
                 body, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE) :], False
                 self.scanned = 0
-                if (call := read_call(body)) is None:
+                if (call := self.read(body)) is None:
                     self._content(out, OPEN + body + CLOSE)
                 else:
                     self.gap, self.held = self.gap or self.held, ""
@@ -172,9 +233,10 @@ def partial_tag(text: str) -> int:
     return 0
 
 
-def split_reply(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's content (None when it is only calls, as OpenAI's) and calls."""
-    reader = ToolCallReader()
+def split_reply(text: str, reader: ToolCallReader | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's content (None when it is only calls, as OpenAI's) and calls, read by a fresh `reader`
+    (default: of JSON blocks)."""
+    reader = reader or ToolCallReader()
     parts = reader.feed(text) + reader.end()
     calls = [p for p in parts if isinstance(p, ToolCall)]
     content = "".join(p for p in parts if isinstance(p, str))
