@@ -254,6 +254,18 @@ TIME = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|mess
         # the recipient before the channel, a call ended by <|call|> itself, then an answer
         (THOUGHT + TIME + "<|start|>assistant<|channel|>final<|message|>Noon.<|return|>", [("get_time", {})], "Noon."),
         (THOUGHT + TIME + WEATHER, [("get_time", {}), ("get_weather", {"city": "Paris"})], None),
+        # a call without arguments (its body empty), and the recipient after <|constrain|>
+        (
+            THOUGHT + "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>",
+            [("get_time", {})],
+            None,
+        ),
+        (
+            THOUGHT + "<|start|>assistant<|channel|>commentary <|constrain|>json to=functions.get_weather<|message|>"
+            '{"city": "Paris"}',
+            [("get_weather", {"city": "Paris"})],
+            None,
+        ),
     ],
 )
 def test_harmony_calls_come_back_as_tool_calls(
@@ -337,17 +349,21 @@ CALL_IN_HISTORY = {
                "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}"),
     "qwen3_coder": ("{%- for call in m.tool_calls %}\n<tool_call>\n<function={{ call.function.name }}>\n"
                     "{% for key, value in call.function.arguments | items %}<parameter={{ key }}>\n"
-                    "{{ value if value is string else value | tojson }}\n</parameter>\n{% endfor %}</function>\n"
+                    "{{ value | tojson if value is mapping or (value is sequence and value is not string) else "
+                    "value | string }}\n</parameter>\n{% endfor %}</function>\n"
                     "</tool_call>{% endfor %}"),
     "glm45": ("{%- for call in m.tool_calls %}\n<tool_call>{{ call.function.name }}\n"
               "{% for key, value in call.function.arguments | items %}<arg_key>{{ key }}</arg_key>\n"
               "<arg_value>{{ value if value is string else value | tojson }}</arg_value>\n{% endfor %}</tool_call>"
               "{% endfor %}"),
 }  # fmt: skip
-ARGUMENTS = {"city": "Paris", "days": 3, "code": "007", "opts": {"a": [1, True]}, "note": "two\n\nlines", "on": False}
+ARGUMENTS = {"city": "Paris", "days": 3, "code": "007", "opts": {"a": [1, True]}, "note": "two\n\nlines", "on": False,
+             "count": None, "zip": "12345", "ref": "99"}  # fmt: skip
 TYPES = {"city": "string", "days": "integer", "code": "string", "opts": "object", "note": ["string", "null"],
-         "on": "boolean"}  # fmt: skip
-SCHEMA = {"type": "object", "properties": {key: {"type": kind} for key, kind in TYPES.items()}}
+         "on": "boolean", "count": ["integer", "null"]}  # fmt: skip
+SCHEMA = {"type": "object", "properties": {key: {"type": kind} for key, kind in TYPES.items()}
+          | {"zip": {"anyOf": [{"type": "string"}, {"type": "null"}]},  # (pydantic's Optional[str])
+             "ref": {"$ref": "#/$defs/Ref"}}}  # (no type named: text)  # fmt: skip
 
 
 @pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
@@ -396,6 +412,12 @@ def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: s
         (read_keyed_call, "f\n<arg_key>a</arg_key>\nstray\n<arg_value>1</arg_value>\n"),
         (read_keyed_call, '{"name": "f", "arguments": {}}'),
         (read_keyed_call, "two words\n<arg_key>a</arg_key><arg_value>1</arg_value>"),
+        (read_keyed_call, 'get_weather(city="Paris")'),  # (a name is a function's name: OpenAI's rule)
+        (read_keyed_call, "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value>"),
+        (read_function_call, "<function=<b>\n</function>"),
+        # a model looping in a block that never closes its values: one pass, where lazy patterns took minutes
+        (read_keyed_call, "f\n" + "<arg_key>a</arg_key>\n<arg_value>x\n" * 3000),
+        (read_function_call, "\n<function=f>\n" + "<parameter=a>\nx\n" * 3000 + "</function>"),
     ],
 )
 def test_tagged_blocks_that_are_not_calls_are_not_read(read: Any, body: str) -> None:
@@ -413,5 +435,38 @@ def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() 
         "role": "assistant",
         "content": "",
         "reasoning_content": "hm",
+        "thinking": "hm",  # (gpt-oss's template reads this name)
         "tool_calls": calls,
     }
+
+
+def test_history_arguments_that_are_not_an_object_reach_the_template_as_text() -> None:
+    from moelane.server.protocol import template_tool_calls
+
+    for text in ("not json", "[1, 2]", "[" * 5000):  # (the last nests deeper than Python's JSON reader goes)
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+        assert template_tool_calls([call]) == [call]
+
+
+def test_harmony_arguments_that_are_not_an_object_are_reasoning(harmony: Tokenizer) -> None:
+    """As a `<tool_call>` block that is not a call stays text; and a reply with tools but no text says null."""
+    body = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>now please"
+    engine = FakeEngine(harmony_ids(harmony, THOUGHT + body))
+    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
+    with running(app) as base:
+        whole = client(base).chat.completions.create(**REQUEST)
+        with client(base).chat.completions.stream(**REQUEST) as stream:
+            streamed = stream.get_final_completion()
+    for choice in (whole.choices[0], streamed.choices[0]):
+        assert not choice.message.tool_calls and choice.finish_reason == "stop"
+        assert choice.message.content is None and "now please" in choice.message.reasoning_content  # type: ignore[attr-defined]
+
+
+def test_harmony_history_gives_each_call_a_message_of_its_own() -> None:
+    from moelane.server.prompts import one_call_each
+
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": {}}}
+    two = {"role": "assistant", "content": "", "thinking": "hm", "tool_calls": [call, {**call, "id": "b"}]}
+    user = {"role": "user", "content": "go"}
+    second = {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "b"}]}
+    assert one_call_each([user, two]) == [user, {**two, "tool_calls": [call]}, second]

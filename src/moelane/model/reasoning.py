@@ -96,6 +96,7 @@ class Channels:
         self._name: list[int] | None = None  # the channel name's ids while reading it
         self._named = False  # the name is read (a `<|constrain|>` follows it: "commentary <|constrain|>json")
         self._before: list[int] = []  # the header's ids before `<|channel|>` (" to=functions.f")
+        self._after: list[int] = []  # and after it ("commentary to=functions.f <|constrain|>json")
         self._body: str | None = None  # the channel whose message body is being read
         self.recipient: str | None = None  # the function that body is addressed to
 
@@ -121,21 +122,24 @@ class Channels:
             name = self._tokenizer.decode(self._name or [])
             words = name.split()
             self._body = words[0] if words else FINAL
-            self.recipient = recipient_in(self._tokenizer.decode(self._before)) or recipient_in(name)
-            self._name, self._before = None, []
+            header = (self._before, self._after)
+            self.recipient = next(filter(None, (recipient_in(self._tokenizer.decode(h)) for h in header)), None)
+            self._name, self._before, self._after = None, [], []
             return None
         if token == self._channel:
-            self._name, self._body, self._named = [], None, False
+            self._name, self._body, self._named, self._after = [], None, False, []
             return None
         if token == self._start or token in self._ends:
             self._name = self._body = self.recipient = None
-            self._before = []
+            self._before, self._after = [], []
             return None
         if self._body is None:
             self._named = self._named or token == self._constrain
             if self._name is None:
                 self._before.append(token)
-            elif not self._named:
-                self._name.append(token)
+            else:
+                self._after.append(token)
+                if not self._named:
+                    self._name.append(token)
             return None
         return self._body

@@ -161,8 +161,8 @@ class ServerState:
                 calls = calls + written
             if tools is not None and not tools.parallel:
                 calls = calls[:1]
-            if calls and not content:
-                content = None  # only calls, as OpenAI's say it
+            if tools is not None and not content:
+                content = None  # no text beside the calls, as OpenAI's say it (and as the stream, which sends none)
             replies.append(Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls)))
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
         whole = header.whole(replies, usage, total_cost(gens)).model_dump(mode="json")

@@ -27,7 +27,7 @@ from moelane.model.reasoning import ANSWER, CALL, REASONING, Openings, splitter_
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import FunctionCall, ToolCall
 from moelane.server.responses import PagerCost
-from moelane.server.tools import call_id
+from moelane.server.tools import call_id, object_text
 
 END = None  # queue sentinel: the engine stream has finished
 
@@ -136,7 +136,7 @@ class Generation:
         self._openings = Openings()
         self._ids: list[int] = []  # the content's tokens
         self._call_ids: list[int] = []  # the arguments so far of a harmony call
-        self._call_name = ""
+        self._call_name: str | None = None  # the function of the harmony call being read (None: none is)
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
         self.stream: Any = None
@@ -196,7 +196,7 @@ class Generation:
                 if self._stops.stopped:
                     self.finish_reason = "stop"
                     return
-            if self._call_ids:  # a call the model ended with an end-of-sequence token (gpt-oss's <|call|> is one)
+            if self._call_name is not None:  # a call ended by an end-of-sequence token (gpt-oss's <|call|> is one)
                 if stream.finish_reason == "stop":
                     yield self._take_call()
                 else:  # cut off by max_tokens: arguments, but not a call
@@ -231,18 +231,23 @@ class Generation:
     def _text(self, token_ids: list[int]) -> tuple[str, str, list[ToolCall]]:
         """Push tokens one by one, so `n_tokens` counts exactly the tokens up to a stop string. -> (reasoning,
         content) text, and the calls that ended."""
-        out, thoughts, calls = [], [], []
+        out: list[str] = []
+        thoughts: list[str] = []
+        calls: list[ToolCall] = []
         for token in token_ids:
             part = ANSWER if self._splitter is None else self._splitter.push(token)
-            if part == CALL and not self.params.tool_calls:
+            recipient = self._splitter.recipient if self._splitter is not None and self.params.tool_calls else None
+            if self._call_name is not None and recipient is None:  # the call's message has ended
+                if isinstance(call := self._take_call(), ToolCall):
+                    calls.append(call)
+                else:
+                    thoughts.append(call)
+            self._call_name = recipient  # (set from the message's header on: a call's body may be empty)
+            if part == CALL and recipient is None:  # (a request without tools: a message to a function is thought)
                 part = REASONING
-            if part != CALL and self._call_ids:  # the call's message has ended
-                calls.append(self._take_call())
             if part == CALL:
-                assert self._splitter is not None and self._splitter.recipient is not None
                 self.n_tokens += 1
                 self._call_ids.append(token)
-                self._call_name = self._splitter.recipient
                 continue
             if part != ANSWER:  # reasoning, or the markup around it
                 self.n_tokens += 1
@@ -260,10 +265,15 @@ class Generation:
                 break
         return "".join(thoughts), "".join(out), calls
 
-    def _take_call(self) -> ToolCall:
-        arguments = self._tokenizer.decode(self._call_ids).strip()
-        self._call_ids = []
-        return ToolCall(id=call_id(), function=FunctionCall(name=self._call_name, arguments=arguments))
+    def _take_call(self) -> ToolCall | Reasoning:
+        """The harmony call just read, or its text as reasoning if its arguments are not a JSON object (as a
+        `<tool_call>` block that is not a call stays text); an empty body is a call without arguments."""
+        text = self._tokenizer.decode(self._call_ids).strip()
+        name, self._call_ids, self._call_name = self._call_name, [], None
+        assert name is not None
+        if (arguments := object_text(text or "{}")) is None:
+            return Reasoning(text)
+        return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
 
     def _opened(self, part: str, text: str) -> str:
         """`text` without the whitespace that opens a part of a split reply (`<think>\n`, `</think>\n\n`)."""

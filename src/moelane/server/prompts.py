@@ -15,7 +15,7 @@ from typing import Any
 from moelane.errors import InputError, PromptTooLong
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
-from moelane.server.tools import ToolSupport, ToolUse, tool_support
+from moelane.server.tools import HARMONY, ToolSupport, ToolUse, tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 
@@ -89,6 +89,8 @@ class Prompts:
         if body.tools and self.tools.syntax is None:  # (with tool_choice "none" too: the schema says no tools)
             raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
         messages = [m.for_template() for m in body.messages]
+        if any(len(m.get("tool_calls") or ()) > 1 for m in messages) and self.tools.syntax == HARMONY:
+            messages = one_call_each(messages)
         try:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
         except InputError as e:  # the template refused the messages (roles out of order, say)
@@ -118,3 +120,17 @@ def properties(parameters: dict[str, object] | None) -> dict[str, Any]:
     """A tool's parameters by name, as its JSON schema gives them (a schema without `properties`: none)."""
     found = (parameters or {}).get("properties")
     return found if isinstance(found, dict) else {}
+
+
+def one_call_each(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant messages of several calls as one message per call, its thinking and text with the first: harmony
+    writes a call as a message of its own, and gpt-oss's template renders only an assistant message's first call."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") or []
+        if len(calls) < 2:
+            out.append(message)
+            continue
+        out.append({**message, "tool_calls": calls[:1]})
+        out.extend({"role": "assistant", "content": "", "tool_calls": [call]} for call in calls[1:])
+    return out

@@ -230,7 +230,7 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         function = dict(call.get("function") or {})
         try:
             arguments = json.loads(function.get("arguments", ""))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # (not JSON: the template gets the text)
             arguments = None
         if isinstance(arguments, dict):
             function["arguments"] = arguments
@@ -258,13 +258,13 @@ class ChatMessage(Body):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
-    def for_template(self) -> dict[str, object]:
+    def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (transformers' convention)."""
-        out: dict[str, object] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls and self.role == "assistant":
             out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
-        if self.reasoning_content is not None and self.role == "assistant":
-            out["reasoning_content"] = self.reasoning_content
+        if self.reasoning_content is not None and self.role == "assistant":  # (gpt-oss's template reads `thinking`)
+            out["reasoning_content"] = out["thinking"] = self.reasoning_content
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and self.role == "tool":

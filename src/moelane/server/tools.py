@@ -6,8 +6,9 @@
     `<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`;
   - keys and values (`GLM45`), as GLM-4.5's do:
     `<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>`.
-  Tagged values are text: a parameter the tool's schema says is a string is kept as written, any other is read as
-  JSON where it parses (`3` is a number, `true` a boolean, `{...}` an object), as the templates write them.
+  Tagged values are text: a parameter the tool's schema says is a string (or names no type for) is kept as written,
+  any other is read as JSON where it parses (`3` is a number, `true` a boolean, `{...}` an object), as the templates
+  write them.
 - gpt-oss's harmony messages to a function (`<|channel|>commentary to=functions.get_weather ...<|message|>{...}`),
   read token by token with its channels (`moelane.model.reasoning`, `Generation`).
 
@@ -86,7 +87,7 @@ def read_call(body: str, types: Types | None = None) -> ToolCall | None:
         if arguments is None:
             arguments = {}
         elif isinstance(arguments, str):
-            if not isinstance(json.loads(arguments, parse_constant=_not_json), dict):
+            if object_text(arguments) is None:
                 return None
             return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=arguments))
         if not isinstance(arguments, dict):
@@ -97,35 +98,75 @@ def read_call(body: str, types: Types | None = None) -> ToolCall | None:
     return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=text))
 
 
+def object_text(text: str) -> str | None:
+    """`text` if it is the JSON text of an object (OpenAI's `arguments`), else None."""
+    try:
+        return text if isinstance(json.loads(text, parse_constant=_not_json), dict) else None
+    except (ValueError, RecursionError):
+        return None
+
+
 def _not_json(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")  # (Python's reader takes NaN and Infinity; clients' do not)
 
 
-FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
-PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-KEY_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names: no other name is one of the tools
+PYTHON_WORDS = {"True": True, "False": False, "None": None}  # (Qwen3-Coder's template writes values with |string)
 
 
 def read_function_call(body: str, types: Types) -> ToolCall | None:
     """Qwen3-Coder's `<function=NAME>` with its `<parameter=KEY>` values, or None."""
-    if (match := FUNCTION.fullmatch(body)) is None:
+    body = body.strip()
+    if not (body.startswith("<function=") and body.endswith("</function>")) or (end := body.find(">")) < 0:
         return None
-    name, inner = match.group(1).strip(), match.group(2)
-    return tagged_call(name, PARAMETER, inner, types.get(name, {}))
+    name, inner = body[len("<function=") : end], body[end + 1 : -len("</function>")]
+    pairs = tag_pairs(inner, [("<parameter=", ">"), ("", "</parameter>")])
+    if pairs is None:
+        return None
+    return tagged_call(name, [(key, trim_newline(value)) for key, value in pairs], types.get(name, {}))
 
 
 def read_keyed_call(body: str, types: Types) -> ToolCall | None:
     """GLM-4.5's name, then its `<arg_key>`/`<arg_value>` pairs, or None."""
-    name, _, inner = body.partition("<arg_key>")
-    name, inner = name.strip(), "<arg_key>" + inner if inner else ""
-    return tagged_call(name, KEY_VALUE, inner, types.get(name, {}))
+    name, tag, inner = body.partition("<arg_key>")
+    pairs = tag_pairs(tag + inner, [("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>")])
+    return None if pairs is None else tagged_call(name.strip(), pairs, types.get(name.strip(), {}))
 
 
-def tagged_call(name: str, pairs: re.Pattern[str], inner: str, schemas: dict[str, Any]) -> ToolCall | None:
-    """The call of `name` with the arguments `pairs` finds in `inner`; None if anything but whitespace is left."""
-    if not name or any(c.isspace() for c in name) or pairs.sub("", inner).strip():
+def tag_pairs(text: str, tags: list[tuple[str, str]]) -> list[tuple[str, str]] | None:
+    """(key, value) pairs written as `open key close` then `open value close` (`tags`), with only whitespace around
+    and between them; None if anything else is there. One pass, by `find`: a model's runaway block costs its
+    length, not its length cubed (as lazy regular expressions did)."""
+    pairs, at = [], 0
+    while (at := skip_space(text, at)) < len(text):
+        found = []
+        for opening, closing in tags:
+            at = skip_space(text, at) if opening else at  # (an empty opening: the value starts at once)
+            if not text.startswith(opening, at) or (end := text.find(closing, at + len(opening))) < 0:
+                return None
+            found.append(text[at + len(opening) : end])
+            at = end + len(closing)
+        pairs.append((found[0].strip(), found[1]))
+    return pairs
+
+
+def skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def trim_newline(value: str) -> str:
+    """A Qwen3-Coder value without the newline its template writes on each side."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def tagged_call(name: str, pairs: list[tuple[str, str]], schemas: dict[str, Any]) -> ToolCall | None:
+    """The call of `name` with these (key, value text) arguments, or None if `name` is not a function's name."""
+    if not NAME.fullmatch(name):
         return None
-    arguments = {key.strip(): typed(value, schemas.get(key.strip())) for key, value in pairs.findall(inner)}
+    arguments = {key: typed(value, schemas.get(key)) for key, value in pairs}
     try:
         text = json.dumps(arguments, ensure_ascii=False)
     except (ValueError, RecursionError):
@@ -134,14 +175,35 @@ def tagged_call(name: str, pairs: re.Pattern[str], inner: str, schemas: dict[str
 
 
 def typed(text: str, schema: Any) -> Any:
-    """A tagged value: as written where the tool's schema says it is a string, else its JSON value if it parses."""
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+    """A tagged value by its parameter's schema: kept as written for a string, or where the schema says no type
+    (a parameter not in it, a `$ref`); else its JSON value where it parses (Python's True, False and None, which
+    Qwen3-Coder's template writes, too), else the text."""
+    kind = schema_type(schema)
+    if kind in (None, "string"):
         return text
+    if text.strip() in PYTHON_WORDS:
+        return PYTHON_WORDS[text.strip()]
     try:
         return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):
         return text
+
+
+def schema_type(schema: Any) -> str | None:
+    """A parameter schema's type: its `type` (of a list of types, the first that is not null; with string among
+    them, string), or that of the first choice of an `anyOf`/`oneOf` that has one; None if it names none."""
+    if not isinstance(schema, dict):
+        return None
+    kinds = schema.get("type")
+    if isinstance(kinds, str):
+        return kinds
+    if isinstance(kinds, list):
+        named = [k for k in kinds if isinstance(k, str) and k != "null"]
+        return "string" if "string" in named else named[0] if named else None
+    for choice in (*schema.get("anyOf", ()), *schema.get("oneOf", ())):
+        if (kind := schema_type(choice)) not in (None, "null"):
+            return kind
+    return None
 
 
 BLOCK_READERS: dict[str, Callable[..., ToolCall | None]] = {
