@@ -28,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.server import errors
 from moelane.server.errors import ClientGone, Overloaded, ServerStopping, sse_event
-from moelane.server.events import EventStream, merged, whole_replies
+from moelane.server.events import Collected, EventStream, merged, whole_replies
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.openapi import openapi_schema
@@ -152,18 +152,10 @@ class ServerState:
             raise
         self._account(gens, started, n_prompt)
         self._close_sync(gens, endpoint, "200")
-        replies: list[Reply] = []
-        for gen, echo, (text, reasoning, calls) in zip(gens, echoes, texts, strict=True):
-            logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
-            content: str | None = echo + text
-            if tools is not None and tools.syntax != HARMONY:
-                content, written = split_reply(text, tools.reader())
-                calls = calls + written
-            if tools is not None and not tools.parallel:
-                calls = calls[:1]
-            if tools is not None and not content:
-                content = None  # no text beside the calls, as OpenAI's say it (and as the stream, which sends none)
-            replies.append(Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls)))
+        replies = [
+            self._reply(gen, echo, collected, chat, tools)
+            for gen, echo, collected in zip(gens, echoes, texts, strict=True)
+        ]
         usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
         whole = header.whole(replies, usage, total_cost(gens)).model_dump(mode="json")
         for choice in whole["choices"]:  # a reply with no reasoning or calls says nothing of them, as OpenAI's do
@@ -171,6 +163,21 @@ class ServerState:
                 if "message" in choice and choice["message"].get(key) is None:
                     del choice["message"][key]
         return JSONResponse(whole)
+
+    def _reply(self, gen: Generation, echo: str, collected: Collected, chat: bool, tools: ToolUse | None) -> Reply:
+        """A finished choice's reply: its text (after the echoed prompt) read for tool calls if the request has
+        tools, and its logprobs."""
+        text, reasoning, calls = collected
+        logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
+        content: str | None = echo + text
+        if tools is not None and tools.syntax != HARMONY:
+            content, written = split_reply(text, tools.reader())
+            calls = calls + written
+        if tools is not None and not tools.parallel:
+            calls = calls[:1]
+        if tools is not None and not content:
+            content = None  # no text beside the calls, as OpenAI's say it (and as the stream, which sends none)
+        return Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls))
 
     def start(self, params: list[GenerationParams]) -> list[Generation]:
         """Admit and submit one generation per choice (all or none)."""
