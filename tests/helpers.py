@@ -136,3 +136,18 @@ def drop_tensor(folder: Path, name: str) -> None:
     weights = load_file(folder / "model.safetensors")
     del weights[name]
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def write_harmony_tokenizer(folder: Path, chat_template: str) -> Path:
+    """`write_tokenizer`'s test tokenizer with gpt-oss's channel tokens (harmony) added, and `chat_template`."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from moelane.model.reasoning import SPECIALS
+
+    write_tokenizer(folder, 300)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    return folder

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from moelane.model import reasoning
-from moelane.model.reasoning import SPECIALS, Channels, ThinkTags
+from moelane.model.reasoning import Channels, ThinkTags
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
-from tests.helpers import CHAT_TEMPLATE, write_tokenizer
+from tests.helpers import CHAT_TEMPLATE, write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
 
@@ -30,16 +30,7 @@ THOUGHT, ANSWER = "The user wants a fibonacci function.", "def fibonacci(n): ret
 @pytest.fixture(scope="module")
 def harmony_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test tokenizer with gpt-oss's channel tokens (harmony) and a chat template ending as gpt-oss's does."""
-    from tokenizers import Tokenizer as HfTokenizer
-
-    folder: Path = tmp_path_factory.mktemp("harmony")
-    write_tokenizer(folder, 300)
-    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(list(SPECIALS))
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return folder
+    return write_harmony_tokenizer(tmp_path_factory.mktemp("harmony"), TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.protocol import ChatMessage
 from moelane.server.tools import ToolCallReader, read_function_call, read_keyed_call, split_reply, tool_support
-from tests.helpers import write_tokenizer
+from tests.helpers import write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
 
@@ -66,6 +66,20 @@ class FakeLM:
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def app_over(engine: FakeEngine, tokenizer: Tokenizer) -> Any:
+    return create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+
+
+def both_ways(engine: FakeEngine, tokenizer: Tokenizer, request: dict[str, Any]) -> list[Any]:
+    """The first choice of the request, unstreamed and streamed (as the official client's stream helper assembles
+    it)."""
+    with running(app_over(engine, tokenizer)) as base:
+        whole = client(base).chat.completions.create(**request)
+        with client(base).chat.completions.stream(**request) as stream:
+            streamed = stream.get_final_completion()
+    return [whole.choices[0], streamed.choices[0]]
 
 
 @pytest.mark.parametrize(
@@ -116,12 +130,7 @@ def test_calls_are_read_and_blank_lines_beside_them_dropped() -> None:
 @pytest.mark.parametrize("per_round", [1, 3])
 def test_the_openai_client_reads_the_calls_streamed_and_not(tokenizer: Tokenizer, per_round: int) -> None:
     engine = FakeEngine(tokenizer.encode(REPLY), per_round=per_round)
-    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
-    with running(app) as base:
-        whole = client(base).chat.completions.create(**REQUEST)
-        with client(base).chat.completions.stream(**REQUEST) as stream:
-            streamed = stream.get_final_completion()
-    for choice in (whole.choices[0], streamed.choices[0]):
+    for choice in both_ways(engine, tokenizer, REQUEST):
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == "Let me look."
         calls = choice.message.tool_calls or []
@@ -129,7 +138,7 @@ def test_the_openai_client_reads_the_calls_streamed_and_not(tokenizer: Tokenizer
             ("function", "get_weather", {"city": "Paris"}), ("function", "get_time", {})]  # fmt: skip
     prompt = tokenizer.decode(engine.streams[0].prompt_ids)
     assert json.dumps(TOOLS[0]["function"]["parameters"]) in prompt and '"name": "get_time"' in prompt
-    with running(app) as base:
+    with running(app_over(engine, tokenizer)) as base:
         schema = httpx.get(f"{base}/openapi.json", timeout=30).json()
     assert "maxItems" not in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]["anyOf"][0]
 
@@ -145,7 +154,7 @@ def test_the_call_history_reaches_the_template(tokenizer: Tokenizer) -> None:
                                                                              "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]  # fmt: skip
-    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    app = app_over(engine, tokenizer)
     with running(app) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, "messages": history}, timeout=30)
     assert r.status_code == 200, r.text
@@ -161,7 +170,7 @@ def test_the_call_history_reaches_the_template(tokenizer: Tokenizer) -> None:
 
 def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer) -> None:
     engine = FakeEngine(tokenizer.encode(REPLY))
-    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    app = app_over(engine, tokenizer)
     with running(app) as base:
         body = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, "tool_choice": "none"}, timeout=30).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
@@ -213,18 +222,7 @@ HARMONY_TEMPLATE = (
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """The test tokenizer with harmony's special tokens, and a chat template that takes tools."""
-    from tokenizers import Tokenizer as HfTokenizer
-
-    from moelane.model.reasoning import SPECIALS
-
-    folder: Path = tmp_path_factory.mktemp("harmony_tools")
-    write_tokenizer(folder, 300)
-    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(list(SPECIALS))
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HARMONY_TEMPLATE}))
-    return Tokenizer(folder, frozenset())
+    return Tokenizer(write_harmony_tokenizer(tmp_path_factory.mktemp("harmony_tools"), HARMONY_TEMPLATE), frozenset())
 
 
 def harmony_ids(tok: Tokenizer, text: str) -> list[int]:
@@ -272,12 +270,7 @@ def test_harmony_calls_come_back_as_tool_calls(
     harmony: Tokenizer, reply: str, calls: list[tuple[str, Any]], content: str | None, per_round: int
 ) -> None:
     engine = FakeEngine(harmony_ids(harmony, reply), per_round=per_round)
-    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
-    with running(app) as base:
-        whole = client(base).chat.completions.create(**REQUEST)
-        with client(base).chat.completions.stream(**REQUEST) as stream:
-            streamed = stream.get_final_completion()
-    for choice in (whole.choices[0], streamed.choices[0]):
+    for choice in both_ways(engine, harmony, REQUEST):
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content == content
         assert choice.message.reasoning_content == "Need the weather."  # type: ignore[attr-defined]
@@ -290,7 +283,7 @@ def test_harmony_calls_without_tools_or_cut_off_are_reasoning(harmony: Tokenizer
     """A request without tools reads a message to a function as reasoning, as before; so does a call cut off by
     max_tokens (its arguments are not whole)."""
     engine = FakeEngine(harmony_ids(harmony, THOUGHT + WEATHER))
-    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
+    app = app_over(engine, harmony)
     n_tokens = len(engine.reply)
     with running(app) as base:
         plain = client(base).chat.completions.create(model="m", messages=REQUEST["messages"])
@@ -307,7 +300,7 @@ def test_harmony_calls_without_tools_or_cut_off_are_reasoning(harmony: Tokenizer
 @pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_false_gives_the_first_call_only(tokenizer: Tokenizer, stream: bool) -> None:
     engine = FakeEngine(tokenizer.encode(CALLS))
-    app = create_app(engine, FakeLM(tokenizer), model_name="m", max_streams=4, manage_engine=False)
+    app = app_over(engine, tokenizer)
     request = {**REQUEST, "parallel_tool_calls": False}
     with running(app) as base:
         if stream:
@@ -383,7 +376,7 @@ def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: s
     reply = written.removesuffix("<|im_end|>\n") + "\n\nDone."  # what the model writes: the call, then more text
     tools = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
     engine = FakeEngine(tok.encode(reply), per_round=3)
-    app = create_app(engine, FakeLM(tok), model_name="m", max_streams=4, manage_engine=False)
+    app = app_over(engine, tok)
     with running(app) as base:
         whole = client(base).chat.completions.create(model="m", messages=history[:1], tools=tools)  # type: ignore[arg-type]
         with client(base).chat.completions.stream(model="m", messages=history[:1], tools=tools) as stream:  # type: ignore[arg-type]
@@ -452,12 +445,7 @@ def test_harmony_arguments_that_are_not_an_object_are_reasoning(harmony: Tokeniz
     """As a `<tool_call>` block that is not a call stays text; and a reply with tools but no text says null."""
     body = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>now please"
     engine = FakeEngine(harmony_ids(harmony, THOUGHT + body))
-    app = create_app(engine, FakeLM(harmony), model_name="m", max_streams=4, manage_engine=False)
-    with running(app) as base:
-        whole = client(base).chat.completions.create(**REQUEST)
-        with client(base).chat.completions.stream(**REQUEST) as stream:
-            streamed = stream.get_final_completion()
-    for choice in (whole.choices[0], streamed.choices[0]):
+    for choice in both_ways(engine, harmony, REQUEST):
         assert not choice.message.tool_calls and choice.finish_reason == "stop"
         assert choice.message.content is None and "now please" in choice.message.reasoning_content  # type: ignore[attr-defined]
 
