@@ -17,7 +17,14 @@ import pytest
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.protocol import ChatMessage
-from moelane.server.tools import ToolCallReader, read_function_call, read_keyed_call, split_reply, tool_support
+from moelane.server.tools import (
+    ToolCallReader,
+    call_opening,
+    read_function_call,
+    read_keyed_call,
+    split_reply,
+    tool_support,
+)
 from tests.helpers import write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
@@ -182,7 +189,12 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer
     [
         ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name", "pattern"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "'function'"),
-        ({"tool_choice": "required"}, "tool_choice", "not supported"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "get_date"}}},
+            "tool_choice",
+            "get_weather, get_time",
+        ),
+        ({"tool_choice": "any"}, "tool_choice", "'required'"),
     ],
 )
 def test_bad_tools_get_400(tokenizer: Tokenizer, change: dict[str, Any], param: str, needle: str) -> None:
@@ -359,22 +371,31 @@ SCHEMA = {"type": "object", "properties": {key: {"type": kind} for key, kind in 
              "ref": {"$ref": "#/$defs/Ref"}}}  # (no type named: text)  # fmt: skip
 
 
-@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
-def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: str) -> None:
+CALL = {"id": "call_1", "type": "function", "function": {"name": "plan", "arguments": json.dumps(ARGUMENTS)}}
+HISTORY = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+PLAN = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
+
+
+def form(folder: Path, syntax: str) -> tuple[Tokenizer, str]:
+    """A tokenizer whose chat template writes calls in this form, and the call `CALL` as it writes it."""
     template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
                 "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.tool_calls %}" + CALL_IN_HISTORY[syntax] +
                 "{% else %}\n{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant")  # fmt: skip
-    write_tokenizer(tmp_path, 300)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    tok = Tokenizer(tmp_path, frozenset())
+    write_tokenizer(folder, 300)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    tok = Tokenizer(folder, frozenset())
     assert tool_support(tok).syntax == syntax
-    call = {"id": "call_1", "type": "function", "function": {"name": "plan", "arguments": json.dumps(ARGUMENTS)}}
-    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
-    messages = [ChatMessage.model_validate(m).for_template() for m in history]  # as the server gives them
+    messages = [ChatMessage.model_validate(m).for_template() for m in HISTORY]  # as the server gives them
     written = tok.apply_chat_template(messages, add_generation_prompt=False).split("<|im_start|>assistant")[1]
-    reply = written.removesuffix("<|im_end|>\n") + "\n\nDone."  # what the model writes: the call, then more text
-    tools = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
+    return tok, written.removesuffix("<|im_end|>\n")
+
+
+@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
+def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: str) -> None:
+    tok, written = form(tmp_path, syntax)
+    call, history, tools = CALL, HISTORY, PLAN
+    reply = written + "\n\nDone."  # what the model writes: the call, then more text
     engine = FakeEngine(tok.encode(reply), per_round=3)
     app = app_over(engine, tok)
     with running(app) as base:
@@ -458,3 +479,39 @@ def test_harmony_history_gives_each_call_a_message_of_its_own() -> None:
     user = {"role": "user", "content": "go"}
     second = {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "b"}]}
     assert one_call_each([user, two]) == [user, {**two, "tool_calls": [call]}, second]
+
+
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
+def test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with(
+    tmp_path: Path, syntax: str, named: bool
+) -> None:
+    """`tool_choice` "required" or a named function: the prompt ends with the start of a call in the model's own
+    form, and the model writes the rest (nothing constrains it: the call is as good as the model). A named choice
+    ends "stop", as OpenAI's does."""
+    tok, written = form(tmp_path, syntax)
+    opening = call_opening(syntax, "plan" if named else None)
+    assert written.lstrip().startswith(opening)
+    engine = FakeEngine(tok.encode(written.lstrip()[len(opening) :]))  # the rest, as the model would write it
+    choice = {"type": "function", "function": {"name": "plan"}} if named else "required"
+    for got in both_ways(engine, tok, {"model": "m", "messages": HISTORY[:1], "tools": PLAN, "tool_choice": choice}):
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
+            ("plan", ARGUMENTS)]  # fmt: skip
+        assert got.finish_reason == ("stop" if named else "tool_calls") and got.message.content is None
+    assert tok.decode(engine.streams[0].prompt_ids).endswith(opening)
+
+
+HARMONY_REST = 'get_weather <|constrain|>json<|message|>{"city": "Paris"}'  # after "to=functions."
+
+
+@pytest.mark.parametrize(("named", "rest"), [(True, '{"city": "Paris"}'), (False, HARMONY_REST)])
+def test_tool_choice_forces_a_harmony_call(harmony: Tokenizer, named: bool, rest: str) -> None:
+    engine = FakeEngine(harmony_ids(harmony, rest))
+    choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+    for got in both_ways(engine, harmony, {**REQUEST, "tool_choice": choice}):
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]  # fmt: skip
+    opening = call_opening("harmony", "get_weather" if named else None)
+    assert harmony.decode(engine.streams[0].prompt_ids).endswith(
+        opening.replace("<|constrain|>", "").replace("<|channel|>", "").replace("<|message|>", "")
+    )  # (decoded without its special tokens)

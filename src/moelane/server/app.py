@@ -126,7 +126,7 @@ class ServerState:
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
-                tool_calls=tools is not None and tools.syntax == HARMONY,
+                tool_calls=tools is not None and tools.syntax == HARMONY, primer=self._primer(tools),
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -164,6 +164,13 @@ class ServerState:
                     del choice["message"][key]
         return JSONResponse(whole)
 
+    def _primer(self, tools: ToolUse | None) -> tuple[int, ...]:
+        """The tokens of a forced harmony call's opening, which the prompt ends with (the channel splitter reads
+        them first); none for other forms, whose reader is fed the opening as text."""
+        if tools is None or tools.syntax != HARMONY or not tools.opening:
+            return ()
+        return tuple(self.lm.tokenizer.encode(tools.opening))
+
     def _reply(self, gen: Generation, echo: str, collected: Collected, chat: bool, tools: ToolUse | None) -> Reply:
         """A finished choice's reply: its text (after the echoed prompt) read for tool calls if the request has
         tools, and its logprobs."""
@@ -177,7 +184,7 @@ class ServerState:
             calls = calls[:1]
         if tools is not None and not content:
             content = None  # no text beside the calls, as OpenAI's say it (and as the stream, which sends none)
-        return Reply(content, finish_reason(gen, bool(calls)), logprobs, reasoning, tuple(calls))
+        return Reply(content, finish_reason(gen, bool(calls), tools), logprobs, reasoning, tuple(calls))
 
     def start(self, params: list[GenerationParams]) -> list[Generation]:
         """Admit and submit one generation per choice (all or none)."""
@@ -248,7 +255,7 @@ class ServerState:
         for chunk in self._chunks(gen, header, reader.end() if reader else [], calls, index, len(echo), one_call):
             yield chunk
         yield header.last(
-            finish_reason(gen, bool(calls)), gen.cost, self._fresh_logprobs(gen, header, len(echo)), index
+            finish_reason(gen, bool(calls), tools), gen.cost, self._fresh_logprobs(gen, header, len(echo)), index
         )
 
     def _chunks(self, gen: Generation, header: Header, parts: list[str | ToolCall], calls: list[ToolCall], index: int,
@@ -301,10 +308,12 @@ class ServerState:
                 gen.stream.cancel()
 
 
-def finish_reason(gen: Generation, made_calls: bool) -> str:
-    """A choice's finish reason, as OpenAI's: a reply that ended by itself after calling tools says so."""
+def finish_reason(gen: Generation, made_calls: bool, tools: ToolUse | None = None) -> str:
+    """A choice's finish reason, as OpenAI's: a reply that ended by itself after calling tools says so, unless
+    `tool_choice` named the function (then OpenAI's says "stop")."""
     assert gen.finish_reason is not None
-    return "tool_calls" if made_calls and gen.finish_reason == "stop" else gen.finish_reason
+    named = tools is not None and tools.named
+    return "tool_calls" if made_calls and gen.finish_reason == "stop" and not named else gen.finish_reason
 
 
 def total_cost(gens: list[Generation]) -> PagerCost:
@@ -396,8 +405,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.prompts.check_model(body.model)
-        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body)
+        tools = state.prompts.tool_use(body)
+        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body, tools)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        tools = state.prompts.tool_use(body)
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools)

@@ -109,6 +109,7 @@ class GenerationParams:
     prompt_logprobs: bool = False  # the prompt's tokens' too (completions with echo)
     reasoning: bool = False  # split the reply's reasoning from its answer, where the model writes both (chat)
     tool_calls: bool = False  # harmony's messages to functions are calls (else reasoning)
+    primer: tuple[int, ...] = ()  # the prompt's last tokens, read as the reply's start (a forced call's opening)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -137,6 +138,10 @@ class Generation:
         self._ids: list[int] = []  # the content's tokens
         self._call_ids: list[int] = []  # the arguments so far of a harmony call
         self._call_name: str | None = None  # the function of the harmony call being read (None: none is)
+        if self._splitter is not None:
+            for token in params.primer:
+                self._splitter.push(token)
+                self._call_name = self._splitter.recipient if params.tool_calls else None
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
         self.stream: Any = None

@@ -15,7 +15,7 @@ from typing import Any
 from moelane.errors import InputError, PromptTooLong
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
-from moelane.server.tools import HARMONY, ToolSupport, ToolUse, tool_support
+from moelane.server.tools import HARMONY, ToolSupport, ToolUse, call_opening, tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 
@@ -46,12 +46,22 @@ class Prompts:
         return tool_support(self.lm.tokenizer)
 
     def tool_use(self, body: ChatCompletionRequest) -> ToolUse | None:
-        """How a chat request's replies are read for calls; None: they are not (no tools, or tool_choice "none")."""
-        if not body.tools_on():
+        """How a chat request's replies are read for calls; None: they are not (no tools, or tool_choice "none").
+        A 400 for tools this model cannot use, and for a `tool_choice` that forces a call of no tool given."""
+        forced, syntax = body.forced(), self.tools.syntax if body.tools else None
+        if body.tools and syntax is None:  # (with tool_choice "none" too: the schema says no tools)
+            raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
+        names = [tool.function.name for tool in body.tools or ()]
+        if forced is not None and (not names or (forced and forced not in names)):
+            given = f"the tools given ({', '.join(names)})" if names else "no tools given"
+            raise bad_request(
+                f"tool_choice forces a call of {forced or 'a tool'}, and there are {given}", "tool_choice"
+            )
+        if not body.tools_on() or syntax is None:
             return None
-        assert self.tools.syntax is not None  # (chat_prompt refuses tools otherwise)
         types = {tool.function.name: properties(tool.function.parameters) for tool in body.tools or ()}
-        return ToolUse(self.tools.syntax, parallel=body.parallel_tool_calls is not False, types=types)
+        opening = call_opening(syntax, forced or None) if forced is not None else ""
+        return ToolUse(syntax, body.parallel_tool_calls is not False, types, opening, named=bool(forced))
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
@@ -83,11 +93,10 @@ class Prompts:
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompt
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The messages through the chat template, as token ids. Runs off the event loop: rendering thousands of
-        messages takes seconds, in which no other stream would be served."""
-        if body.tools and self.tools.syntax is None:  # (with tool_choice "none" too: the schema says no tools)
-            raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
+    def chat_prompt(self, body: ChatCompletionRequest, tools: ToolUse | None = None) -> list[int]:
+        """The messages through the chat template, as token ids, ending with the opening of a call `tools` forces.
+        Runs off the event loop: rendering thousands of messages takes seconds, in which no other stream would be
+        served."""
         messages = [m.for_template() for m in body.messages]
         if any(len(m.get("tool_calls") or ()) > 1 for m in messages) and self.tools.syntax == HARMONY:
             messages = one_call_each(messages)
@@ -95,7 +104,7 @@ class Prompts:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
         except InputError as e:  # the template refused the messages (roles out of order, say)
             raise bad_request(str(e), "messages") from None
-        return self.encode(text, "messages")
+        return self.encode(text + (tools.opening if tools is not None else ""), "messages")
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.

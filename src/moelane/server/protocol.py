@@ -2,8 +2,8 @@
 response bodies are in `responses.py`).
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400, and so do known OpenAI fields that ask for what the server does not do (a call forced by `tool_choice`,
-JSON modes, best_of, suffix, non-text content parts) unless they are in their off state; `null` in an optional field
+with a 400, and so do known OpenAI fields that ask for what the server does not do (JSON modes, best_of, suffix,
+non-text content parts, tools in a completion) unless they are in their off state; `null` in an optional field
 means its default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls).
 """
 
@@ -95,7 +95,7 @@ class SamplingFields(Body):
     # that silently lacks them.
     response_format: ResponseFormat | None = None
     functions: list[dict[str, object]] | None = None  # the deprecated form of tools
-    # "required" or a named tool would force a call, which needs constrained decoding
+    # (chat takes "required" and named functions: ChatCompletionRequest)
     tool_choice: Annotated[object, AfterValidator(_unsupported("tool_choice other than 'none' or 'auto'", "none",
                                                                "auto"))] = None  # fmt: skip
     function_call: Annotated[object, AfterValidator(_unsupported("function_call other than 'none' or 'auto'", "none",
@@ -217,6 +217,15 @@ class FunctionDefinition(Body):
     strict: StrictBool | None = None
 
 
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ToolDefinition(Body):
     type: Literal["function"]
     function: FunctionDefinition
@@ -285,6 +294,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
     chat_template_kwargs: dict[str, object] | None = None
     tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # false: a reply's first call only
 
     @field_validator("chat_template_kwargs")
@@ -307,6 +317,12 @@ class ChatCompletionRequest(SamplingFields):
     def tools_on(self) -> bool:
         """The model is shown the tools, and its reply is read for calls (`tool_choice` "none": neither)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forced(self) -> str | None:
+        """The function `tool_choice` forces a call of: "" for any ("required"), its name, or None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

@@ -43,10 +43,28 @@ class ToolUse:
     syntax: str  # HERMES, QWEN3_CODER, GLM45 or HARMONY
     parallel: bool = True  # False: a reply's first call only (`parallel_tool_calls: false`; OpenAI gives one)
     types: Types = field(default_factory=dict)
+    opening: str = ""  # the start of a call the prompt ends with, when `tool_choice` forces one (`call_opening`)
+    named: bool = False  # `tool_choice` named the function: the reply ends "stop", as OpenAI's does
 
     def reader(self) -> ToolCallReader:
-        """A reader of a reply's `<tool_call>` blocks (not for HARMONY, whose calls are read token by token)."""
-        return ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types))
+        """A reader of a reply's `<tool_call>` blocks (not for HARMONY, whose calls are read token by token), fed
+        the call's opening where the prompt ends with one."""
+        reader = ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types))
+        reader.feed(self.opening)
+        return reader
+
+
+def call_opening(syntax: str, name: str | None) -> str:
+    """The start of a call, in the model's own form, that a prompt ends with to force one (`tool_choice`
+    "required": of any function; named: of that one). The model writes the rest, so the call is as good as the
+    model makes it: nothing constrains the tokens."""
+    if syntax == HARMONY:
+        return "<|channel|>commentary to=functions." + (f"{name} <|constrain|>json<|message|>" if name else "")
+    if syntax == QWEN3_CODER:
+        return OPEN + "\n<function=" + (f"{name}>\n" if name else "")
+    if syntax == GLM45:
+        return OPEN + (f"{name}\n" if name else "")
+    return OPEN + "\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
 
 
 @dataclass(frozen=True, slots=True)
