@@ -515,3 +515,26 @@ def test_tool_choice_forces_a_harmony_call(harmony: Tokenizer, named: bool, rest
     assert harmony.decode(engine.streams[0].prompt_ids).endswith(
         opening.replace("<|constrain|>", "").replace("<|channel|>", "").replace("<|message|>", "")
     )  # (decoded without its special tokens)
+
+
+@pytest.mark.parametrize(
+    ("reply", "extra", "calls"),
+    [
+        (REPLY.removesuffix("</tool_call>"), {}, ["get_weather", "get_time"]),  # ended by end of text
+        (REPLY, {"stop": "</tool_call>"}, ["get_weather"]),  # clients' way of ending at a call
+    ],
+)
+def test_a_block_left_open_is_a_call_when_the_reply_stopped(
+    tokenizer: Tokenizer, reply: str, extra: dict[str, Any], calls: list[str]
+) -> None:
+    for got in both_ways(FakeEngine(tokenizer.encode(reply)), tokenizer, {**REQUEST, **extra}):
+        assert [c.function.name for c in got.message.tool_calls or []] == calls and got.finish_reason == "tool_calls"
+
+
+def test_a_block_left_open_by_max_tokens_is_text(tokenizer: Tokenizer) -> None:
+    """(Its arguments may be cut short, and the stream helper refuses "length" replies: the whole one is read.)"""
+    ids = tokenizer.encode(REPLY.removesuffix("</tool_call>"))
+    with running(app_over(FakeEngine(ids), tokenizer)) as base:
+        got = client(base).chat.completions.create(**REQUEST, max_tokens=len(ids)).choices[0]
+    assert [c.function.name for c in got.message.tool_calls or []] == ["get_weather"] and got.finish_reason == "length"
+    assert got.message.content == 'Let me look.\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'

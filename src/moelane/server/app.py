@@ -178,7 +178,7 @@ class ServerState:
         logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
         content: str | None = echo + text
         if tools is not None and tools.syntax != HARMONY:
-            content, written = split_reply(text, tools.reader())
+            content, written = split_reply(text, tools.reader(), stopped=gen.finish_reason == "stop")
             calls = calls + written
         if tools is not None and not tools.parallel:
             calls = calls[:1]
@@ -252,7 +252,9 @@ class ServerState:
                 yield chunk
         if late_echo:  # no reply text at all (max_tokens 0, or a stop at once)
             yield self._scored_echo(gen, header, echo, index)
-        for chunk in self._chunks(gen, header, reader.end() if reader else [], calls, index, len(echo), one_call):
+        for chunk in self._chunks(
+            gen, header, reader.end(gen.finish_reason == "stop") if reader else [], calls, index, len(echo), one_call
+        ):
             yield chunk
         yield header.last(
             finish_reason(gen, bool(calls), tools), gen.cost, self._fresh_logprobs(gen, header, len(echo)), index

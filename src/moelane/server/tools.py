@@ -280,9 +280,16 @@ class ToolCallReader:
             self.pending = self.pending[cut:]
             return out
 
-    def end(self) -> list[str | ToolCall]:
-        """The rest, when the reply has ended: an unfinished block is content."""
+    def end(self, stopped: bool = False) -> list[str | ToolCall]:
+        """The rest, when the reply has ended: a block left open is content, unless the reply `stopped` (at its end
+        of text, or at a stop string such as `</tool_call>`, which clients send to end a call) and the block reads
+        as a call, as vLLM's parsers read it. (Cut off by max_tokens, a block that reads as a call may still be
+        missing arguments.)"""
         out: list[str | ToolCall] = []
+        if self.inside and stopped and (call := self.read(self.pending)) is not None:
+            self.pending, self.inside, self.held = "", False, ""
+            self.n_calls += 1
+            return [call]
         self._content(out, (OPEN if self.inside else "") + self.pending)
         if self.held:
             out.append(self.held)
@@ -313,11 +320,13 @@ def partial_tag(text: str) -> int:
     return 0
 
 
-def split_reply(text: str, reader: ToolCallReader | None = None) -> tuple[str | None, list[ToolCall]]:
+def split_reply(
+    text: str, reader: ToolCallReader | None = None, stopped: bool = False
+) -> tuple[str | None, list[ToolCall]]:
     """A whole reply's content (None when it is only calls, as OpenAI's) and calls, read by a fresh `reader`
-    (default: of JSON blocks)."""
+    (default: of JSON blocks); `stopped`: as `ToolCallReader.end` takes it."""
     reader = reader or ToolCallReader()
-    parts = reader.feed(text) + reader.end()
+    parts = reader.feed(text) + reader.end(stopped)
     calls = [p for p in parts if isinstance(p, ToolCall)]
     content = "".join(p for p in parts if isinstance(p, str))
     return (content or None) if calls else content, calls
