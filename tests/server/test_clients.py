@@ -70,8 +70,8 @@ def test_with_include_usage_every_other_chunk_says_usage_null(url: str, path: st
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
-        ("tool_choice", "required", "no tools given"),  # (a call forced, of no tool)
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "no tools given"),
+        ("tool_choice", "required", "gives no tools"),  # (a call forced, of no tool)
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, "gives no tools"),
         ("functions", [{"name": "f", "parameters": {}}], "not supported"),
         ("function_call", {"name": "f"}, "not supported"),
     ],

@@ -52,11 +52,11 @@ class Prompts:
         if body.tools and syntax is None:  # (with tool_choice "none" too: the schema says no tools)
             raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
         names = [tool.function.name for tool in body.tools or ()]
-        if forced is not None and (not names or (forced and forced not in names)):
-            given = f"the tools given ({', '.join(names)})" if names else "no tools given"
-            raise bad_request(
-                f"tool_choice forces a call of {forced or 'a tool'}, and there are {given}", "tool_choice"
-            )
+        if forced is not None and not names:
+            raise bad_request("tool_choice forces a tool call, but the request gives no tools", "tool_choice")
+        if forced and forced not in names:
+            message = f"tool_choice names {forced!r}, which is not among the tools given ({', '.join(names)})"
+            raise bad_request(message, "tool_choice")
         if not body.tools_on() or syntax is None:
             return None
         types = {tool.function.name: properties(tool.function.parameters) for tool in body.tools or ()}
