@@ -93,10 +93,8 @@ class Channels:
         self._start, self._channel, self._message = ids["<|start|>"], ids["<|channel|>"], ids["<|message|>"]
         self._ends = {ids["<|end|>"], ids["<|return|>"], ids["<|call|>"]}
         self._constrain = ids["<|constrain|>"]
-        self._name: list[int] | None = None  # the channel name's ids while reading it
-        self._named = False  # the name is read (a `<|constrain|>` follows it: "commentary <|constrain|>json")
         self._before: list[int] = []  # the header's ids before `<|channel|>` (" to=functions.f")
-        self._after: list[int] = []  # and after it ("commentary to=functions.f <|constrain|>json")
+        self._after: list[int] | None = None  # and after it, once read ("commentary to=functions.f <|constrain|>json")
         self._body: str | None = None  # the channel whose message body is being read
         self.recipient: str | None = None  # the function that body is addressed to
 
@@ -119,27 +117,22 @@ class Channels:
     def _channel_of(self, token: int) -> str | None:
         """The channel of the message body `token` is part of, or None for structure."""
         if token == self._message:
-            name = self._tokenizer.decode(self._name or [])
-            words = name.split()
+            after = self._after or []
+            name = after[: after.index(self._constrain)] if self._constrain in after else after  # (then "json")
+            words = self._tokenizer.decode(name).split()
             self._body = words[0] if words else FINAL
-            header = (self._before, self._after)
-            self.recipient = next(filter(None, (recipient_in(self._tokenizer.decode(h)) for h in header)), None)
-            self._name, self._before, self._after = None, [], []
+            decode = self._tokenizer.decode
+            self.recipient = recipient_in(decode(self._before)) or recipient_in(decode(after))
+            self._before, self._after = [], None
             return None
         if token == self._channel:
-            self._name, self._body, self._named, self._after = [], None, False, []
+            self._body, self._after = None, []
             return None
         if token == self._start or token in self._ends:
-            self._name = self._body = self.recipient = None
-            self._before, self._after = [], []
+            self._body = self.recipient = None
+            self._before, self._after = [], None
             return None
         if self._body is None:
-            self._named = self._named or token == self._constrain
-            if self._name is None:
-                self._before.append(token)
-            else:
-                self._after.append(token)
-                if not self._named:
-                    self._name.append(token)
+            (self._before if self._after is None else self._after).append(token)
             return None
         return self._body

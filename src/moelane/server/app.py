@@ -126,7 +126,8 @@ class ServerState:
                 logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
-                tool_calls=tools is not None and tools.syntax == HARMONY, primer=self._primer(tools),
+                tool_calls=tools is not None and tools.syntax == HARMONY,
+                primer=tools.primer(self.lm.tokenizer) if tools is not None else (),
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -164,21 +165,14 @@ class ServerState:
                     del choice["message"][key]
         return JSONResponse(whole)
 
-    def _primer(self, tools: ToolUse | None) -> tuple[int, ...]:
-        """The tokens of a forced harmony call's opening, which the prompt ends with (the channel splitter reads
-        them first); none for other forms, whose reader is fed the opening as text."""
-        if tools is None or tools.syntax != HARMONY or not tools.opening:
-            return ()
-        return tuple(self.lm.tokenizer.encode(tools.opening))
-
     def _reply(self, gen: Generation, echo: str, collected: Collected, chat: bool, tools: ToolUse | None) -> Reply:
         """A finished choice's reply: its text (after the echoed prompt) read for tool calls if the request has
         tools, and its logprobs."""
         text, reasoning, calls = collected
         logprobs = logprobs_body(chat, self._echoed(gen, len(echo), gen.take_logprobs()), self.token_text)
         content: str | None = echo + text
-        if tools is not None and tools.syntax != HARMONY:
-            content, written = split_reply(text, tools.reader(), stopped=gen.finish_reason == "stop")
+        if tools is not None and (reader := tools.reader()) is not None:
+            content, written = split_reply(text, reader, stopped=gen.finish_reason == "stop")
             calls = calls + written
         if tools is not None and not tools.parallel:
             calls = calls[:1]
@@ -231,7 +225,7 @@ class ServerState:
         finish reason."""
         if first := header.first(index, tools is not None):
             yield first
-        reader = tools.reader() if tools is not None and tools.syntax != HARMONY else None
+        reader = tools.reader() if tools is not None else None
         one_call = tools is not None and not tools.parallel
         # A scored echo waits for the prompt's entries, which the first reply token comes after.
         late_echo = bool(echo) and gen.params.prompt_logprobs

@@ -138,10 +138,10 @@ class Generation:
         self._ids: list[int] = []  # the content's tokens
         self._call_ids: list[int] = []  # the arguments so far of a harmony call
         self._call_name: str | None = None  # the function of the harmony call being read (None: none is)
-        if self._splitter is not None:
+        if self._splitter is not None and params.primer:
             for token in params.primer:
                 self._splitter.push(token)
-                self._call_name = self._splitter.recipient if params.tool_calls else None
+            self._call_name = self._splitter.recipient if params.tool_calls else None
         self._n_chars = 0  # characters the detokenizer has let out
         self._cost_of = cost_of
         self.stream: Any = None

@@ -46,12 +46,19 @@ class ToolUse:
     opening: str = ""  # the start of a call the prompt ends with, when `tool_choice` forces one (`call_opening`)
     named: bool = False  # `tool_choice` named the function: the reply ends "stop", as OpenAI's does
 
-    def reader(self) -> ToolCallReader:
-        """A reader of a reply's `<tool_call>` blocks (not for HARMONY, whose calls are read token by token), fed
-        the call's opening where the prompt ends with one."""
+    def reader(self) -> ToolCallReader | None:
+        """A reader of a reply's `<tool_call>` blocks, fed the call's opening where the prompt ends with one; None
+        for HARMONY, whose calls `Generation` reads token by token."""
+        if self.syntax == HARMONY:
+            return None
         reader = ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types))
         reader.feed(self.opening)
         return reader
+
+    def primer(self, tokenizer: Any) -> tuple[int, ...]:
+        """The tokens of a forced HARMONY call's opening, which the prompt ends with and the channel splitter reads
+        first; none for the other forms, whose reader is fed the opening as text."""
+        return tuple(tokenizer.encode(self.opening)) if self.syntax == HARMONY and self.opening else ()
 
 
 def call_opening(syntax: str, name: str | None) -> str:
