@@ -117,11 +117,10 @@ class Channels:
     def _channel_of(self, token: int) -> str | None:
         """The channel of the message body `token` is part of, or None for structure."""
         if token == self._message:
-            after = self._after or []
+            after, decode = self._after or [], self._tokenizer.decode
             name = after[: after.index(self._constrain)] if self._constrain in after else after  # (then "json")
-            words = self._tokenizer.decode(name).split()
+            words = decode(name).split()
             self._body = words[0] if words else FINAL
-            decode = self._tokenizer.decode
             self.recipient = recipient_in(decode(self._before)) or recipient_in(decode(after))
             self._before, self._after = [], None
             return None
