@@ -1,13 +1,19 @@
-"""`moelane serve`'s flags: when the decode step is compiled."""
+"""`moelane serve`'s flags (when the decode step is compiled), Ctrl-C while it loads, and its shutdown log."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import signal
 import socket
+import threading
+import time
 
 import pytest
 
 from moelane.cli import build_parser, main
-from moelane.server.commands import wants_compile
+from moelane.server.commands import CUT_OFF, QuietCancels, off_main_thread, wants_compile
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -60,3 +66,45 @@ def test_bad_serve_settings_are_one_line_errors_before_loading(
         assert main(["serve", "--model", "/nonexistent", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moelane: error:") and needle in err[0], err
+
+
+def test_loading_off_the_main_thread_returns_or_raises_what_the_work_did() -> None:
+    assert off_main_thread(lambda: threading.current_thread().name) == "moelane-load"
+    with pytest.raises(ZeroDivisionError):
+        off_main_thread(lambda: 1 / 0)
+
+
+def test_ctrl_c_while_loading_interrupts_at_once() -> None:
+    """A Ctrl-C sent to the process reaches the main thread, not the loading one, and ends the wait there without
+    waiting for the load (a compile takes up to a minute)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are handled on the main thread")
+
+    def press() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # only the main thread may take it then
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # (to the process, as a terminal sends it)
+
+    threading.Thread(target=press, daemon=True).start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        off_main_thread(lambda: time.sleep(5))
+    assert time.perf_counter() - start < 2
+
+
+def record(msg: str, error: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(error), error, None) if error is not None else None
+    return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, msg, (), exc_info)
+
+
+def test_a_request_cancelled_at_shutdown_is_logged_in_one_line_not_a_traceback() -> None:
+    quiet = QuietCancels()
+    cancelled = record("Exception in ASGI application\n", asyncio.CancelledError())
+    assert quiet.filter(cancelled)
+    assert (cancelled.getMessage(), cancelled.levelname, cancelled.exc_info) == (CUT_OFF, "WARNING", None)
+    lifespan = record("Traceback (most recent call last):\n  ...\nasyncio.exceptions.CancelledError\n")
+    assert not quiet.filter(lifespan)
+    failed = record("Exception in ASGI application\n", ValueError("a real fault"))
+    assert quiet.filter(failed) and failed.exc_info is not None and failed.levelname == "ERROR"
+    other = record("Traceback (most recent call last):\n  ...\nValueError: a real fault\n")
+    assert quiet.filter(other)

@@ -1,20 +1,27 @@
 """`moelane serve`: load a model, start the lanes engine on its own thread, serve the OpenAI API with uvicorn.
 
 Binds loopback unless told otherwise. On SIGINT/SIGTERM uvicorn stops accepting connections and waits up to
-`--grace` seconds for running requests to finish; whatever still runs then is cancelled (its engine stream freed),
-and the engine thread stops. Also runnable alone: `python -m moelane.server.commands serve ...`.
+`--grace` seconds for running requests to finish; whatever still runs then is cancelled (its engine stream freed,
+one line in the log), and the engine thread stops. A Ctrl-C while the model loads exits at once.
+Also runnable alone: `python -m moelane.server.commands serve ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import math
 import os
+import signal
 import socket
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 MAX_DEPTH = 64  # most draft rows a stream may hold in a round (each is a row of the pass)
 
@@ -91,8 +98,7 @@ def build(args: argparse.Namespace) -> Any:
     # Loading (and the engine's calibration) run parallel torch ops. A thread that has run one keeps an OpenMP team
     # while it lives, and with more teams' threads than cores libgomp barely spins: every parallel op of the engine
     # thread then waits on a futex (measured ~3x slower here). So they run on a thread that ends when they are done.
-    with ThreadPoolExecutor(1, thread_name_prefix="moelane-load") as loader:
-        lm, engine = loader.submit(make).result()
+    lm, engine = off_main_thread(make)
     cost_of, pager_stats = pager_hooks(lm)
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
@@ -155,6 +161,45 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def off_main_thread(work: Callable[[], T]) -> T:
+    """work() run on a thread of its own, which blocks SIGINT: a Ctrl-C is then delivered to the main thread,
+    which waits here, and interrupts the wait at once. (Taken by a thread busy compiling, it was lost: the server
+    started a minute later as if no key had been pressed.) The interrupted work cannot be stopped, so the thread
+    is a daemon and the caller exits without waiting for it."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (and so do the threads it starts)
+        try:
+            done.append(work())
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="moelane-load", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+class QuietCancels(logging.Filter):
+    """uvicorn logs a request that shutdown cancelled (the grace ran out, or a second Ctrl-C) with the whole
+    traceback of an application error: here it is one line, and the lifespan task's cancellation none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            record.msg, record.args, record.exc_info, record.exc_text = CUT_OFF, (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        elif isinstance(record.msg, str) and record.msg.startswith("Traceback"):
+            return not record.msg.rstrip().endswith("CancelledError")
+        return True
+
+
+CUT_OFF = "a request still running at shutdown was cut off"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -166,6 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build(args)
         try:
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace)
+            logging.getLogger("uvicorn.error").addFilter(QuietCancels())  # (after Config, which sets logging up)
             try:  # (connections wait in the backlog until uvicorn's loop takes them)
                 sock.listen(config.backlog)
             except OSError as e:  # another server (with SO_REUSEADDR) listened on the port while the model loaded
