@@ -268,6 +268,13 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     ("gpt_oss-no-rope-no-layer_types", "gpt_oss", dict(rope_parameters=None, layer_types=None)),
     # dynamic NTK scaling moves the frequencies only past max_position_embeddings, where moelane's context ends
     ("qwen3_moe-dynamic-rope", "qwen3_moe", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4))),
+    # a top-level original_max_position_embeddings (Phi-3's place for it) wins over the scaling's own
+    ("llama-yarn-top-level-original-length", "llama", dict(max_position_embeddings=4096,
+        original_max_position_embeddings=16, rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                                  original_max_position_embeddings=1024))),
+    ("mixtral-llama3-top-level-original-length", "mixtral", dict(original_max_position_embeddings=16,
+        rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=2048))),
 ]  # fmt: skip
 
 
@@ -276,6 +283,15 @@ def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, 
     folder = edit_config(random_model(family, tmp_path), **changes)
     ref, lm = reference(folder, torch.float32), moelane.load(folder)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+
+
+def test_gpt_oss_without_sliding_window_slides_over_128_positions(tmp_path: Path) -> None:
+    """transformers' default window; a config without the key attended to everything (seen past 128 tokens)."""
+    folder = edit_config(random_model("gpt_oss", tmp_path), sliding_window=None)
+    ref, lm = reference(folder, torch.float32), moelane.load(folder)
+    prompt = token_ids(160, lm.vocab_size, 1)
     with torch.no_grad():
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
 

@@ -99,9 +99,10 @@ class GptOssMoe(nn.Module):
 
 
 def windows(config: dict[str, Any]) -> list[int | None]:
-    """Per layer, its sliding window (None: full attention), from `layer_types` (default: even layers slide)."""
+    """Per layer, its sliding window (None: full attention), from `layer_types` (default: even layers slide) and
+    `sliding_window` (default 128, as transformers' GptOssConfig)."""
     n_layers = int(config["num_hidden_layers"])
-    window = config.get("sliding_window")
+    window = config.get("sliding_window", 128)
     types = config.get("layer_types") or [("full_attention", "sliding_attention")[(i + 1) % 2] for i in range(n_layers)]
     if len(types) != n_layers:
         raise ModelLoadError(f"config.json has {len(types)} layer_types for {n_layers} layers")

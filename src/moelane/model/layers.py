@@ -106,6 +106,9 @@ def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> d
             params.update(extra)
     if "type" in params and params.get("rope_type", "default") == "default":
         params["rope_type"] = params["type"]
+    if params["rope_type"] in ("llama3", "yarn") and config.get("original_max_position_embeddings"):
+        # A top-level length (Phi-3's place for it) wins over the scaling's own, as transformers reads it.
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     return params
 
 
