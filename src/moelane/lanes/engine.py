@@ -38,6 +38,7 @@ from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windo
 from moelane.lanes.stream import Stream
 from moelane.lanes.target import Target, fit_to_target
 from moelane.model.cache import Rows
+from moelane.model.grammar import Grammar
 
 log = logging.getLogger(__name__)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -121,16 +122,19 @@ class Engine:
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: Grammar | None = None,
     ) -> Stream:
         """Queue a request; its tokens arrive on the returned `Stream` as rounds commit them. Ends at an EOS id or a
         stop token (not part of the reply) or after `max_tokens` tokens. `logit_bias` and the penalties adjust the
         logits as OpenAI's parameters of those names do (the penalties count the reply's tokens). With `logprobs`
         = n (0-20) the stream also gets each token's log-probability and the n most likely tokens there
         (`Stream.logprobs`); with `prompt_logprobs` too, the prompt's tokens get theirs (`Stream.prompt_logprobs`).
+        A `grammar` (`moelane.model.grammar`, one per request) holds the reply to JSON or a JSON schema.
         InputError for a bad argument (counts, ids and seeds must be integers); MoelaneError once the engine thread
         was `start`ed and then stopped."""
         request = check_request(self.target, token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-                                logit_bias, presence_penalty, frequency_penalty, logprobs, prompt_logprobs)  # fmt: skip
+                                logit_bias, presence_penalty, frequency_penalty, logprobs, prompt_logprobs,
+                                grammar)  # fmt: skip
         with self._cv:  # (stop()'s lock: a stream is queued before a stop, and ended by it, or refused)
             if self._stopped:
                 raise MoelaneError("the engine is stopped; start() it again before submitting")

@@ -15,6 +15,7 @@ from typing import Any
 
 from moelane.errors import InputError, integer
 from moelane.lanes.target import Target
+from moelane.model.grammar import Grammar
 from moelane.model.lm import token_id_list
 from moelane.model.sampling import SamplingParams
 
@@ -45,6 +46,7 @@ def check_request(
     frequency_penalty: float,
     logprobs: int | None,
     prompt_logprobs: bool,
+    grammar: Grammar | None = None,
 ) -> Request:
     """`Engine.submit`'s arguments (as it documents them) checked for `target`; InputError for a bad one."""
     try:  # counts, ids and seeds as plain ints (numpy's too), before anything is queued
@@ -57,7 +59,7 @@ def check_request(
         if not isinstance(stop_token_ids or (), Sequence | Set):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
         stops = frozenset(integer("stop_token_ids", t) for t in (stop_token_ids or ()))
-        params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty)
+        params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty, grammar)
         params.check_vocab(target.vocab_size)
     except ValueError as e:
         raise InputError(str(e)) from None
@@ -78,4 +80,4 @@ def submit_kwargs(params: SamplingParams) -> dict[str, Any]:
     """`Engine.submit`'s keyword arguments for these sampling settings (as `LM.generate_ids` takes them)."""
     return dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
                 logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-                frequency_penalty=params.frequency_penalty)  # fmt: skip
+                frequency_penalty=params.frequency_penalty, grammar=params.grammar)  # fmt: skip

@@ -1,7 +1,8 @@
 """Token choice as a pure function of (logits, settings, seed, absolute position, reply so far).
 
 The logits are first adjusted as the request asks (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`;
-the penalties count the tokens of the reply so far, not the prompt), then greedy (temperature 0, or below
+the penalties count the tokens of the reply so far, not the prompt; a `grammar` masks what may not follow the reply
+so far), then greedy (temperature 0, or below
 `GREEDY_BELOW`) takes the argmax (the lowest id on ties). Sampling is Gumbel-max: the noise for a position comes
 from a generator keyed by (seed, position), so the token chosen at position p is the same whether p is decoded
 alone, as a drafted row in a verify round, or in a batch with other streams. That is what lets the lanes engine
@@ -12,10 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Real
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moelane.model.grammar import Grammar
 
 MASK63 = (1 << 63) - 1
 # Temperatures below this choose greedily (as vLLM's): logits divided by 1e-38 overflow float32, and every token
@@ -32,6 +37,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
     presence_penalty: float = 0.0  # subtracted from the logit of each token the reply already holds
     frequency_penalty: float = 0.0  # subtracted once for each time the reply already holds the token
+    grammar: Grammar | None = field(default=None, compare=False)  # tokens outside what it allows are never chosen
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
@@ -55,10 +61,12 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """ValueError if a logit bias names a token id past the vocabulary."""
+        """ValueError if a logit bias names a token id past the vocabulary, or the grammar is another's."""
         for token, _ in self.logit_bias:
             if token >= vocab_size:
                 raise ValueError(f"logit_bias token id {token} is out of range for a vocabulary of {vocab_size}")
+        if self.grammar is not None and self.grammar.vocab_size != vocab_size:
+            raise ValueError(f"the grammar is for a vocabulary of {self.grammar.vocab_size}, not {vocab_size}")
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +75,8 @@ class SamplingParams:
     @property
     def adjusts(self) -> bool:
         """Whether the logits are adjusted before the choice (and the choice depends on the reply so far)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return (bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.grammar is not None)  # fmt: skip
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -89,6 +98,8 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, reply: Sequence[int])
     if reply and (params.presence_penalty or params.frequency_penalty):
         ids_t, counts = torch.unique(torch.tensor(list(reply)), return_counts=True)
         z[ids_t] -= params.presence_penalty + params.frequency_penalty * counts.float()
+    if params.grammar is not None:
+        z.masked_fill_(~params.grammar.allowed(reply), float("-inf"))
     return z
 
 

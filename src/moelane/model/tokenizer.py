@@ -77,6 +77,10 @@ class Tokenizer:
                                 f"model's context length is {context} tokens (prompt and reply together)")  # fmt: skip
         return self.encode(text)
 
+    def serialized(self) -> str:
+        """The tokenizer as tokenizer.json holds it (for llguidance's view of it: `grammar.grammar_tokenizer`)."""
+        return str(self._tok.to_str())
+
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from moelane.model.grammar import Grammar
 from moelane.server import errors
 from moelane.server.errors import ClientGone, Overloaded, ServerStopping, sse_event
 from moelane.server.events import Collected, EventStream, merged, whole_replies
@@ -111,11 +112,11 @@ class ServerState:
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
                     limit: int | None, default: int | None, chat: bool,
-                    tools: ToolUse | None = None) -> Response:  # fmt: skip
+                    tools: ToolUse | None = None, grammar: Grammar | None = None) -> Response:  # fmt: skip
         """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
         choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
         with seed + j, so that its choices differ and each can be reproduced alone. `tools`: how replies are read
-        for tool calls."""
+        for tool calls; `grammar`: what `response_format` holds the replies to (each choice gets its own copy)."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
@@ -127,7 +128,9 @@ class ServerState:
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
                 tool_calls=tools is not None and tools.syntax == HARMONY,
-                primer=tools.primer(self.lm.tokenizer) if tools is not None else (),
+                primer=tools.primer(self.lm.tokenizer) if tools is not None and tools.opening
+                else self.prompts.json_primer() if chat and grammar is not None else (),
+                grammar=grammar,
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -396,13 +399,19 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.prompts.check_model(body.model)
         prompts = await run_in_threadpool(state.prompts.completion_prompts, body)
-        return await state.serve(request, body, prompts, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False)
+        grammar = await run_in_threadpool(state.prompts.grammar, body)
+        return await state.serve(request, body, prompts, body.max_tokens, DEFAULT_COMPLETION_TOKENS, False,
+                                 grammar=grammar)  # fmt: skip
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.prompts.check_model(body.model)
         tools = state.prompts.tool_use(body)
-        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body, tools)
+        grammar = await run_in_threadpool(state.prompts.grammar, body)
+        if grammar is not None and tools is not None and tools.opening:
+            raise bad_request("response_format asks for a JSON reply, and tool_choice for a tool call; ask for one",
+                              "response_format")  # fmt: skip
+        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body, tools, grammar is not None)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools)
+        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools, grammar)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from moelane.errors import MoelaneError
 from moelane.lanes.stream import TokenLogprob
+from moelane.model.grammar import Grammar
 from moelane.model.reasoning import ANSWER, CALL, REASONING, Openings, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 from moelane.server.protocol import FunctionCall, ToolCall
@@ -70,6 +71,7 @@ class EngineLike(Protocol):
         frequency_penalty: float = ...,
         logprobs: int | None = ...,
         prompt_logprobs: bool = ...,
+        grammar: Grammar | None = ...,
     ) -> Any: ...
 
     @property
@@ -110,6 +112,7 @@ class GenerationParams:
     reasoning: bool = False  # split the reply's reasoning from its answer, where the model writes both (chat)
     tool_calls: bool = False  # harmony's messages to functions are calls (else reasoning)
     primer: tuple[int, ...] = ()  # the prompt's last tokens, read as the reply's start (a forced call's opening)
+    grammar: Grammar | None = None  # what the reply is held to (each generation submits a copy of its own)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -165,6 +168,7 @@ class Generation:
             seed=p.seed,
             logit_bias=dict(p.logit_bias), presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+            grammar=p.grammar.fresh() if p.grammar is not None else None,
         )  # fmt: skip
 
     async def run(self) -> AsyncIterator[str | ToolCall]:

@@ -13,11 +13,15 @@ import functools
 from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
+from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+from moelane.model.reasoning import Channels
 from moelane.server.errors import ModelNotFound
-from moelane.server.protocol import ChatCompletionRequest, CompletionRequest
+from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from moelane.server.tools import HARMONY, ToolSupport, ToolUse, call_opening, tool_support
 
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
+FINAL_OPENING = "<|channel|>final<|message|>"  # harmony: the answer's message follows
+THINK, THINK_END = "<think>", "</think>"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = INVALID) -> InputError:
@@ -93,10 +97,40 @@ class Prompts:
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompt
 
-    def chat_prompt(self, body: ChatCompletionRequest, tools: ToolUse | None = None) -> list[int]:
-        """The messages through the chat template, as token ids, ending with the opening of a call `tools` forces.
-        Runs off the event loop: rendering thousands of messages takes seconds, in which no other stream would be
-        served."""
+    def grammar(self, body: SamplingFields) -> Grammar | None:
+        """What `response_format` holds the replies to (None: nothing). A 400 naming `response_format` for a schema
+        that cannot be used. Runs off the event loop: a large schema takes a while to compile, and so does the
+        tokenizer's first grammar view (~1 s for a large vocabulary)."""
+        wanted, schema = body.response_format.json_wanted() if body.response_format is not None else (False, None)
+        if not wanted:
+            return None
+        try:
+            tokenizer = grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids)
+            return Grammar(tokenizer, json_grammar(schema))
+        except InputError as e:
+            raise bad_request(f"response_format: {e}", "response_format") from None
+
+    def json_opening(self, text: str) -> str:
+        """What a chat prompt whose reply must be JSON ends with, so that the JSON is the answer: harmony's final
+        channel (gpt-oss), or the end of a think block the template opened. The model does not reason first."""
+        tokenizer = self.lm.tokenizer
+        if Channels.for_tokenizer(tokenizer) is not None:
+            return FINAL_OPENING
+        if tokenizer.token_id(THINK) is not None and text.rfind(THINK) > text.rfind(THINK_END):
+            return THINK_END + "\n\n"
+        return ""
+
+    def json_primer(self) -> tuple[int, ...]:
+        """The tokens of a harmony JSON opening, which the channel splitter reads first (think tags are read from
+        the prompt)."""
+        if Channels.for_tokenizer(self.lm.tokenizer) is None:
+            return ()
+        return tuple(self.lm.tokenizer.encode(FINAL_OPENING))
+
+    def chat_prompt(self, body: ChatCompletionRequest, tools: ToolUse | None = None, json: bool = False) -> list[int]:
+        """The messages through the chat template, as token ids, ending with the opening of a call `tools` forces,
+        or of the answer where the reply must be `json`. Runs off the event loop: rendering thousands of messages
+        takes seconds, in which no other stream would be served."""
         messages = [m.for_template() for m in body.messages]
         if any(len(m.get("tool_calls") or ()) > 1 for m in messages) and self.tools.syntax == HARMONY:
             messages = one_call_each(messages)
@@ -104,7 +138,8 @@ class Prompts:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
         except InputError as e:  # the template refused the messages (roles out of order, say)
             raise bad_request(str(e), "messages") from None
-        return self.encode(text + (tools.opening if tools is not None else ""), "messages")
+        opening = tools.opening if tools is not None and tools.opening else self.json_opening(text) if json else ""
+        return self.encode(text + opening, "messages")
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.

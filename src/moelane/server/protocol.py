@@ -2,9 +2,10 @@
 response bodies are in `responses.py`).
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
-with a 400, and so do known OpenAI fields that ask for what the server does not do (JSON modes, best_of, suffix,
-non-text content parts, tools in a completion) unless they are in their off state; `null` in an optional field
-means its default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls).
+with a 400, and so do known OpenAI fields that ask for what the server does not do (best_of, suffix, non-text
+content parts, tools in a completion) unless they are in their off state; `null` in an optional field means its
+default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls);
+`response_format` holds a reply to JSON (`moelane.model.grammar`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,33 @@ class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(Body):
+    """OpenAI's `response_format.json_schema`: the reply is JSON that `schema` accepts (any JSON object without
+    one). `strict` is taken either way: the reply is held to the schema token by token."""
 
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, object] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema (with the schema in json_schema.schema)")
+        return self
+
+    def json_wanted(self) -> tuple[bool, dict[str, object] | bool | None]:
+        """(whether the reply must be JSON, the schema it must meet: None for any JSON object)."""
+        if self.type == "json_schema" and self.json_schema is not None:
+            return True, self.json_schema.schema_
+        return self.type == "json_object", None
 
 
 def _unsupported(what: str, *off: object) -> Callable[[object], object]:
@@ -107,13 +131,6 @@ class SamplingFields(Body):
         for key in v or {}:
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids, got {key!r}")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format {v.type!r} is not supported (only 'text')")
         return v
 
     @field_validator("functions")

@@ -1,0 +1,120 @@
+"""Constrained decoding: a reply held to JSON, or to a JSON schema (OpenAI's `response_format`), by llguidance's
+token masks.
+
+A `Grammar` is one reply's constraint. `allowed(reply)` is the mask of the tokens that may follow the reply's
+tokens: a function of the reply alone, as sampling is of the logits, seed and position. So a drafted row is masked
+exactly as a one-token step at that position would be, and replies stay token-identical with drafting on or off:
+the matcher follows whatever reply it is asked about, rolling back what a rejected draft made it consume. Once the
+JSON is whole, only an end-of-sequence token may follow; a reply cut off by `max_tokens` stays unfinished, as
+OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+from moelane.errors import InputError
+from moelane.model.tokenizer import Tokenizer
+
+# Any JSON object (`response_format: {"type": "json_object"}`).
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON as written by hand: a space may follow ',' and ':' and lines may break, but runs of whitespace are kept
+# short (a model that loops on blank lines inside a constraint never ends its JSON).
+COMPILE_OPTIONS = {"whitespace_pattern": r"(?:[\x20\x09]|\r?\n[\x20\x09]{0,32})?"}
+MAX_ROLLBACK = 64  # tokens a matcher can step back (more than any draft): past that it starts over from the reply
+
+_tokenizers: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a model's tokenizer (built once per tokenizer: ~1 s for a large vocabulary)."""
+    with _lock:
+        found = _tokenizers.get(tokenizer)
+        if found is None:
+            eos = sorted(i for i in eos_ids if i < vocab_size)
+            found = llguidance.LLTokenizer(tokenizer.serialized(), n_vocab=vocab_size, eos_token=eos or None)
+            _tokenizers[tokenizer] = found
+        return found
+
+
+def json_grammar(schema: dict[str, Any] | bool | None = None) -> str:
+    """The grammar of JSON that `schema` accepts (None: any JSON object), or InputError saying why there is
+    none (a schema llguidance cannot read, or one no value can satisfy)."""
+    if schema is False:
+        raise InputError("the JSON schema cannot be used: false accepts no value")
+    options: Any = COMPILE_OPTIONS
+    try:
+        chosen = ANY_OBJECT if schema is None else {} if schema is True else schema
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(chosen, overrides=options)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise InputError(f"the JSON schema cannot be used: {first_line(e)}") from None
+    if error := llguidance.LLMatcher.validate_grammar(grammar):
+        raise InputError(f"the JSON schema cannot be used: {first_line(error)}")
+    return grammar
+
+
+def first_line(error: object) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+class Grammar:
+    """The constraint of one reply (not shared between replies: it keeps a matcher at the reply it last saw)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self._tokenizer = tokenizer
+        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self._matcher.is_error():
+            raise InputError(f"the JSON schema cannot be used: {first_line(self._matcher.get_error())}")
+        self._grammar = grammar
+        self._reply: list[int] = []  # the reply last asked about
+        self._n_taken = 0  # how many of its tokens the matcher has taken (the rest left the grammar)
+        self._bits = torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
+        self._eos = torch.zeros(tokenizer.vocab_size, dtype=torch.bool)
+        self._eos[tokenizer.eos_tokens] = True
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.vocab_size)
+
+    def fresh(self) -> Grammar:
+        """The same constraint for another reply."""
+        return Grammar(self._tokenizer, self._grammar)
+
+    def allowed(self, reply: Sequence[int]) -> torch.Tensor:
+        """bool [vocab]: the tokens that may follow `reply`. Only end-of-sequence tokens once the JSON is whole,
+        or once the reply has left the grammar (a token the mask forbade was put in: nothing can mend it)."""
+        if self._follow(reply) < len(reply):
+            return self._eos
+        self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        mask = torch.from_numpy(bits[: self._eos.shape[0]].astype(np.bool_))
+        return mask if bool(mask.any()) else self._eos
+
+    def _follow(self, reply: Sequence[int]) -> int:
+        """Bring the matcher to the state after the longest prefix of `reply` that the grammar allows: step back to
+        where the reply parts from the last one, then take the rest. -> the length of that prefix. (The matcher
+        never takes a token it would refuse: in its error state it could not step back.)"""
+        kept = 0
+        for mine, theirs in zip(self._reply, reply, strict=False):
+            if mine != theirs:
+                break
+            kept += 1
+        kept = min(kept, self._n_taken)
+        back = self._n_taken - kept
+        if back > MAX_ROLLBACK or (back and not self._matcher.rollback(back)):
+            self._matcher.reset()
+            kept = 0
+        rest = list(reply[kept:])
+        n = self._matcher.validate_tokens(rest) if rest else 0
+        if n and not self._matcher.consume_tokens(rest[:n]):
+            raise RuntimeError(f"llguidance took back tokens it had validated: {self._matcher.get_error()}")
+        self._reply, self._n_taken = list(reply), kept + n
+        return self._n_taken
