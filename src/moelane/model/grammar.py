@@ -68,12 +68,14 @@ def first_line(error: object) -> str:
 class Grammar:
     """The constraint of one reply (not shared between replies: it keeps a matcher at the reply it last saw)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str | llguidance.LLMatcher) -> None:
         self._tokenizer = tokenizer
-        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self._matcher.is_error():
-            raise InputError(f"the JSON schema cannot be used: {first_line(self._matcher.get_error())}")
-        self._grammar = grammar
+        if isinstance(grammar, str):
+            grammar = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            if grammar.is_error():
+                raise InputError(f"the JSON schema cannot be used: {first_line(grammar.get_error())}")
+        self._matcher = grammar
+        self._start = grammar.deep_copy()  # (for `fresh`: a copy costs far less than compiling the grammar again)
         self._reply: list[int] = []  # the reply last asked about
         self._n_taken = 0  # how many of its tokens the matcher has taken (the rest left the grammar)
         self._bits = torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
@@ -85,8 +87,8 @@ class Grammar:
         return int(self._tokenizer.vocab_size)
 
     def fresh(self) -> Grammar:
-        """The same constraint for another reply."""
-        return Grammar(self._tokenizer, self._grammar)
+        """The same constraint for another reply (quick: no compiling)."""
+        return Grammar(self._tokenizer, self._start.deep_copy())
 
     def allowed(self, reply: Sequence[int]) -> torch.Tensor:
         """bool [vocab]: the tokens that may follow `reply`. Only end-of-sequence tokens once the JSON is whole,
