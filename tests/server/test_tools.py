@@ -16,7 +16,7 @@ import pytest
 
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
-from moelane.server.protocol import ChatMessage
+from moelane.server.protocol import ChatCompletionRequest, ChatMessage
 from moelane.server.tools import (
     ToolCallReader,
     call_opening,
@@ -69,6 +69,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 class FakeLM:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
+        self.eos_ids = frozenset({tokenizer.vocab_size - 1})
 
 
 def client(base: str) -> openai.OpenAI:
@@ -499,6 +500,78 @@ def test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with(
             ("plan", ARGUMENTS)]  # fmt: skip
         assert got.finish_reason == ("stop" if named else "tool_calls") and got.message.content is None
     assert tok.decode(engine.streams[0].prompt_ids).endswith(opening)
+
+
+TRIP = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+        "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+PING = {"type": "object", "properties": {}}
+TRIP_TOOLS = [{"type": "function", "function": {"name": "trip", "parameters": TRIP}},
+              {"type": "function", "function": {"name": "ping", "parameters": PING}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "trip"}}, "required"])
+def test_a_forced_call_is_held_to_the_tools_schema(tmp_path: Path, choice: Any) -> None:
+    """On a real (random) model, which would write noise: a forced call's JSON is held token by token to a call
+    of a tool given, with arguments its schema accepts (named: of that tool)."""
+    import moelane
+    from tests.helpers import random_model
+    from tests.server.conftest import make_engine
+
+    folder = random_model("qwen3_moe", tmp_path)
+    form(folder, "hermes")  # (its tokenizer, with a chat template that writes <tool_call> blocks)
+    lm = moelane.load(folder)
+    request = {"model": "m", "messages": HISTORY[:1], "tools": TRIP_TOOLS, "tool_choice": choice, "max_tokens": 150,
+               "n": 4, "temperature": 1.0, "seed": 3}  # fmt: skip
+    with running(create_app(make_engine(lm, drafter="copy"), lm, model_name="m")) as base:
+        reply = client(base).chat.completions.create(**request)
+    for got in reply.choices:
+        assert got.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+        (call,) = got.message.tool_calls or []
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in (["trip"] if isinstance(choice, dict) else ["trip", "ping"])
+        if call.function.name == "trip":
+            assert arguments["city"] in ("Paris", "Rome") and arguments["days"] in range(1, 10)
+            assert set(arguments) == {"city", "days"}
+
+
+@pytest.mark.parametrize(
+    ("syntax", "choice", "rest"),
+    [
+        ("hermes", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}}'),
+        ("hermes", "required", '{"name": "ping", "arguments": {}}'),
+        ("harmony", {"type": "function", "function": {"name": "trip"}}, '{"city": "Paris", "days": 9}'),
+        ("harmony", "required", None),  # (the name is written before <|constrain|>: not constrained)
+        ("qwen3_coder", "required", None),  # (tagged parameters, not JSON)
+        ("hermes", "auto", None),
+    ],
+)
+def test_which_forced_calls_a_grammar_holds(
+    tmp_path: Path, harmony: Tokenizer, syntax: str, choice: Any, rest: str | None
+) -> None:
+    from moelane.server.prompts import Prompts
+
+    tok = harmony if syntax == "harmony" else form(tmp_path, syntax)[0]
+    prompts = Prompts(FakeLM(tok), "m")
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": HISTORY[:1], "tools": TRIP_TOOLS,
+                                                 "tool_choice": choice})  # fmt: skip
+    grammar = prompts.call_grammar(body, prompts.tool_use(body))
+    assert (grammar is None) == (rest is None)
+    if grammar is not None and rest is not None:
+        reply = tok.encode(rest)
+        assert all(grammar.allowed(reply[:k])[t] for k, t in enumerate(reply))
+        assert grammar.allowed(reply).nonzero().flatten().tolist() == [tok.vocab_size - 1]  # only the end
+
+
+def test_a_tool_schema_that_cannot_be_used_leaves_the_call_free(tmp_path: Path) -> None:
+    from moelane.server.prompts import Prompts
+
+    tok, _ = form(tmp_path, "hermes")
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/missing"}}}}}]  # fmt: skip
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": HISTORY[:1], "tools": bad,
+                                                 "tool_choice": "required"})  # fmt: skip
+    prompts = Prompts(FakeLM(tok), "m")
+    assert prompts.call_grammar(body, prompts.tool_use(body)) is None
 
 
 HARMONY_REST = 'get_weather <|constrain|>json<|message|>{"city": "Paris"}'  # after "to=functions."

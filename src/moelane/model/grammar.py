@@ -11,6 +11,7 @@ OpenAI's does.
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -54,6 +55,21 @@ def json_grammar(schema: dict[str, Any] | bool | None = None) -> str:
     try:
         chosen = ANY_OBJECT if schema is None else {} if schema is True else schema
         grammar = llguidance.LLMatcher.grammar_from_json_schema(chosen, overrides=options)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise InputError(f"the JSON schema cannot be used: {first_line(e)}") from None
+    if error := llguidance.LLMatcher.validate_grammar(grammar):
+        raise InputError(f"the JSON schema cannot be used: {first_line(error)}")
+    return grammar
+
+
+def json_then(schema: dict[str, Any], after: str = "") -> str:
+    """The grammar of JSON that `schema` accepts followed by the text `after` (a tool call's arguments, then the
+    brace that closes the call's object), with JSON's whitespace as `json_grammar`'s. Keywords llguidance does not
+    implement are ignored (a client's tool schema is taken as it comes). InputError if it cannot be used."""
+    lenient = {**schema, "x-guidance": {**COMPILE_OPTIONS, "lenient": True}}
+    lark = "start: value" + (f" {json.dumps(after)}" if after else "") + f"\nvalue: %json {json.dumps(lenient)}\n"
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError, RuntimeError) as e:
         raise InputError(f"the JSON schema cannot be used: {first_line(e)}") from None
     if error := llguidance.LLMatcher.validate_grammar(grammar):

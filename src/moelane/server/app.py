@@ -412,6 +412,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("response_format asks for a JSON reply, and tool_choice for a tool call; ask for one",
                               "response_format")  # fmt: skip
         prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body, tools, grammar is not None)
+        if grammar is None:
+            grammar = await run_in_threadpool(state.prompts.call_grammar, body, tools)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
         return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools, grammar)

@@ -10,15 +10,17 @@ rendering are slow for long prompts, so the server calls `completion_prompts` an
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
-from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar, json_then
 from moelane.model.reasoning import Channels
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from moelane.server.tools import HARMONY, ToolSupport, ToolUse, call_opening, tool_support
+from moelane.server.tools import HARMONY, HERMES, ToolSupport, ToolUse, call_opening, tool_support
 
+log = logging.getLogger(__name__)
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
 FINAL_OPENING = "<|channel|>final<|message|>"  # harmony: the answer's message follows
 THINK, THINK_END = "<think>", "</think>"
@@ -110,6 +112,30 @@ class Prompts:
         except InputError as e:
             raise bad_request(f"response_format: {e}", "response_format") from None
 
+    def call_grammar(self, body: ChatCompletionRequest, tools: ToolUse | None) -> Grammar | None:
+        """What a call that `tool_choice` forces is held to, where the call's form is JSON: in a `<tool_call>`
+        block, the named function's arguments (then the brace that closes the call), or for "required" a call of
+        any tool given, each with its own arguments; a named harmony call's arguments. None where nothing is forced,
+        for the tagged forms (Qwen3-Coder's, GLM-4.5's), for "required" in harmony, and where a tool's schema cannot
+        be used (the call then goes as the model writes it)."""
+        forced = body.forced()
+        if tools is None or forced is None or tools.syntax not in (HERMES, HARMONY) or (tools.syntax == HARMONY
+                                                                                     and not forced):  # fmt: skip
+            return None
+        schemas = {tool.function.name: arguments_schema(tool.function.parameters) for tool in body.tools or ()}
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, schema in schemas.items()]  # fmt: skip
+        try:
+            if forced:
+                grammar = json_then(schemas[forced], "}" if tools.syntax == HERMES else "")
+            else:
+                grammar = json_then({"anyOf": calls})
+            return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), grammar)
+        except InputError as e:
+            log.warning("a forced tool call goes unconstrained: %s", e)
+            return None
+
     def json_opening(self, text: str) -> str:
         """What a chat prompt whose reply must be JSON ends with, so that the JSON is the answer: harmony's final
         channel (gpt-oss), or the end of a think block the template opened. The model does not reason first."""
@@ -178,3 +204,10 @@ def one_call_each(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({**message, "tool_calls": calls[:1]})
         out.extend({"role": "assistant", "content": "", "tool_calls": [call]} for call in calls[1:])
     return out
+
+
+def arguments_schema(parameters: dict[str, object] | None) -> dict[str, object]:
+    """A tool's arguments schema as a call's arguments meet it: an object, whatever else it says."""
+    if not parameters:
+        return {"type": "object"}
+    return {**parameters, "type": "object"} if "type" not in parameters else dict(parameters)
