@@ -46,28 +46,17 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[i
         return found
 
 
-def json_grammar(schema: dict[str, Any] | bool | None = None) -> str:
-    """The grammar of JSON that `schema` accepts (None: any JSON object), or InputError saying why there is
-    none (a schema llguidance cannot read, or one no value can satisfy)."""
+def json_grammar(schema: dict[str, Any] | bool | None = None, after: str = "") -> str:
+    """The grammar of JSON that `schema` accepts (None: any JSON object), followed by the text `after` (for a tool
+    call's arguments: the brace that closes the call's object). Keywords llguidance does not implement are ignored,
+    as clients' schemas come with all sorts (`format`s, `title`s, vendor keys). InputError if there is no such
+    grammar: a schema llguidance cannot read (an unknown type, a `$ref` to nothing), or `false`, which accepts
+    nothing."""
     if schema is False:
         raise InputError("the JSON schema cannot be used: false accepts no value")
-    options: Any = COMPILE_OPTIONS
-    try:
-        chosen = ANY_OBJECT if schema is None else {} if schema is True else schema
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(chosen, overrides=options)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise InputError(f"the JSON schema cannot be used: {first_line(e)}") from None
-    if error := llguidance.LLMatcher.validate_grammar(grammar):
-        raise InputError(f"the JSON schema cannot be used: {first_line(error)}")
-    return grammar
-
-
-def json_then(schema: dict[str, Any], after: str = "") -> str:
-    """The grammar of JSON that `schema` accepts followed by the text `after` (a tool call's arguments, then the
-    brace that closes the call's object), with JSON's whitespace as `json_grammar`'s. Keywords llguidance does not
-    implement are ignored (a client's tool schema is taken as it comes). InputError if it cannot be used."""
-    lenient = {**schema, "x-guidance": {**COMPILE_OPTIONS, "lenient": True}}
-    lark = "start: value" + (f" {json.dumps(after)}" if after else "") + f"\nvalue: %json {json.dumps(lenient)}\n"
+    chosen = ANY_OBJECT if schema is None else {} if schema is True else schema
+    options = {**chosen, "x-guidance": {**COMPILE_OPTIONS, "lenient": True}}
+    lark = "start: value" + (f" {json.dumps(after)}" if after else "") + f"\nvalue: %json {json.dumps(options)}\n"
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
-from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar, json_then
+from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
 from moelane.model.reasoning import Channels
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -128,9 +128,9 @@ class Prompts:
                  for name, schema in schemas.items()]  # fmt: skip
         try:
             if forced:
-                grammar = json_then(schemas[forced], "}" if tools.syntax == HERMES else "")
+                grammar = json_grammar(schemas[forced], "}" if tools.syntax == HERMES else "")
             else:
-                grammar = json_then({"anyOf": calls})
+                grammar = json_grammar({"anyOf": calls})
             return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), grammar)
         except InputError as e:
             log.warning("a forced tool call goes unconstrained: %s", e)
