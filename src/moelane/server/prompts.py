@@ -107,8 +107,7 @@ class Prompts:
         if not wanted:
             return None
         try:
-            tokenizer = grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids)
-            return Grammar(tokenizer, json_grammar(schema))
+            return self._grammar(json_grammar(schema))
         except InputError as e:
             raise bad_request(f"response_format: {e}", "response_format") from None
 
@@ -118,23 +117,23 @@ class Prompts:
         any tool given, each with its own arguments; a named harmony call's arguments. None where nothing is forced,
         for the tagged forms (Qwen3-Coder's, GLM-4.5's), for "required" in harmony, and where a tool's schema cannot
         be used (the call then goes as the model writes it)."""
-        forced = body.forced()
-        if tools is None or forced is None or tools.syntax not in (HERMES, HARMONY) or (tools.syntax == HARMONY
-                                                                                     and not forced):  # fmt: skip
+        forced, syntax = body.forced(), tools.syntax if tools is not None else None
+        if forced is None or not (syntax == HERMES or (syntax == HARMONY and forced)):
             return None
         schemas = {tool.function.name: arguments_schema(tool.function.parameters) for tool in body.tools or ()}
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, schema in schemas.items()]  # fmt: skip
         try:
             if forced:
-                grammar = json_grammar(schemas[forced], "}" if tools.syntax == HERMES else "")
-            else:
-                grammar = json_grammar({"anyOf": calls})
-            return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), grammar)
+                return self._grammar(json_grammar(schemas[forced], "}" if syntax == HERMES else ""))
+            calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for name, schema in schemas.items()]  # fmt: skip
+            return self._grammar(json_grammar({"anyOf": calls}))
         except InputError as e:
             log.warning("a forced tool call goes unconstrained: %s", e)
             return None
+
+    def _grammar(self, text: str) -> Grammar:
+        return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), text)
 
     def json_opening(self, text: str) -> str:
         """What a chat prompt whose reply must be JSON ends with, so that the JSON is the answer: harmony's final
