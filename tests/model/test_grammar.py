@@ -104,11 +104,35 @@ def test_after_the_json_or_a_forced_token_only_end_of_sequence_may_follow(lm: An
 
 @pytest.mark.parametrize(
     ("schema", "needle"),
-    [({"type": "tuple"}, "Invalid type"), (False, "accepts no value"), ({"$ref": "#/$defs/missing"}, "missing")],
+    [
+        ({"type": "tuple"}, "Invalid type"),
+        (False, "accepts no value"),
+        ({"$ref": "#/$defs/missing"}, "missing"),
+        ({"type": "string", "pattern": "(["}, "regex parse error: error: unclosed character class$"),
+        ({"type": "integer", "minimum": 2**63 + 1}, "past what 64-bit integers hold"),  # (llguidance would clamp)
+        ({"items": {"type": "number", "maximum": -1e30}}, "past what 64-bit integers hold"),
+    ],
 )
 def test_a_schema_that_cannot_be_used_is_an_input_error(schema: Any, needle: str) -> None:
-    with pytest.raises(InputError, match=needle):
+    with pytest.raises(InputError, match=needle) as e:
         json_grammar(schema)
+    assert "\n" not in str(e.value) and " at " not in str(e.value)  # (one line, no place in our grammar's text)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "uniqueItems": True},
+        {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        {"type": "array", "contains": {"const": 0}},
+        {"not": {"type": "string"}},
+    ],
+)
+def test_keywords_the_grammar_cannot_hold_are_refused_when_strict(schema: dict[str, Any]) -> None:
+    json_grammar(schema)  # (ignored: the reply is held to the rest)
+    with pytest.raises(InputError, match="Unimplemented keys"):
+        json_grammar(schema, strict=True)
+    json_grammar({"type": "string", "format": "email", "title": "t", "description": "d"}, strict=True)
 
 
 def test_a_grammar_for_another_vocabulary_is_refused(lm: Any) -> None:

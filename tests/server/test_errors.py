@@ -102,6 +102,19 @@ CASES = [
         "response_format",
     ),
     (
+        "chat strict json schema with a keyword it cannot hold",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "strict": True, "schema": {"uniqueItems": True}},
+            },
+        },
+        400,
+        "response_format",
+    ),
+    (
         "chat response_format of an unknown type",
         "/v1/chat/completions",
         {**CHAT, "response_format": {"type": "yaml"}},

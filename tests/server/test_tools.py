@@ -562,6 +562,21 @@ def test_which_forced_calls_a_grammar_holds(
         assert grammar.allowed(reply).nonzero().flatten().tolist() == [tok.vocab_size - 1]  # only the end
 
 
+def test_a_function_without_parameters_takes_none(tmp_path: Path) -> None:
+    from moelane.server.prompts import Prompts
+
+    tok, _ = form(tmp_path, "hermes")
+    now = {"type": "function", "function": {"name": "now"}}
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": HISTORY[:1], "tools": [now],
+                                                 "tool_choice": now})  # fmt: skip
+    prompts = Prompts(FakeLM(tok), "m")
+    grammar = prompts.call_grammar(body, prompts.tool_use(body))
+    assert grammar is not None
+    empty, some = tok.encode("{}}"), tok.encode('{"a": 1}}')
+    assert all(grammar.allowed(empty[:k])[t] for k, t in enumerate(empty))
+    assert not all(grammar.allowed(some[:k])[t] for k, t in enumerate(some))
+
+
 def test_a_tool_schema_that_cannot_be_used_leaves_the_call_free(tmp_path: Path) -> None:
     from moelane.server.prompts import Prompts
 

@@ -12,6 +12,7 @@ OpenAI's does.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -46,28 +47,56 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[i
         return found
 
 
-def json_grammar(schema: dict[str, Any] | bool | None = None, after: str = "") -> str:
+def json_grammar(schema: dict[str, Any] | bool | None = None, after: str = "", strict: bool = False) -> str:
     """The grammar of JSON that `schema` accepts (None: any JSON object), followed by the text `after` (for a tool
-    call's arguments: the brace that closes the call's object). Keywords llguidance does not implement are ignored,
-    as clients' schemas come with all sorts (`format`s, `title`s, vendor keys). InputError if there is no such
-    grammar: a schema llguidance cannot read (an unknown type, a `$ref` to nothing), or `false`, which accepts
-    nothing."""
+    call's arguments: the brace that closes the call's object). InputError if there is no such grammar: a schema
+    llguidance cannot read (an unknown type, a `$ref` to nothing, a bound past 64-bit integers, which it would
+    clamp), `false`, which accepts nothing, or, when `strict`, one with keywords llguidance does not implement
+    (`uniqueItems`, `if`/`then`, `contains`, `not`, ...), which a reply could then break. Not strict, those are
+    ignored: clients' schemas come with all sorts."""
     if schema is False:
         raise InputError("the JSON schema cannot be used: false accepts no value")
     chosen = ANY_OBJECT if schema is None else {} if schema is True else schema
-    options = {**chosen, "x-guidance": {**COMPILE_OPTIONS, "lenient": True}}
+    if (bound := past_int64(chosen)) is not None:
+        raise InputError(f"the JSON schema cannot be used: {bound} is past what 64-bit integers hold")
+    options = {**chosen, "x-guidance": {**COMPILE_OPTIONS, "lenient": not strict}}
     lark = "start: value" + (f" {json.dumps(after)}" if after else "") + f"\nvalue: %json {json.dumps(options)}\n"
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise InputError(f"the JSON schema cannot be used: {first_line(e)}") from None
+        raise InputError(f"the JSON schema cannot be used: {error_text(e)}") from None
     if error := llguidance.LLMatcher.validate_grammar(grammar):
-        raise InputError(f"the JSON schema cannot be used: {first_line(error)}")
+        raise InputError(f"the JSON schema cannot be used: {error_text(error)}")
     return grammar
 
 
-def first_line(error: object) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def past_int64(schema: object) -> float | None:
+    """A numeric bound anywhere in `schema` that 64-bit integers cannot hold (llguidance would clamp it), or None."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if key in BOUNDS and number and not -(2**63) <= value <= 2**63 - 1:
+                    return value  # type: ignore[no-any-return]
+                stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+def error_text(error: object) -> str:
+    """llguidance's error in one line: its first, without the position in our grammar's text, and the line that
+    says what is wrong where the first only says where (a regex's error)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    head = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    return " ".join([head, *(line for line in lines[1:] if line.startswith("error:"))])
 
 
 class Grammar:
@@ -78,7 +107,7 @@ class Grammar:
         if isinstance(grammar, str):
             grammar = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if grammar.is_error():
-                raise InputError(f"the JSON schema cannot be used: {first_line(grammar.get_error())}")
+                raise InputError(f"the JSON schema cannot be used: {error_text(grammar.get_error())}")
         self._matcher = grammar
         self._start = grammar.deep_copy()  # (for `fresh`: a copy costs far less than compiling the grammar again)
         self._reply: list[int] = []  # the reply last asked about

@@ -103,11 +103,13 @@ class Prompts:
         """What `response_format` holds the replies to (None: nothing). A 400 naming `response_format` for a schema
         that cannot be used. Runs off the event loop: a large schema takes a while to compile, and so does the
         tokenizer's first grammar view (~1 s for a large vocabulary)."""
-        wanted, schema = body.response_format.json_wanted() if body.response_format is not None else (False, None)
+        if body.response_format is None:
+            return None
+        wanted, schema, strict = body.response_format.json_wanted()
         if not wanted:
             return None
         try:
-            return self._grammar(json_grammar(schema))
+            return self._grammar(json_grammar(schema, strict=strict))
         except InputError as e:
             raise bad_request(f"response_format: {e}", "response_format") from None
 
@@ -206,7 +208,8 @@ def one_call_each(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def arguments_schema(parameters: dict[str, object] | None) -> dict[str, object]:
-    """A tool's arguments schema as a call's arguments meet it: an object, whatever else it says."""
+    """A tool's arguments schema as a call's arguments meet it: an object, whatever else it says. A function
+    without `parameters` takes none (OpenAI's reading): `{}`."""
     if not parameters:
-        return {"type": "object"}
+        return {"type": "object", "properties": {}, "additionalProperties": False}
     return {**parameters, "type": "object"} if "type" not in parameters else dict(parameters)

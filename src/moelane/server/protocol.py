@@ -58,7 +58,8 @@ class StreamOptions(Body):
 
 class JsonSchemaFormat(Body):
     """OpenAI's `response_format.json_schema`: the reply is JSON that `schema` accepts (any JSON object without
-    one). `strict` is taken either way: the reply is held to the schema token by token."""
+    one), held to it token by token. `strict`: keywords the grammar cannot hold the reply to are a 400, not
+    ignored."""
 
     name: str = "response"
     description: str | None = None
@@ -78,11 +79,11 @@ class ResponseFormat(Body):
             raise ValueError("type 'json_schema' needs json_schema (with the schema in json_schema.schema)")
         return self
 
-    def json_wanted(self) -> tuple[bool, dict[str, object] | bool | None]:
-        """(whether the reply must be JSON, the schema it must meet: None for any JSON object)."""
+    def json_wanted(self) -> tuple[bool, dict[str, object] | bool | None, bool]:
+        """(whether the reply must be JSON, the schema it must meet: None for any JSON object, whether strictly)."""
         if self.type == "json_schema" and self.json_schema is not None:
-            return True, self.json_schema.schema_
-        return self.type == "json_object", None
+            return True, self.json_schema.schema_, bool(self.json_schema.strict)
+        return self.type == "json_object", None, False
 
 
 def _unsupported(what: str, *off: object) -> Callable[[object], object]:
