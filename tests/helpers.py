@@ -151,3 +151,17 @@ def write_harmony_tokenizer(folder: Path, chat_template: str) -> Path:
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     return folder
+
+
+def write_think_tokenizer(folder: Path, chat_template: str) -> Path:
+    """`write_tokenizer`'s test tokenizer with Qwen3's think tags (added tokens, not special: they decode as text),
+    and `chat_template`."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    write_tokenizer(folder, 300)
+    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    return folder

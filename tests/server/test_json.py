@@ -18,7 +18,7 @@ from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.prompts import FINAL_OPENING, Prompts
 from moelane.server.protocol import ChatCompletionRequest
-from tests.helpers import write_harmony_tokenizer, write_tokenizer
+from tests.helpers import write_harmony_tokenizer, write_think_tokenizer
 from tests.server.conftest import make_engine, running
 from tests.server.fake_engine import FakeEngine
 
@@ -135,15 +135,7 @@ def test_gpt_oss_answers_in_its_final_channel(tmp_path: Path) -> None:
 
 
 def test_a_think_block_the_template_opens_is_closed_first(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer as HfTokenizer
-
-    write_tokenizer(tmp_path, 300)
-    hf = HfTokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    hf.add_tokens(["<think>", "</think>"])
-    hf.save(str(tmp_path / "tokenizer.json"))
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
-    tok = Tokenizer(tmp_path, frozenset())
+    tok = Tokenizer(write_think_tokenizer(tmp_path, THINKING), frozenset())
     prompts = Prompts(FakeLM(tok), "m")
     assert tok.decode(prompts.chat_prompt(chat(), None, json=True)).endswith("<think></think>\n\n")
     assert tok.decode(prompts.chat_prompt(chat(json_format=False), None)).endswith("<think>")

@@ -18,7 +18,7 @@ from moelane.model.reasoning import Channels, ThinkTags
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
-from tests.helpers import CHAT_TEMPLATE, write_harmony_tokenizer, write_tokenizer
+from tests.helpers import CHAT_TEMPLATE, write_harmony_tokenizer, write_think_tokenizer, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
 
@@ -146,16 +146,7 @@ THINKING = ("{% if reasoning_effort is defined %}effort {{ reasoning_effort }}{%
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """The test tokenizer with Qwen3's think tags (added tokens, not special: they decode as text)."""
-    from tokenizers import Tokenizer as HfTokenizer
-
-    folder: Path = tmp_path_factory.mktemp("think")
-    write_tokenizer(folder, 300)
-    tok = HfTokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_tokens(["<think>", "</think>"])
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
-    return Tokenizer(folder, frozenset())
+    return Tokenizer(write_think_tokenizer(tmp_path_factory.mktemp("think"), THINKING), frozenset())
 
 
 def think_reply(tok: Tokenizer, opened: bool = False) -> list[int]:
