@@ -2,11 +2,10 @@
 
 The logits are first adjusted as the request asks (OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty`;
 the penalties count the tokens of the reply so far, not the prompt; a `grammar` masks what may not follow the reply
-so far), then greedy (temperature 0, or below
-`GREEDY_BELOW`) takes the argmax (the lowest id on ties). Sampling is Gumbel-max: the noise for a position comes
-from a generator keyed by (seed, position), so the token chosen at position p is the same whether p is decoded
-alone, as a drafted row in a verify round, or in a batch with other streams. That is what lets the lanes engine
-verify drafts of sampled requests exactly.
+so far), then greedy (temperature 0, or below `GREEDY_BELOW`) takes the argmax (the lowest id on ties). Sampling
+is Gumbel-max: the noise for a position comes from a generator keyed by (seed, position), so the token chosen at
+position p is the same whether p is decoded alone, as a drafted row in a verify round, or in a batch with other
+streams. That is what lets the lanes engine verify drafts of sampled requests exactly.
 """
 
 from __future__ import annotations
