@@ -63,6 +63,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         layer_types=["full_attention", "conv", "full_attention", "conv"], conv_L_cache=4, conv_bias=True,
         use_expert_bias=False, norm_topk_prob=False, routed_scaling_factor=1.7, tie_word_embeddings=True,
         num_dense_layers=0)),
+    ("ernie4_5_moe", "ernie4_5_moe", {}),
+    ("ernie4_5_moe-noshared-bias-interval-tied", "ernie4_5_moe", dict(
+        moe_num_shared_experts=0, use_bias=True, moe_layer_start_index=0, moe_layer_interval=2, num_hidden_layers=4,
+        tie_word_embeddings=True)),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -234,6 +238,7 @@ def test_deepseek_moe_layer_placement() -> None:
         ("gpt_oss", dict(num_local_experts=0), "gpt_oss needs num_local_experts >= 1"),
         ("lfm2_moe", dict(layer_types=["conv"] * 3), "lfm2_moe needs layer_types, one per layer (4)"),
         ("lfm2_moe", dict(layer_types=["conv", "mamba", "conv", "conv"]), "unknown layer_types ['mamba']"),
+        ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval must be a whole number >= 1, got 0"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -241,9 +246,10 @@ def test_bad_configs_raise_model_load_error(family: str, config: dict, message: 
 
     from tests.helpers import FAMILY_CONFIGS
 
-    base = {**FAMILY_CONFIGS[family][2], "model_type": family}
+    module = importlib.import_module(f"moelane.model.{family}")
+    settle = getattr(module, "settle", lambda c: c)  # (as `load` does first)
     with pytest.raises(ModelLoadError, match=re.escape(message)):
-        importlib.import_module(f"moelane.model.{family}").build({**base, **config})
+        module.build(settle({**FAMILY_CONFIGS[family][2], "model_type": family, **config}))
 
 
 def edit_config(folder: Path, **changes: Any) -> Path:
@@ -378,7 +384,7 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-
                                          "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
                                          "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
                                          "lfm2_moe-attention-first-kernel4-bias-tied",
-                                         "qwen3-tied-bias-window",
+                                         "ernie4_5_moe-noshared-bias-interval-tied", "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

@@ -18,6 +18,7 @@ MOE_FAMILIES = [
     "glm4_moe",
     "gpt_oss",
     "lfm2_moe",
+    "ernie4_5_moe",
 ]
 
 

@@ -4,7 +4,9 @@ Families are found by `model_type` through an import of `moelane.model.<model_ty
 `build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`,
 `ignored(config, name)` (checkpoint tensors it skips without a word), `KEEP_FP32` (parameter name endings kept in
 fp32 whatever the dtype), `find_experts(refs, prefix, n_experts)` (its own expert layout, in place of
-`find_expert_handles`) and `QUANTIZED` (the `quant_method`s of checkpoints it reads: gpt-oss's mxfp4 experts).
+`find_expert_handles`), `QUANTIZED` (the `quant_method`s of checkpoints it reads: gpt-oss's mxfp4 experts) and
+`settle(config) -> config` (its own key spellings and defaults turned into those the rest reads, before anything
+reads them).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from moelane.model.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-            "lfm2_moe", "qwen3", "llama")  # fmt: skip
+            "lfm2_moe", "ernie4_5_moe", "qwen3", "llama")  # fmt: skip
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
@@ -67,6 +69,8 @@ def load(
     folder = Path(path)
     config = read_config(folder)
     family = family_module(config["model_type"])
+    if hasattr(family, "settle"):
+        config = family.settle(config)
     fp8_block = check_quantization(config, getattr(family, "QUANTIZED", ()))
     if dtype == "auto":
         dtype = checkpoint_dtype(config)
