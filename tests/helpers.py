@@ -105,6 +105,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
         COMMON, intermediate_size=72, moe_intermediate_size=24, moe_num_experts=10, moe_k=3, moe_num_shared_experts=2,
         moe_layer_start_index=1, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        COMMON, head_dim=16, intermediate_size=24, num_experts=10, moe_topk=3, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, eod_token_id=None, sep_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

@@ -67,6 +67,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("ernie4_5_moe-noshared-bias-interval-tied", "ernie4_5_moe", dict(
         moe_num_shared_experts=0, use_bias=True, moe_layer_start_index=0, moe_layer_interval=2, num_hidden_layers=4,
         tie_word_embeddings=True)),
+    ("hunyuan_v1_moe", "hunyuan_v1_moe", {}),
+    ("hunyuan_v1_moe-bias-tied-alpharope-topklist", "hunyuan_v1_moe", dict(
+        attention_bias=True, tie_word_embeddings=True, head_dim=12, moe_topk=[2, 2, 2], rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=1000.0))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -239,6 +243,10 @@ def test_deepseek_moe_layer_placement() -> None:
         ("lfm2_moe", dict(layer_types=["conv"] * 3), "lfm2_moe needs layer_types, one per layer (4)"),
         ("lfm2_moe", dict(layer_types=["conv", "mamba", "conv", "conv"]), "unknown layer_types ['mamba']"),
         ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval must be a whole number >= 1, got 0"),
+        ("hunyuan_v1_moe", dict(moe_topk=[3, 2, 3]), "per-layer moe_topk that differ is not supported"),
+        ("hunyuan_v1_moe", dict(use_cla=True), "hunyuan_v1_moe with use_cla, mlp_bias or no use_qk_norm"),
+        ("hunyuan_v1_moe", dict(num_shared_expert=[2, 2, 2]), "needs one shared MLP"),
+        ("hunyuan_v1_moe", dict(moe_intermediate_size=16), "needs moe_intermediate_size == intermediate_size"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -384,7 +392,8 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-
                                          "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
                                          "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
                                          "lfm2_moe-attention-first-kernel4-bias-tied",
-                                         "ernie4_5_moe-noshared-bias-interval-tied", "qwen3-tied-bias-window",
+                                         "ernie4_5_moe-noshared-bias-interval-tied",
+                                         "hunyuan_v1_moe-bias-tied-alpharope-topklist", "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

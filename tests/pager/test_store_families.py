@@ -19,6 +19,7 @@ MOE_FAMILIES = [
     "gpt_oss",
     "lfm2_moe",
     "ernie4_5_moe",
+    "hunyuan_v1_moe",
 ]
 
 
