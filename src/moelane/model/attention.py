@@ -183,16 +183,21 @@ class Attention(nn.Module):
         v = v.view(n, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        if self.rotary_dim == self.head_dim:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:  # partial rotary (GLM): the first rotary_dim dims of each head turn, Llama-style halves; the rest stay
-            r = self.rotary_dim
-            q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-            k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        q, k = self.rotate(q, k, *rope)
         sinks = None if self.sinks is None else self.sinks.view(self.n_kv_heads, -1)
         out = attend_streams(q, k, v, layer, batch, self.scale, self.window, sinks)
         return linear(out.reshape(n, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys [rows, heads, dim] turned by the rotary embedding (a family with another layout, or
+        with more to do at this step, overrides it)."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        r = self.rotary_dim  # partial rotary (GLM): the first rotary_dim dims of each head turn, Llama-style halves
+        return (torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1),
+                torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1))  # fmt: skip
 
 
 def attend_streams(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.attention import Attention, Batch, attend_streams
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
 from moelane.model.deepseek_v2 import rotate_pairs
 from moelane.model.layers import MLP, Rope, linear, rope_parameters
@@ -60,15 +60,10 @@ class Fp32Rope(Rope):
 class PairRopeAttention(Attention):
     """GQA without q/k norms or windows, rotating interleaved pairs (queries and keys come out in halves order)."""
 
-    def forward(
-        self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        n, (cos, sin) = x.shape[0], rope
-        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(n, self.n_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        out = attend_streams(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v, layer, batch, self.scale)
-        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 
 class ErnieMoe(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.attention import Attention, Batch, attend_streams
+from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, Routing, attention_heads
 from moelane.model.layers import MLP, RMSNorm, Rope, apply_rope, linear, rope_parameters
 from moelane.model.moe import run_experts, softmax_topk
@@ -62,16 +62,10 @@ class NormAfterRopeAttention(Attention):
         super().__init__(hidden, n_heads, n_kv, head_dim, bias, None, eps, o_bias=bias)
         self.query_layernorm, self.key_layernorm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
-    def forward(
-        self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        n, (cos, sin) = x.shape[0], rope
-        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(n, self.n_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        q, k = self.query_layernorm(apply_rope(q, cos, sin)), self.key_layernorm(apply_rope(k, cos, sin))
-        out = attend_streams(q, k, v, layer, batch, self.scale)
-        return linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_layernorm(apply_rope(q, cos, sin)), self.key_layernorm(apply_rope(k, cos, sin))
 
 
 class Gate(nn.Module):
