@@ -37,7 +37,8 @@ _lock = threading.Lock()
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of a model's tokenizer (built once per tokenizer: ~1 s for a large vocabulary)."""
+    """llguidance's view of a model's tokenizer, built once per tokenizer (~1 s for a large vocabulary, llguidance
+    says; 0.03 s for the shipped model's 8K tokens)."""
     with _lock:
         found = _tokenizers.get(tokenizer)
         if found is None:

@@ -102,7 +102,7 @@ class Prompts:
     def grammar(self, body: SamplingFields) -> Grammar | None:
         """What `response_format` holds the replies to (None: nothing). A 400 naming `response_format` for a schema
         that cannot be used. Runs off the event loop: a large schema takes a while to compile, and so does the
-        tokenizer's first grammar view (~1 s for a large vocabulary)."""
+        tokenizer's first grammar view (~1 s, llguidance says)."""
         if body.response_format is None:
             return None
         wanted, schema, strict = body.response_format.json_wanted()
