@@ -121,8 +121,9 @@ def test_gpt_oss_answers_in_its_final_channel(tmp_path: Path) -> None:
     tok = Tokenizer(write_harmony_tokenizer(tmp_path, HARMONY_TEMPLATE), frozenset())
     prompts = Prompts(FakeLM(tok), "m")
     opening = tok.encode(FINAL_OPENING)
-    assert prompts.chat_prompt(chat(), None, json=True)[-len(opening) :] == opening
-    assert prompts.chat_prompt(chat(json_format=False), None)[-len(opening) :] != opening
+    ids, primer = prompts.chat_prompt(chat(), None, json=True)
+    assert ids[-len(opening) :] == opening and primer == tuple(opening)  # (the splitter reads the opening first)
+    assert prompts.chat_prompt(chat(json_format=False), None)[0][-len(opening) :] != opening
     end = tok.token_id("<|return|>")
     assert end is not None
     engine = FakeEngine([*tok.encode('{"a": 1}'), end])
@@ -137,5 +138,6 @@ def test_gpt_oss_answers_in_its_final_channel(tmp_path: Path) -> None:
 def test_a_think_block_the_template_opens_is_closed_first(tmp_path: Path) -> None:
     tok = Tokenizer(write_think_tokenizer(tmp_path, THINKING), frozenset())
     prompts = Prompts(FakeLM(tok), "m")
-    assert tok.decode(prompts.chat_prompt(chat(), None, json=True)).endswith("<think></think>\n\n")
-    assert tok.decode(prompts.chat_prompt(chat(json_format=False), None)).endswith("<think>")
+    ids, primer = prompts.chat_prompt(chat(), None, json=True)
+    assert tok.decode(ids).endswith("<think></think>\n\n") and primer == ()  # (the tags are read from the prompt)
+    assert tok.decode(prompts.chat_prompt(chat(json_format=False), None)[0]).endswith("<think>")

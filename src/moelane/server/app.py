@@ -112,11 +112,13 @@ class ServerState:
 
     async def serve(self, request: Request, body: SamplingFields, prompts: list[tuple[list[int], str]],
                     limit: int | None, default: int | None, chat: bool,
-                    tools: ToolUse | None = None, grammar: Grammar | None = None) -> Response:  # fmt: skip
+                    tools: ToolUse | None = None, grammar: Grammar | None = None,
+                    primer: tuple[int, ...] = ()) -> Response:  # fmt: skip
         """Answer a generation request. `prompts`: (token ids, echoed text) per prompt; each prompt gets `body.n`
         choices, each a stream of its own, indexed prompt by prompt. A seeded request's choice j of a prompt samples
         with seed + j, so that its choices differ and each can be reproduced alone. `tools`: how replies are read
-        for tool calls; `grammar`: what `response_format` holds the replies to (each choice gets its own copy)."""
+        for tool calls; `grammar`: what the replies are held to (each choice gets its own copy); `primer`: the
+        prompt's last tokens that the reply's channel splitter reads first (`Prompts.chat_prompt`)."""
         endpoint = "chat" if chat else "completions"
         top_logprobs = body.top_logprobs_asked()
         per_prompt = [
@@ -128,9 +130,7 @@ class ServerState:
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
                 tool_calls=tools is not None and tools.syntax == HARMONY,
-                primer=tools.primer(self.lm.tokenizer) if tools is not None and tools.opening
-                else self.prompts.json_primer() if chat and grammar is not None else (),
-                grammar=grammar,
+                primer=primer, grammar=grammar,
             )
             for ids, echo in prompts
         ]  # fmt: skip
@@ -411,9 +411,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if grammar is not None and tools is not None and tools.opening:
             raise bad_request("response_format asks for a JSON reply, and tool_choice for a tool call; ask for one",
                               "response_format")  # fmt: skip
-        prompt_ids = await run_in_threadpool(state.prompts.chat_prompt, body, tools, grammar is not None)
+        prompt_ids, primer = await run_in_threadpool(state.prompts.chat_prompt, body, tools, grammar is not None)
         if grammar is None:
             grammar = await run_in_threadpool(state.prompts.call_grammar, body, tools)
         if body.max_completion_tokens is not None and body.max_tokens is not None:
             state.prompts.budget(len(prompt_ids), body.max_tokens, None, "messages")  # the one not used must fit too
-        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools, grammar)
+        return await state.serve(request, body, [(prompt_ids, "")], body.token_limit(), None, True, tools, grammar,
+                                 primer)  # fmt: skip

@@ -147,17 +147,13 @@ class Prompts:
             return THINK_END + "\n\n"
         return ""
 
-    def json_primer(self) -> tuple[int, ...]:
-        """The tokens of a harmony JSON opening, which the channel splitter reads first (think tags are read from
-        the prompt)."""
-        if Channels.for_tokenizer(self.lm.tokenizer) is None:
-            return ()
-        return tuple(self.lm.tokenizer.encode(FINAL_OPENING))
-
-    def chat_prompt(self, body: ChatCompletionRequest, tools: ToolUse | None = None, json: bool = False) -> list[int]:
+    def chat_prompt(
+        self, body: ChatCompletionRequest, tools: ToolUse | None = None, json: bool = False
+    ) -> tuple[list[int], tuple[int, ...]]:
         """The messages through the chat template, as token ids, ending with the opening of a call `tools` forces,
-        or of the answer where the reply must be `json`. Runs off the event loop: rendering thousands of messages
-        takes seconds, in which no other stream would be served."""
+        or of the answer where the reply must be `json`; and the primer: that opening's tokens where the channel
+        splitter must read them first (harmony's; think tags are read from the prompt). Runs off the event loop:
+        rendering thousands of messages takes seconds, in which no other stream would be served."""
         messages = [m.for_template() for m in body.messages]
         if any(len(m.get("tool_calls") or ()) > 1 for m in messages) and self.tools.syntax == HARMONY:
             messages = one_call_each(messages)
@@ -166,7 +162,8 @@ class Prompts:
         except InputError as e:  # the template refused the messages (roles out of order, say)
             raise bad_request(str(e), "messages") from None
         opening = tools.opening if tools is not None and tools.opening else self.json_opening(text) if json else ""
-        return self.encode(text + opening, "messages")
+        harmony = bool(opening) and Channels.for_tokenizer(self.lm.tokenizer) is not None
+        return self.encode(text + opening, "messages"), tuple(self.lm.tokenizer.encode(opening)) if harmony else ()
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.

@@ -55,16 +55,11 @@ class ToolUse:
         reader.feed(self.opening)
         return reader
 
-    def primer(self, tokenizer: Any) -> tuple[int, ...]:
-        """The tokens of a forced HARMONY call's opening, which the prompt ends with and the channel splitter reads
-        first; none for the other forms, whose reader is fed the opening as text."""
-        return tuple(tokenizer.encode(self.opening)) if self.syntax == HARMONY and self.opening else ()
-
 
 def call_opening(syntax: str, name: str | None) -> str:
     """The start of a call, in the model's own form, that a prompt ends with to force one (`tool_choice`
-    "required": of any function; named: of that one). The model writes the rest, so the call is as good as the
-    model makes it: nothing constrains the tokens."""
+    "required": of any function; named: of that one). The model writes the rest, held to the tools' schemas where
+    that rest is JSON (`Prompts.call_grammar`)."""
     if syntax == HARMONY:
         return "<|channel|>commentary to=functions." + (f"{name} <|constrain|>json<|message|>" if name else "")
     if syntax == QWEN3_CODER:
