@@ -97,7 +97,7 @@ class Decoder(nn.Module):
         return cast(torch.Tensor, self.model.norm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # (a bias where a family gives one)
 
 
 REQUIRED = object()

@@ -92,11 +92,6 @@ class ErnieMoe(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-class ErnieDecoder(Decoder):
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # (the head's bias: `use_bias`)
-
-
 def build(config: dict[str, Any]) -> Decoder:
     hidden, eps, bias = config["hidden_size"], config["rms_norm_eps"], bool(config["use_bias"])
     n_heads, n_kv, head_dim = attention_heads(config)
@@ -114,11 +109,11 @@ def build(config: dict[str, Any]) -> Decoder:
         return ErnieMoe(config) if i in moe_layers else DenseMlp(hidden, config["intermediate_size"], bias)
 
     rope = Fp32Rope.build(rope_parameters(config, 500000.0), head_dim, config.get("max_position_embeddings", 131072))
-    model = ErnieDecoder(
+    model = Decoder(
         config["vocab_size"], hidden, eps, n_layers, make_attention, make_mlp, rope,
         bool(config["tie_word_embeddings"]), moe_layers, (n_kv, head_dim, head_dim),
     )  # fmt: skip
-    if bias:
+    if bias:  # (the LM head's too: `Decoder.logits` adds it)
         model.lm_head.bias = nn.Parameter(torch.zeros(config["vocab_size"]))
     return model
 
