@@ -1,5 +1,6 @@
 """A scripted stand-in for the lanes engine: each stream's reply is a fixed token list, committed `per_round` tokens
-at a time on a thread of its own, so tests control exactly how tokens group into rounds."""
+at a time on a thread of its own, so tests control exactly how tokens group into rounds; and `FakeLM`, the model
+side the app reads (a tokenizer and its limits) for tests of a tokenizer without a model."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(n_active=self.n_active)
+
+
+class FakeLM:
+    """What the app reads of a model: its tokenizer, context, vocabulary and end-of-sequence ids (by default the
+    test tokenizer's last id, its EOS)."""
+
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int] | None = None) -> None:
+        self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
+        self.eos_ids = frozenset({tokenizer.vocab_size - 1}) if eos_ids is None else eos_ids

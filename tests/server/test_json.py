@@ -20,7 +20,7 @@ from moelane.server.prompts import FINAL_OPENING, Prompts
 from moelane.server.protocol import ChatCompletionRequest
 from tests.helpers import write_harmony_tokenizer, write_think_tokenizer
 from tests.server.conftest import make_engine, running
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeLM
 
 MODEL = "default"
 MESSAGES = [{"role": "user", "content": "Describe a user of the system as JSON."}]
@@ -98,11 +98,6 @@ def test_text_is_no_constraint(base: str) -> None:
 
 
 # ---- the opening of a reply that must be JSON --------------------------------------------------------------------
-
-
-class FakeLM:
-    def __init__(self, tokenizer: Tokenizer, eos: frozenset[int] = frozenset()) -> None:
-        self.tokenizer, self.max_context, self.vocab_size, self.eos_ids = tokenizer, 4096, tokenizer.vocab_size, eos
 
 
 HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"

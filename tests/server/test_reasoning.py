@@ -20,7 +20,7 @@ from moelane.server.app import create_app
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
 from tests.helpers import CHAT_TEMPLATE, write_harmony_tokenizer, write_think_tokenizer, write_tokenizer
 from tests.server.conftest import running
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeLM
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
             "<|start|>assistant")  # fmt: skip
@@ -79,11 +79,6 @@ def test_channels_need_the_special_tokens(tokenizer: Tokenizer, tmp_path: Path) 
     assert channels is not None
     said = [channels.push(t) for t in harmony_reply(tokenizer)]
     assert {s for s in said if s} == {reasoning.ANSWER, reasoning.REASONING}
-
-
-class FakeLM:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
 
 
 REQUEST: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "fib?"}], "max_tokens": 200}

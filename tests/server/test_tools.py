@@ -27,7 +27,7 @@ from moelane.server.tools import (
 )
 from tests.helpers import write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running
-from tests.server.fake_engine import FakeEngine
+from tests.server.fake_engine import FakeEngine, FakeLM
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 <tools>{% for tool in tools %}
@@ -64,12 +64,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     return Tokenizer(folder, frozenset())
-
-
-class FakeLM:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.max_context, self.vocab_size = tokenizer, 4096, tokenizer.vocab_size
-        self.eos_ids = frozenset({tokenizer.vocab_size - 1})
 
 
 def client(base: str) -> openai.OpenAI:
