@@ -19,8 +19,10 @@ from moelane.server.app import create_app
 from moelane.server.protocol import ChatCompletionRequest, ChatMessage
 from moelane.server.tools import (
     ToolCallReader,
+    ToolUse,
     call_opening,
     read_function_call,
+    read_invokes,
     read_keyed_call,
     split_reply,
     tool_support,
@@ -341,9 +343,9 @@ def test_a_tokenizer_that_drops_the_tag_refuses_tools() -> None:
     assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).syntax == "hermes"
 
 
-# Each form as a template of the model's own writes a call (Qwen3's, Qwen3-Coder's, GLM-4.5's: written here, not
-# copied): a reply written that way must read back as the call, and the call, sent back in the history, must render
-# as the reply did.
+# Each form as a template of the model's own writes a call (Qwen3's, Qwen3-Coder's, GLM-4.5's, MiniMax-M2's: written
+# here, not copied): a reply written that way must read back as the call, and the call, sent back in the history,
+# must render as the reply did.
 CALL_IN_HISTORY = {
     "hermes": ('{%- for call in m.tool_calls %}\n<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
                "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}"),
@@ -356,6 +358,10 @@ CALL_IN_HISTORY = {
               "{% for key, value in call.function.arguments | items %}<arg_key>{{ key }}</arg_key>\n"
               "<arg_value>{{ value if value is string else value | tojson }}</arg_value>\n{% endfor %}</tool_call>"
               "{% endfor %}"),
+    "minimax": ("\n<minimax:tool_call>\n{% for call in m.tool_calls %}<invoke name=\"{{ call.function.name }}\">\n"
+                "{% for key, value in call.function.arguments | items %}<parameter name=\"{{ key }}\">"
+                "{{ value if value is string else value | tojson }}</parameter>\n{% endfor %}</invoke>\n{% endfor %}"
+                "</minimax:tool_call>"),
 }  # fmt: skip
 ARGUMENTS = {"city": "Paris", "days": 3, "code": "007", "opts": {"a": [1, True]}, "note": "two\n\nlines", "on": False,
              "count": None, "zip": "12345", "ref": "99"}  # fmt: skip
@@ -432,6 +438,42 @@ def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: s
 def test_tagged_blocks_that_are_not_calls_are_not_read(read: Any, body: str) -> None:
     assert read(body, {}) is None
     assert read_keyed_call("now\n", {}) is not None  # (a call without arguments)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '\n<invoke name="f">\n<parameter name="a">1</parameter>\nstray\n</invoke>\n',
+        '\n<invoke name="f">\n<parameter name="a">1\n</invoke>\n',  # no </parameter>
+        '\n<invoke name="f">\n<parameter name="a">1</parameter>\n',  # no </invoke>
+        '<invoke name="f"></invoke>\ntext after\n',
+        '{"name": "f", "arguments": {}}',
+        '<invoke name="two words"></invoke>',
+        "",
+        '<invoke name="f">' + '<parameter name="a">x\n' * 3000 + "</invoke>",
+    ],
+)
+def test_minimax_blocks_that_are_not_calls_are_not_read(body: str) -> None:
+    assert read_invokes(body, {}) is None
+
+
+def test_a_minimax_block_holds_each_of_its_calls_in_order(tmp_path: Path) -> None:
+    """MiniMax-M2 writes parallel calls as `<invoke>` elements of one block: each is a call, typed by its own
+    tool's schema, and `parallel_tool_calls: false` keeps the first; a block cut off by max_tokens stays text."""
+    tok, _ = form(tmp_path, "minimax")
+    block = ('Checking.\n<minimax:tool_call>\n<invoke name="trip">\n<parameter name="city">Rome</parameter>\n'
+             '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="ping">\n</invoke>\n'
+             "</minimax:tool_call>")  # fmt: skip
+    request = {"model": "m", "messages": HISTORY[:1], "tools": TRIP_TOOLS}
+    for got in both_ways(FakeEngine(tok.encode(block), per_round=2), tok, request):
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls]
+        assert calls == [("trip", {"city": "Rome", "days": 2}), ("ping", {})]
+        assert got.message.content == "Checking." and got.finish_reason == "tool_calls"
+    one = {**request, "parallel_tool_calls": False}
+    for got in both_ways(FakeEngine(tok.encode(block)), tok, one):
+        assert [c.function.name for c in got.message.tool_calls] == ["trip"]
+    cut = block[: block.index("</invoke>")]
+    assert split_reply(cut, ToolUse("minimax").reader(), stopped=True) == (cut, [])
 
 
 def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() -> None:
@@ -536,6 +578,7 @@ def test_a_forced_call_is_held_to_the_tools_schema(tmp_path: Path, choice: Any) 
         ("harmony", {"type": "function", "function": {"name": "trip"}}, '{"city": "Paris", "days": 9}'),
         ("harmony", "required", None),  # (the name is written before <|constrain|>: not constrained)
         ("qwen3_coder", "required", None),  # (tagged parameters, not JSON)
+        ("minimax", {"type": "function", "function": {"name": "trip"}}, None),
         ("hermes", "auto", None),
     ],
 )

@@ -6,9 +6,12 @@
     `<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>`;
   - keys and values (`GLM45`), as GLM-4.5's do:
     `<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>`.
-  Tagged values are text: a parameter the tool's schema says is a string (or names no type for) is kept as written,
-  any other is read as JSON where it parses (`3` is a number, `true` a boolean, `{...}` an object), as the templates
-  write them.
+- `<minimax:tool_call>` blocks of `<invoke>` elements (`MINIMAX`), one or more calls a block, as MiniMax-M2's
+  template has it write them: `<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris
+  </parameter>\n</invoke>\n</minimax:tool_call>` (without the break in the value).
+Tagged values (all but `HERMES`) are text: a parameter the tool's schema says is a string (or names no type for) is
+kept as written, any other is read as JSON where it parses (`3` is a number, `true` a boolean, `{...}` an object), as
+the templates write them.
 - gpt-oss's harmony messages to a function (`<|channel|>commentary to=functions.get_weather ...<|message|>{...}`),
   read token by token with its channels (`moelane.model.reasoning`, `Generation`).
 
@@ -32,7 +35,8 @@ from moelane.model.reasoning import Channels
 from moelane.server.protocol import FunctionCall, ToolCall
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-HERMES, QWEN3_CODER, GLM45, HARMONY = "hermes", "qwen3_coder", "glm45", "harmony"
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+HERMES, QWEN3_CODER, GLM45, MINIMAX, HARMONY = "hermes", "qwen3_coder", "glm45", "minimax", "harmony"
 Types = dict[str, dict[str, Any]]  # per function, its parameters' JSON schemas (`parameters.properties`)
 
 
@@ -40,18 +44,19 @@ Types = dict[str, dict[str, Any]]  # per function, its parameters' JSON schemas 
 class ToolUse:
     """How one request's replies are read for calls."""
 
-    syntax: str  # HERMES, QWEN3_CODER, GLM45 or HARMONY
+    syntax: str  # HERMES, QWEN3_CODER, GLM45, MINIMAX or HARMONY
     parallel: bool = True  # False: a reply's first call only (`parallel_tool_calls: false`; OpenAI gives one)
     types: Types = field(default_factory=dict)
     opening: str = ""  # the start of a call the prompt ends with, when `tool_choice` forces one (`call_opening`)
     named: bool = False  # `tool_choice` named the function: the reply ends "stop", as OpenAI's does
 
     def reader(self) -> ToolCallReader | None:
-        """A reader of a reply's `<tool_call>` blocks, fed the call's opening where the prompt ends with one; None
-        for HARMONY, whose calls `Generation` reads token by token."""
+        """A reader of a reply's call blocks, fed the call's opening where the prompt ends with one; None for
+        HARMONY, whose calls `Generation` reads token by token."""
         if self.syntax == HARMONY:
             return None
-        reader = ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types))
+        tags = (MINIMAX_OPEN, MINIMAX_CLOSE) if self.syntax == MINIMAX else (OPEN, CLOSE)
+        reader = ToolCallReader(functools.partial(BLOCK_READERS[self.syntax], types=self.types), *tags)
         reader.feed(self.opening)
         return reader
 
@@ -66,12 +71,14 @@ def call_opening(syntax: str, name: str | None) -> str:
         return OPEN + "\n<function=" + (f"{name}>\n" if name else "")
     if syntax == GLM45:
         return OPEN + (f"{name}\n" if name else "")
+    if syntax == MINIMAX:
+        return MINIMAX_OPEN + '\n<invoke name="' + (f'{name}">\n' if name else "")
     return OPEN + "\n" + (f'{{"name": {json.dumps(name)}, "arguments": ' if name else "")
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSupport:
-    syntax: str | None  # HERMES, QWEN3_CODER, GLM45 or HARMONY; None: tools cannot be served
+    syntax: str | None  # HERMES, QWEN3_CODER, GLM45, MINIMAX or HARMONY; None: tools cannot be served
     why_not: str = ""  # one sentence, when they cannot
 
 
@@ -82,17 +89,21 @@ def tool_support(tokenizer: Any) -> ToolSupport:
     if "tools" not in tokenizer.chat_template_variables():
         return ToolSupport(None, "this model's chat template takes no tools")
     template = tokenizer.chat_template
-    if OPEN in template:
-        if (tag := tokenizer.token_id(OPEN)) is not None and not tokenizer.decode([tag]):
-            return ToolSupport(None, f"this model's tokenizer drops {OPEN} from the text it decodes (a special "
+    if MINIMAX_OPEN in template or OPEN in template:
+        tag = MINIMAX_OPEN if MINIMAX_OPEN in template else OPEN
+        if (tag_id := tokenizer.token_id(tag)) is not None and not tokenizer.decode([tag_id]):
+            return ToolSupport(None, f"this model's tokenizer drops {tag} from the text it decodes (a special "
                                      "token), so its calls cannot be read")  # fmt: skip
+        if tag == MINIMAX_OPEN:
+            return ToolSupport(MINIMAX)
         if "<function=" in template and "<parameter=" in template:
             return ToolSupport(QWEN3_CODER)
         return ToolSupport(GLM45 if "<arg_key>" in template else HERMES)
     if Channels.for_tokenizer(tokenizer) is not None:
         return ToolSupport(HARMONY)
-    why = (f"this server reads tool calls written in {OPEN} blocks (Qwen's, Qwen3-Coder's, GLM-4.5's, Hermes') or "
-           "as harmony messages (gpt-oss's), and this model's chat template writes them otherwise")  # fmt: skip
+    why = (f"this server reads tool calls written in {OPEN} blocks (Qwen's, Qwen3-Coder's, GLM-4.5's, Hermes'), "
+           f"in {MINIMAX_OPEN} blocks (MiniMax-M2's) or as harmony messages (gpt-oss's), and this model's chat "
+           "template writes them otherwise")  # fmt: skip
     return ToolSupport(None, why)
 
 
@@ -151,6 +162,29 @@ def read_keyed_call(body: str, types: Types) -> ToolCall | None:
     name, tag, inner = body.partition("<arg_key>")
     pairs = tag_pairs(tag + inner, [("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>")])
     return None if pairs is None else tagged_call(name.strip(), pairs, types.get(name.strip(), {}))
+
+
+INVOKE, INVOKE_END = "<invoke name=", "</invoke>"
+
+
+def read_invokes(body: str, types: Types) -> list[ToolCall] | None:
+    """MiniMax-M2's `<invoke name="NAME">` elements, each with its `<parameter name="KEY">` values, or None if
+    the block holds anything else (names may go without quotes, as vLLM reads them)."""
+    calls, at = [], skip_space(body, 0)
+    while at < len(body):
+        head = body.find(">", at)
+        if not body.startswith(INVOKE, at) or head < 0 or (end := body.find(INVOKE_END, head)) < 0:
+            return None
+        pairs = tag_pairs(body[head + 1 : end], [("<parameter name=", ">"), ("", "</parameter>")])
+        name = body[at + len(INVOKE) : head].strip().strip('"')
+        if pairs is None:
+            return None
+        arguments = [(key.strip('"'), trim_newline(value)) for key, value in pairs]
+        if (call := tagged_call(name, arguments, types.get(name, {}))) is None:
+            return None
+        calls.append(call)
+        at = skip_space(body, end + len(INVOKE_END))
+    return calls or None
 
 
 def tag_pairs(text: str, tags: list[tuple[str, str]]) -> list[tuple[str, str]] | None:
@@ -226,10 +260,11 @@ def schema_type(schema: Any) -> str | None:
     return None
 
 
-BLOCK_READERS: dict[str, Callable[..., ToolCall | None]] = {
+BLOCK_READERS: dict[str, Callable[..., ToolCall | list[ToolCall] | None]] = {
     HERMES: read_call,
     QWEN3_CODER: read_function_call,
     GLM45: read_keyed_call,
+    MINIMAX: read_invokes,
 }
 
 
@@ -243,8 +278,12 @@ class ToolCallReader:
     text before them from text after them, and dropped where it only opens or ends the content (the blank lines a
     model writes before and after its calls); all other text is given back as written."""
 
-    def __init__(self, read: Callable[[str], ToolCall | None] = read_call) -> None:
-        self.read = read  # a block's call, or None
+    def __init__(
+        self, read: Callable[[str], ToolCall | list[ToolCall] | None] = read_call, opening: str = OPEN,
+        closing: str = CLOSE,
+    ) -> None:  # fmt: skip
+        self.read = read  # a block's call (or calls), or None
+        self.opening, self.closing = opening, closing  # a block's tags
         self.pending = ""  # text not read yet (in a block: its body so far)
         self.scanned = 0  # how far `pending` is known to hold no closing tag (a long block is searched once)
         self.inside = False
@@ -252,32 +291,31 @@ class ToolCallReader:
         self.gap = ""  # the whitespace that stood before the calls since the last content
         self.after_call = False  # leading whitespace is dropped, or becomes the gap
         self.said = False  # content has been given back
-        self.n_calls = 0
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self.pending += text
         out: list[str | ToolCall] = []
         while True:
             if self.inside:
-                end = self.pending.find(CLOSE, self.scanned)
+                end = self.pending.find(self.closing, self.scanned)
                 if end < 0:
-                    self.scanned = max(0, len(self.pending) - len(CLOSE) + 1)
+                    self.scanned = max(0, len(self.pending) - len(self.closing) + 1)
                     return out
-                body, self.pending, self.inside = self.pending[:end], self.pending[end + len(CLOSE) :], False
-                self.scanned = 0
-                if (call := self.read(body)) is None:
-                    self._content(out, OPEN + body + CLOSE)
+                body, self.pending = self.pending[:end], self.pending[end + len(self.closing) :]
+                self.inside, self.scanned = False, 0
+                if not (calls := self._calls(body)):
+                    self._content(out, self.opening + body + self.closing)
                 else:
                     self.gap, self.held = self.gap or self.held, ""
-                    self.after_call, self.n_calls = True, self.n_calls + 1
-                    out.append(call)
+                    self.after_call = True
+                    out.extend(calls)
                 continue
-            start = self.pending.find(OPEN)
+            start = self.pending.find(self.opening)
             if start >= 0:
                 self._content(out, self.pending[:start])
-                self.pending, self.inside = self.pending[start + len(OPEN) :], True
+                self.pending, self.inside = self.pending[start + len(self.opening) :], True
                 continue
-            cut = len(self.pending) - partial_tag(self.pending)
+            cut = len(self.pending) - partial_tag(self.pending, self.opening)
             self._content(out, self.pending[:cut])
             self.pending = self.pending[cut:]
             return out
@@ -288,15 +326,19 @@ class ToolCallReader:
         as a call, as vLLM's parsers read it. (Cut off by max_tokens, a block that reads as a call may still be
         missing arguments.)"""
         out: list[str | ToolCall] = []
-        if self.inside and stopped and (call := self.read(self.pending)) is not None:
+        if self.inside and stopped and (calls := self._calls(self.pending)):
             self.pending, self.inside, self.held = "", False, ""
-            self.n_calls += 1
-            return [call]
-        self._content(out, (OPEN if self.inside else "") + self.pending)
+            return [*calls]
+        self._content(out, (self.opening if self.inside else "") + self.pending)
         if self.held:
             out.append(self.held)
         self.pending, self.inside, self.held = "", False, ""
         return out
+
+    def _calls(self, body: str) -> list[ToolCall]:
+        """The calls a block's body holds (none: it is not a call)."""
+        calls = self.read(body)
+        return [calls] if isinstance(calls, ToolCall) else calls or []
 
     def _content(self, out: list[str | ToolCall], text: str) -> None:
         if self.after_call:
@@ -314,10 +356,10 @@ class ToolCallReader:
             self.said = True
 
 
-def partial_tag(text: str) -> int:
-    """How many of `text`'s last characters could begin the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def partial_tag(text: str, tag: str = OPEN) -> int:
+    """How many of `text`'s last characters could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
