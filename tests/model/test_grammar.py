@@ -140,6 +140,16 @@ def test_a_grammar_for_another_vocabulary_is_refused(lm: Any) -> None:
         SamplingParams(grammar=grammar(lm)).check_vocab(lm.vocab_size + 1)
 
 
+def test_end_ids_past_the_tokenizer_are_left_to_the_rest(lm: Any) -> None:
+    """A config may name an end-of-sequence id past the tokenizer's own tokens (the embedding has more rows):
+    llguidance refuses such an id, so the grammar ends on the others."""
+    tok = lm.tokenizer
+    llg = grammar_tokenizer(tok, tok.vocab_size + 16, {tok.vocab_size + 3, tok.vocab_size - 1})
+    held = Grammar(llg, json_grammar())
+    finished = tok.encode('{"a": 1}')
+    assert held.allowed(finished).nonzero().flatten().tolist() == [tok.vocab_size - 1]
+
+
 @pytest.mark.parametrize("drafter", ["none", "copy"])
 def test_engine_replies_under_a_grammar_equal_one_token_decoding(lm: Any, drafter: str) -> None:
     """Drafts (copy-heavy prompts make the copy drafter propose JSON) are checked against the mask of their own

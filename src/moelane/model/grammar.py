@@ -42,7 +42,8 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[i
     with _lock:
         found = _tokenizers.get(tokenizer)
         if found is None:
-            eos = sorted(i for i in eos_ids if i < vocab_size)
+            # (llguidance takes only end tokens the tokenizer has: a config's id past it would be refused)
+            eos = sorted(i for i in eos_ids if i < min(vocab_size, tokenizer.vocab_size))
             found = llguidance.LLTokenizer(tokenizer.serialized(), n_vocab=vocab_size, eos_token=eos or None)
             _tokenizers[tokenizer] = found
         return found
