@@ -405,3 +405,23 @@ def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsy
     argv = ["trace", "record", "--prompts", str(prompts), "--out", str(out), "--max-tokens", "2"]
     assert f"{prompts} line 3: prompt of 3001 tokens does not fit the context of 2048" in cli_error(argv, capsys)
     assert out.read_text() == "an earlier trace"
+
+
+def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json-schema` (text, or a file) holds the shipped model's reply to JSON the schema accepts; schemas that
+    are not JSON objects are refused before loading, and ones the grammar cannot use once it has loaded."""
+    schema = {"type": "object", "properties": {"ok": {"enum": [True, False]}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for given in (json.dumps(schema), str(path)):
+        assert main(["run", "--max-tokens", "64", "--json-schema", given, "Is it on?"]) == 0
+        reply = json.loads(capsys.readouterr().out)
+        assert reply in ({"ok": True}, {"ok": False})
+    assert main(["run", "--max-tokens", "64", "--json", "--seed", "1", "--temperature", "1", "Data:"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("{")  # (64 tokens may cut a free object short: it is JSON up to there)
+    assert "neither" in cli_error(["run", "--json-schema", "{not json", "hi"], capsys)
+    assert "neither" in cli_error(["run", "--json-schema", str(tmp_path / "missing.json"), "hi"], capsys)
+    assert "must be a JSON object" in cli_error(["run", "--json-schema", "[1]", "hi"], capsys)
+    assert "--json-schema: the JSON schema cannot be used" in cli_error(["run", "--json-schema", "false", "hi"], capsys)

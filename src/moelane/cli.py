@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
@@ -124,6 +126,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (a reply with "
                    "reasoning, as gpt-oss, Qwen3 and DeepSeek-R1 write: the answer on stdout, the reasoning on "
                    "stderr)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="hold the reply to JSON, token by token: a JSON object (with "
+                   "--chat the model answers at once, without reasoning first)")  # fmt: skip
+    p.add_argument("--json-schema", metavar="SCHEMA", help="hold the reply to JSON that this JSON schema accepts: "
+                   "the schema's text, or a file that holds it (implies --json)")  # fmt: skip
     how = p.add_mutually_exclusive_group()
     how.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                      help="compile the decode step with torch.compile: decode runs several times faster after a "
@@ -221,6 +227,25 @@ def read_prompt(arg: str) -> str:
         return arg
 
 
+def json_schema(arg: str | None) -> dict[str, object] | bool | None:
+    """`--json-schema`'s schema: the JSON text given, or that of the file it names."""
+    if arg is None:
+        return None
+    text = arg
+    if not arg.lstrip().startswith("{") and Path(arg).is_file():
+        try:
+            text = Path(arg).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--json-schema: cannot read {arg}: {e}") from None
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"--json-schema takes a JSON schema or a file that holds one; this is neither: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise InputError(f"--json-schema must be a JSON object (or true or false), got {type(schema).__name__}")
+    return schema
+
+
 def logit_bias(entries: list[str]) -> tuple[tuple[int, float], ...]:
     """`--logit-bias ID=BIAS` entries as (token id, bias) pairs."""
     pairs = []
@@ -265,6 +290,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         params = sampling_params(args.temperature, args.top_p, args.top_k, args.seed,
                                  logit_bias=logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
                                  frequency_penalty=args.frequency_penalty)  # fmt: skip
+    args.schema = json_schema(args.json_schema)
+    if args.json_schema is not None:
+        args.json = True
     lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
     try:
         return run_loaded(lm, args, prompt, params)
@@ -273,14 +301,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # type: ignore[no-untyped-def]
-    from moelane.model.reasoning import ANSWER, REASONING, Openings, splitter_for
+    from moelane.model.reasoning import ANSWER, REASONING, Channels, Openings, answer_opening, splitter_for
     from moelane.model.tokenizer import Detokenizer, StopFilter
 
     with in_flags():
         params.check_vocab(lm.vocab_size)
+    opening = ""  # what a chat prompt ends with for the reply to be the answer at once (JSON: no reasoning first)
     if args.chat:
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    prompt_ids = lm.tokenizer.encode_prompt(prompt, lm.max_context)
+        opening = answer_opening(lm.tokenizer, prompt) if args.json else ""
+    if args.json:
+        params = dataclasses.replace(params, grammar=reply_grammar(lm, args.schema))
+    prompt_ids = lm.tokenizer.encode_prompt(prompt + opening, lm.max_context)
     room = lm.max_context - len(prompt_ids)  # (none: the model refuses the prompt, in one line)
     if 0 < room < args.max_tokens:
         log.warning("the reply can have at most %d tokens, not --max-tokens %d: the prompt's %d tokens leave that "
@@ -299,6 +331,9 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     # a chat reply with reasoning (gpt-oss's channels, <think> tags): the answer on stdout, the reasoning on stderr
     # (without the whitespace that opens each part, as the server sends them)
     splitter, thoughts = splitter_for(lm.tokenizer, prompt_ids) if args.chat else None, Detokenizer(lm.tokenizer)
+    if isinstance(splitter, Channels):  # harmony's: the opening starts the reply's answer message
+        for token in lm.tokenizer.encode(opening):
+            splitter.push(token)
     openings = Openings()
 
     def answer(text: str) -> str:
@@ -337,6 +372,17 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     if args.stats:
         print_stats(lm)
     return 0
+
+
+def reply_grammar(lm, schema: dict[str, object] | bool | None):  # type: ignore[no-untyped-def]
+    """What `--json` holds the reply to: JSON that `schema` accepts (None: any JSON object)."""
+    from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+
+    try:
+        text = json_grammar(schema)
+    except InputError as e:
+        raise InputError(f"--json-schema: {e}") from None
+    return Grammar(grammar_tokenizer(lm.tokenizer, int(lm.vocab_size), lm.eos_ids), text)
 
 
 def ended(stopped: bool, n_new: int, max_tokens: int, room: int) -> str:

@@ -14,9 +14,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 import moelane
+from moelane.model.reasoning import FINAL_OPENING
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
-from moelane.server.prompts import FINAL_OPENING, Prompts
+from moelane.server.prompts import Prompts
 from moelane.server.protocol import ChatCompletionRequest
 from tests.helpers import write_harmony_tokenizer, write_think_tokenizer
 from tests.server.conftest import make_engine, running

@@ -133,6 +133,35 @@ def test_run_chat_prints_the_final_channel_and_reasoning_apart(
     assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
 
 
+def test_run_chat_json_answers_at_once(
+    tokenizer: Tokenizer,
+    harmony_folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`moelane run --chat --json` on gpt-oss: the prompt ends with the final channel's opening, which the reply's
+    channels start from, so the (scripted) JSON is the answer on stdout; the reply is held to JSON."""
+    import shutil
+
+    import moelane.cli
+    from moelane.model.reasoning import FINAL_OPENING
+    from tests.helpers import random_model
+
+    folder = random_model("gpt_oss", tmp_path / "m", vocab_size=320)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(harmony_folder / name, folder / name)
+    reply, asked = tokenizer.encode('{"n": 1}'), []
+    monkeypatch.setattr(moelane.cli, "generate", lambda lm, ids, args, params: asked.append((ids, params)) or iter(
+        reply))  # fmt: skip
+    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--json", "--compile", "off", "fib?"]) == 0
+    out = capsys.readouterr().out
+    ids, params = asked[0]
+    opening = tokenizer.encode(FINAL_OPENING)
+    assert ids[-len(opening) :] == opening and params.grammar is not None
+    assert out == '{"n": 1}\n'
+
+
 THINKING = ("{% if reasoning_effort is defined %}effort {{ reasoning_effort }}{% endif %}" + CHAT_TEMPLATE
             + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
             "{% endif %}")  # fmt: skip

@@ -9,7 +9,8 @@ Two formats:
   may open the block itself (DeepSeek-R1's template ends `<think>\n`), or close an empty one (Qwen3 with thinking
   off): `ThinkTags` starts inside the block when the prompt's last tag opens one.
 
-`splitter_for(tokenizer, prompt_ids)` picks the format from the tokenizer's vocabulary, or None (a plain reply).
+`splitter_for(tokenizer, prompt_ids)` picks the format from the tokenizer's vocabulary, or None (a plain reply);
+`answer_opening(tokenizer, prompt)` says what a prompt ends with for the reply to be the answer at once.
 `push(token)` returns `ANSWER` for a token of the answer, `REASONING` for one of the reasoning, `CALL` for one of a
 tool call's arguments (then `recipient` names the function), None for markup.
 """
@@ -26,6 +27,8 @@ ANSWER, REASONING, CALL = "answer", "reasoning", "call"
 FINAL = "final"  # harmony's answer channel
 FUNCTIONS = "functions."  # harmony's recipients that are the caller's tools (others are the model's own: browser, ...)
 RECIPIENT = re.compile(r"\bto=(\S+)")
+FINAL_OPENING = "<|channel|>final<|message|>"  # harmony: the answer's message follows
+THINK, THINK_END = "<think>", "</think>"
 
 
 def recipient_in(header: str) -> str | None:
@@ -57,6 +60,16 @@ class Openings:
         return text
 
 
+def answer_opening(tokenizer: Tokenizer, prompt: str) -> str:
+    """What a chat prompt ends with so that the reply is the answer, without reasoning first (a reply held to
+    JSON): harmony's final channel (gpt-oss), or the end of a think block the prompt opened."""
+    if Channels.for_tokenizer(tokenizer) is not None:
+        return FINAL_OPENING
+    if tokenizer.token_id(THINK) is not None and prompt.rfind(THINK) > prompt.rfind(THINK_END):
+        return THINK_END + "\n\n"
+    return ""
+
+
 def splitter_for(tokenizer: Tokenizer, prompt_ids: list[int]) -> Splitter | None:
     """The reply format of this tokenizer's models, or None."""
     return Channels.for_tokenizer(tokenizer) or ThinkTags.for_tokenizer(tokenizer, prompt_ids)
@@ -72,7 +85,7 @@ class ThinkTags:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, prompt_ids: list[int]) -> ThinkTags | None:
-        open_id, close_id = tokenizer.token_id("<think>"), tokenizer.token_id("</think>")
+        open_id, close_id = tokenizer.token_id(THINK), tokenizer.token_id(THINK_END)
         if open_id is None or close_id is None:
             return None
         last = next((t for t in reversed(prompt_ids) if t in (open_id, close_id)), None)

@@ -15,15 +15,13 @@ from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
 from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
-from moelane.model.reasoning import Channels
+from moelane.model.reasoning import Channels, answer_opening
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from moelane.server.tools import HARMONY, HERMES, ToolSupport, ToolUse, call_opening, tool_support
 
 log = logging.getLogger(__name__)
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
-FINAL_OPENING = "<|channel|>final<|message|>"  # harmony: the answer's message follows
-THINK, THINK_END = "<think>", "</think>"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = INVALID) -> InputError:
@@ -137,16 +135,6 @@ class Prompts:
     def _grammar(self, text: str) -> Grammar:
         return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), text)
 
-    def json_opening(self, text: str) -> str:
-        """What a chat prompt whose reply must be JSON ends with, so that the JSON is the answer: harmony's final
-        channel (gpt-oss), or the end of a think block the template opened. The model does not reason first."""
-        tokenizer = self.lm.tokenizer
-        if Channels.for_tokenizer(tokenizer) is not None:
-            return FINAL_OPENING
-        if tokenizer.token_id(THINK) is not None and text.rfind(THINK) > text.rfind(THINK_END):
-            return THINK_END + "\n\n"
-        return ""
-
     def chat_prompt(
         self, body: ChatCompletionRequest, tools: ToolUse | None = None, json: bool = False
     ) -> tuple[list[int], tuple[int, ...]]:
@@ -161,9 +149,13 @@ class Prompts:
             text = self.lm.tokenizer.apply_chat_template(messages, **body.template_variables())
         except InputError as e:  # the template refused the messages (roles out of order, say)
             raise bad_request(str(e), "messages") from None
-        opening = tools.opening if tools is not None and tools.opening else self.json_opening(text) if json else ""
-        harmony = bool(opening) and Channels.for_tokenizer(self.lm.tokenizer) is not None
-        return self.encode(text + opening, "messages"), tuple(self.lm.tokenizer.encode(opening)) if harmony else ()
+        tokenizer = self.lm.tokenizer
+        if tools is not None and tools.opening:
+            opening = tools.opening
+        else:  # a reply held to JSON is the answer, at once
+            opening = answer_opening(tokenizer, text) if json else ""
+        harmony = bool(opening) and Channels.for_tokenizer(tokenizer) is not None
+        return self.encode(text + opening, "messages"), tuple(tokenizer.encode(opening)) if harmony else ()
 
     def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.
