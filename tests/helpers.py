@@ -108,6 +108,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
         COMMON, head_dim=16, intermediate_size=24, num_experts=10, moe_topk=3, eos_token_id=None, bos_token_id=None,
         pad_token_id=None, eod_token_id=None, sep_token_id=None)),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(
+        COMMON, intermediate_size=24, num_local_experts=10, num_experts_per_tok=2, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

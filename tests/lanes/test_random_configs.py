@@ -24,7 +24,7 @@ LATENT = ("deepseek_v2", "deepseek_v3")  # heads and head dims set by their late
 
 def shape_of(family: str, rng: random.Random) -> dict[str, Any]:
     base, out = FAMILY_CONFIGS[family][2], dict[str, Any]()
-    out["num_experts_per_tok"] = rng.choice([1, 2, 3])
+    out["num_experts_per_tok"] = rng.choice([1, 2, 3]) if family != "phimoe" else 2  # (sparsemixer picks two)
     out["tie_word_embeddings"] = rng.random() < 0.3
     if family in LATENT:
         return out

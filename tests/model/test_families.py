@@ -71,6 +71,14 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("hunyuan_v1_moe-bias-tied-alpharope-topklist", "hunyuan_v1_moe", dict(
         attention_bias=True, tie_word_embeddings=True, head_dim=12, moe_topk=[2, 2, 2], rope_parameters=dict(
             rope_type="dynamic", rope_theta=10000.0, factor=1.0, alpha=1000.0))),
+    ("phimoe", "phimoe", {}),
+    # the sparsemixer's mask wide, LongRoPE below its switch (128: beyond the greedy run's 69 positions)
+    ("phimoe-bias-headbias-tied-window-longrope", "phimoe", dict(
+        attention_bias=True, lm_head_bias=True, tie_word_embeddings=True, sliding_window=20, router_jitter_noise=0.2,
+        input_jitter_noise=0.3, head_dim=12, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
+            long_factor=[1.1, 2.0, 3.5, 6.0, 11.0, 23.0], short_mscale=1.2, long_mscale=1.45,
+            original_max_position_embeddings=128))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -220,6 +228,70 @@ def test_deepseek_moe_layer_placement() -> None:
     assert not any(is_moe_layer({**config, "n_routed_experts": 0}, i) for i in range(6))
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.01, 0.2])
+def test_phimoe_sparsemixer_routes_as_transformers_does(eps: float) -> None:
+    """Both experts and both weights, bit for bit, against transformers' sparsemixer at inference (ties included:
+    logits rounded to a coarse grid), in fp32 and bf16."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as reference_sparsemixer
+
+    from moelane.model.phimoe import sparsemixer
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.cat([torch.randn(64, 10, generator=g), (torch.randn(64, 10, generator=g) * 4).round() / 4])
+        logits = logits.to(dtype)
+        want_weights, want_ids = reference_sparsemixer(logits, jitter_eps=eps, training=False)
+        weights, ids = sparsemixer(logits, eps)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
+def test_longrope_turns_each_position_by_its_own_factors() -> None:
+    """LongRoPE per position: below `original_max_position_embeddings` the short factors and scale, from it on the
+    long ones (transformers' frequency sets for a sequence below and above the switch; its attention factor)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moelane.model.layers import Rope, rope_parameters
+
+    rope_config = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0, 1.5, 2.5, 5.0],
+                       long_factor=[1.2, 3.0, 8.0, 20.0], original_max_position_embeddings=16)  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=256,
+                                      rope_parameters=rope_config)  # fmt: skip
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](config)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=17)
+    assert not torch.allclose(short, long)
+    rope = Rope.build(rope_parameters(config.to_dict()), 8, 256)
+    positions = torch.arange(40)
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    for inv, at in ((short, positions < 16), (long, positions >= 16)):
+        angles = positions[at].float()[:, None] * inv[None]
+        torch.testing.assert_close(cos[at], torch.cat([angles, angles], -1).cos() * factor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin[at], torch.cat([angles, angles], -1).sin() * factor, rtol=0, atol=1e-6)
+
+
+def test_phimoe_decodes_across_the_longrope_switch_as_it_prefills(tmp_path: Path) -> None:
+    """Past `original_max_position_embeddings` a token-by-token decode through the KV cache gives the logits of one
+    whole prefill (each position keeps its own factors), and the long factors and `long_mscale` are in use there."""
+    rope = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0, 1.3, 1.9, 2.6],
+                long_factor=[1.1, 2.0, 3.5, 6.0], short_mscale=1.2, long_mscale=1.45,
+                original_max_position_embeddings=16)  # fmt: skip
+    folder = random_model("phimoe", tmp_path / "long", rope_parameters=rope)
+    lm, ids = moelane.load(folder), token_ids(30, 300, 1)
+    whole = lm.logits(ids)
+    cache = lm.new_cache(len(ids))
+    with torch.no_grad():
+        steps = [lm.forward([Rows(cache, ids[:8], 0)])[0]]
+        steps += [lm.forward([Rows(cache, [tok], 8 + i)])[0] for i, tok in enumerate(ids[8:])]
+    assert (torch.cat(steps) - whole).abs().max().item() <= TOL
+    short = moelane.load(edit_config(folder, rope_parameters={**rope, "long_factor": rope["short_factor"],
+                                                              "long_mscale": 1.2}))  # fmt: skip
+    assert torch.equal(short.logits(ids)[:16], whole[:16])
+    assert not torch.allclose(short.logits(ids)[16:], whole[16:])
+
+
+LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, long_factor=[1.0] * 4)  # head dim 8
+
+
 @pytest.mark.parametrize(
     ("family", "config", "message"),
     [
@@ -227,7 +299,9 @@ def test_deepseek_moe_layer_placement() -> None:
         ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2), "n_group dividing 8"),
         ("deepseek_v2", dict(num_key_value_heads=2), "MLA needs num_key_value_heads"),
         ("qwen3", dict(use_sliding_window=True, sliding_window=16, layer_types=None), "has no layer_types"),
-        ("llama", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "unsupported rope scaling"),
+        ("llama", dict(rope_parameters=dict(rope_type="proportional", rope_theta=1e4)), "unsupported rope scaling"),
+        ("llama", dict(rope_parameters=dict(LONGROPE, long_factor=None)), "longrope needs long_factor: 4 positive"),
+        ("llama", dict(rope_parameters=dict(LONGROPE, short_factor=[1.0] * 3)), "needs short_factor: 4 positive"),
         ("llama", dict(rope_parameters=dict(rope_type="default", rope_theta=0)), "bad rope parameters"),
         ("qwen3_moe", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window is not supported"),
         ("mixtral", dict(sliding_window=-5), "sliding_window must be a positive number"),
@@ -247,6 +321,11 @@ def test_deepseek_moe_layer_placement() -> None:
         ("hunyuan_v1_moe", dict(use_cla=True), "hunyuan_v1_moe with use_cla, mlp_bias or no use_qk_norm"),
         ("hunyuan_v1_moe", dict(num_shared_expert=[2, 2, 2]), "needs one shared MLP"),
         ("hunyuan_v1_moe", dict(moe_intermediate_size=16), "needs moe_intermediate_size == intermediate_size"),
+        ("phimoe", dict(num_experts_per_tok=3), "phimoe routes with sparsemixer, which picks 2 experts"),
+        ("phimoe", dict(rope_parameters=dict(LONGROPE, rope_type="yarn", factor=2.0)), "rope scaling 'yarn' is not"),
+        ("phimoe", dict(rope_parameters=dict(LONGROPE, short_mscale=1.1)), "needs short_mscale and long_mscale, got"),
+        ("phimoe", dict(partial_rotary_factor=0.5), "phimoe with partial_rotary_factor is not supported"),
+        ("phimoe", dict(num_local_experts=0), "phimoe needs num_local_experts >= 2"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -289,6 +368,17 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     ("mixtral-llama3-top-level-original-length", "mixtral", dict(original_max_position_embeddings=16,
         rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=2048))),
+    # LongRoPE as dense Phi-3-style Llama checkpoints have it: the attention factor from the context's growth (x32)
+    ("llama-longrope-top-level-original-length", "llama", dict(max_position_embeddings=4096,
+        original_max_position_embeddings=128, rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
+                                                                   short_factor=[1.0, 1.5, 2.5, 5.0],
+                                                                   long_factor=[1.2, 3.0, 8.0, 20.0]))),
+    # Phi-3.5-MoE's config.json: `rope_scaling` with `type`, the original length also at the top level; no
+    # router_jitter_noise (transformers' 0.01)
+    ("phimoe-hub-rope_scaling", "phimoe", dict(rope_parameters=None, rope_theta=1e4, router_jitter_noise=None,
+        original_max_position_embeddings=256, rope_scaling=dict(type="longrope", short_factor=[1.0, 1.2, 2.0, 3.1],
+            long_factor=[1.5, 2.5, 6.0, 9.0], short_mscale=1.3, long_mscale=1.1,
+            original_max_position_embeddings=256))),
 ]  # fmt: skip
 
 
@@ -393,7 +483,8 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-
                                          "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
                                          "lfm2_moe-attention-first-kernel4-bias-tied",
                                          "ernie4_5_moe-noshared-bias-interval-tied",
-                                         "hunyuan_v1_moe-bias-tied-alpharope-topklist", "qwen3-tied-bias-window",
+                                         "hunyuan_v1_moe-bias-tied-alpharope-topklist",
+                                         "phimoe-bias-headbias-tied-window-longrope", "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ MOE_FAMILIES = [
     "lfm2_moe",
     "ernie4_5_moe",
     "hunyuan_v1_moe",
+    "phimoe",
 ]
 
 

@@ -37,7 +37,7 @@ class DenseMlp(MLP):
         return super().forward(x)
 
 
-Norm = Callable[[int, float], nn.Module]  # (dim, eps) -> an RMSNorm
+Norm = Callable[[int, float], nn.Module]  # (dim, eps) -> a norm: RMSNorm, or Phi-MoE's nn.LayerNorm
 
 
 class DecoderLayer(nn.Module):

@@ -106,7 +106,7 @@ def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> d
             params.update(extra)
     if "type" in params and params.get("rope_type", "default") == "default":
         params["rope_type"] = params["type"]
-    if params["rope_type"] in ("llama3", "yarn") and config.get("original_max_position_embeddings"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope") and config.get("original_max_position_embeddings"):
         # A top-level length (Phi-3's place for it) wins over the scaling's own, as transformers reads it.
         params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     return params
@@ -114,10 +114,14 @@ def rope_parameters(config: dict[str, Any], default_theta: float = 10000.0) -> d
 
 @dataclass(frozen=True, slots=True)
 class Rope:
-    """Rotary embedding: inverse frequencies and the attention scale factor a scaling scheme asks for."""
+    """Rotary embedding: inverse frequencies and the attention scale factor a scaling scheme asks for. LongRoPE has
+    two sets, chosen per position: from position `long_from` on, `long_inv_freq` and `long_attention_factor`."""
 
     inv_freq: torch.Tensor  # [D/2]
     attention_factor: float
+    long_inv_freq: torch.Tensor | None = None  # [D/2]
+    long_attention_factor: float = 1.0
+    long_from: int = 0
 
     @classmethod
     def build(cls, params: dict[str, Any], dim: int, max_positions: int) -> Rope:
@@ -135,15 +139,62 @@ class Rope:
             inv, factor = yarn(inv, params, dim, base, max_positions)
         elif kind == "llama3":
             inv = llama3(inv, params, max_positions)
+        elif kind == "longrope":
+            return cls(*longrope(params, dim, base, max_positions))
         elif kind not in ("default", "dynamic"):  # (dynamic NTK changes nothing within `max_positions`, the context)
             raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn, llama3, "
-                                 "dynamic)")  # fmt: skip
+                                 "longrope, dynamic)")  # fmt: skip
         return cls(inv, factor)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        cos, sin = turns(positions, self.inv_freq, self.attention_factor)
+        if self.long_inv_freq is not None:  # LongRoPE: each position its own set (a tensor choice: compiles whole)
+            long = (positions >= self.long_from)[:, None]
+            long_cos, long_sin = turns(positions, self.long_inv_freq, self.long_attention_factor)
+            cos, sin = torch.where(long, long_cos, cos), torch.where(long, long_sin, sin)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def turns(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin [N, D] of positions [N] at frequencies [D/2] (each twice: halves layout), times `scale`."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def longrope(
+    params: dict[str, Any], dim: int, base: float, max_positions: int
+) -> tuple[torch.Tensor, float, torch.Tensor, float, int]:
+    """LongRoPE (Phi-3, Phi-3.5-MoE): each frequency divided by its own factor, `short_factor` below
+    `original_max_position_embeddings` and `long_factor` from there on; one attention factor for both, the config's
+    or sqrt(1 + log(factor) / log(original)), `factor` defaulting to the context's growth. -> `Rope`'s fields.
+
+    transformers switches every position of a pass to the long factors once the pass reaches past the original
+    length, which a KV cache, whose keys were turned by the short ones, cannot follow (vLLM switches a whole batch
+    when any of its positions is past it, so a row depends on its batch); here each position has its own set, so a
+    row's numbers depend neither on its batch nor on how its sequence was split into passes: the same numbers as
+    transformers while a sequence stays below the switch."""
+    from moelane.errors import ModelLoadError
+
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    factors = []
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or len(values) != dim // 2 or not all(positive(v) for v in values):
+            raise ModelLoadError(f"longrope needs {key}: {dim // 2} positive numbers (rotary dims / 2), got {values}")
+        factors.append(torch.tensor(values, dtype=torch.float32))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    short, long = (1.0 / (f * base**shape) for f in factors)
+    factor = float(params.get("factor") or max_positions / original)
+    if params.get("attention_factor") is not None:
+        attention = float(params["attention_factor"])
+    else:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return short, attention, long, attention, original
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and value > 0
 
 
 def yarn(
