@@ -79,6 +79,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
             rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.9, 2.6, 4.0, 7.5],
             long_factor=[1.1, 2.0, 3.5, 6.0, 11.0, 23.0], short_mscale=1.2, long_mscale=1.45,
             original_max_position_embeddings=128))),
+    ("granitemoe", "granitemoe", {}),
+    ("granitemoe-bias-tied-linearrope-multipliers", "granitemoe", dict(
+        attention_bias=True, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=1.0,
+        residual_multiplier=1.7, logits_scaling=0.5, rope_parameters=dict(rope_type="linear", rope_theta=1e6,
+                                                                          factor=2.0))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -116,7 +121,8 @@ def test_fp32_matches_transformers(
 ) -> None:
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.float32), moelane.load(folder)
-    feed_forward = [getattr(layer, "mlp", None) or layer.feed_forward for layer in ref.model.layers]  # (LFM2's name)
+    feed_forward = [getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None) or layer.feed_forward
+                    for layer in ref.model.layers]  # (Granite's and LFM2's names)  # fmt: skip
     assert lm.model.moe_layers == [i for i, ff in enumerate(feed_forward) if hasattr(ff, "experts")]
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     more = token_ids(N_DECODE, lm.vocab_size, 2)
@@ -326,6 +332,8 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("phimoe", dict(rope_parameters=dict(LONGROPE, short_mscale=1.1)), "needs short_mscale and long_mscale, got"),
         ("phimoe", dict(partial_rotary_factor=0.5), "phimoe with partial_rotary_factor is not supported"),
         ("phimoe", dict(num_local_experts=0), "phimoe needs num_local_experts >= 2"),
+        ("granitemoe", dict(num_local_experts=0), "granitemoe needs num_local_experts >= 1"),
+        ("granitemoe", dict(logits_scaling=0), "granitemoe needs logits_scaling != 0"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -379,6 +387,9 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
         original_max_position_embeddings=256, rope_scaling=dict(type="longrope", short_factor=[1.0, 1.2, 2.0, 3.1],
             long_factor=[1.5, 2.5, 6.0, 9.0], short_mscale=1.3, long_mscale=1.1,
             original_max_position_embeddings=256))),
+    # Granite without its multipliers: all 1, the softmax scale too (not 1/sqrt(head_dim))
+    ("granitemoe-no-multipliers", "granitemoe", dict(embedding_multiplier=None, attention_multiplier=None,
+                                                     residual_multiplier=None, logits_scaling=None)),
 ]  # fmt: skip
 
 
@@ -484,7 +495,8 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-
                                          "lfm2_moe-attention-first-kernel4-bias-tied",
                                          "ernie4_5_moe-noshared-bias-interval-tied",
                                          "hunyuan_v1_moe-bias-tied-alpharope-topklist",
-                                         "phimoe-bias-headbias-tied-window-longrope", "qwen3-tied-bias-window",
+                                         "phimoe-bias-headbias-tied-window-longrope",
+                                         "granitemoe-bias-tied-linearrope-multipliers", "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

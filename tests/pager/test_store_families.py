@@ -21,6 +21,7 @@ MOE_FAMILIES = [
     "ernie4_5_moe",
     "hunyuan_v1_moe",
     "phimoe",
+    "granitemoe",
 ]
 
 

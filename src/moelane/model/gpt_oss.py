@@ -15,15 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention
 from moelane.model.decoder import Decoder, Routing, attention_heads, config_get
 from moelane.model.layers import RMSNormScaledFp32, Rope, linear, pointwise, rope_parameters
-from moelane.model.loader import ExpertHandle, TensorRef, slice_stacked
-from moelane.model.moe import run_experts
+from moelane.model.loader import ExpertHandle, TensorRef, stacked_experts
+from moelane.model.moe import run_experts, topk_softmax
 from moelane.model.provider import ExpertProvider
 
 EXPERT_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}
@@ -40,25 +39,9 @@ def expert_prefix(layer: int) -> str:
 
 
 def find_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> list[ExpertHandle] | None:
-    """The layer's experts, fused as saved by transformers ("transposed") or as released in MXFP4 ("mxfp4")."""
-    if f"{prefix}.gate_up_proj_blocks" in refs:
-        layout, names = "mxfp4", MXFP4_NAMES
-    elif f"{prefix}.gate_up_proj" in refs:
-        layout, names = "transposed", EXPERT_NAMES
-    else:
-        return None
-    stacked = {}
-    for ours, theirs in names.items():
-        ref = refs.get(f"{prefix}.{theirs}")
-        if ref is None:
-            raise ModelLoadError(f"checkpoint is missing tensor {prefix}.{theirs}")
-        if not ref.shape or ref.shape[0] != n_experts:
-            raise ModelLoadError(f"{prefix}.{theirs} has shape {list(ref.shape)}, config.json implies {n_experts} "
-                                 "experts")  # fmt: skip
-        stacked[ours] = ref
-    layer = int(prefix.split(".")[2])
-    return [ExpertHandle(layer, e, {name: slice_stacked(ref, e) for name, ref in stacked.items()}, layout)
-            for e in range(n_experts)]  # fmt: skip
+    """The layer's experts, as released in MXFP4 ("mxfp4") or fused as saved by transformers ("transposed")."""
+    mxfp4 = stacked_experts(refs, prefix, MXFP4_NAMES, n_experts, "mxfp4")
+    return mxfp4 or stacked_experts(refs, prefix, EXPERT_NAMES, n_experts, "transposed")
 
 
 class Experts(nn.Module):
@@ -88,8 +71,7 @@ class GptOssMoe(nn.Module):
         return pointwise(fn, gate_up[..., ::2].contiguous(), gate_up[..., 1::2].contiguous())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, ids = torch.topk(linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
-        return F.softmax(top, dim=-1), ids
+        return topk_softmax(linear(x, self.router.weight, self.router.bias), self.top_k)
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -309,6 +309,27 @@ def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
     return TensorRef(ref.path, ref.offset + index * per, per, ref.dtype, ref.shape[1:])
 
 
+def stacked_experts(
+    refs: dict[str, TensorRef], prefix: str, names: dict[str, str], n_experts: int, layout: str = "linear"
+) -> list[ExpertHandle] | None:
+    """Handles for a layer whose experts are stacked, one [E, ...] tensor per name (`names`: ours -> the checkpoint's,
+    under `prefix`), each expert a slice of them in `layout`. None when the first name is not in the checkpoint."""
+    if f"{prefix}.{next(iter(names.values()))}" not in refs:
+        return None
+    stacked = {}
+    for ours, theirs in names.items():
+        ref = refs.get(f"{prefix}.{theirs}")
+        if ref is None:
+            raise ModelLoadError(f"checkpoint is missing tensor {prefix}.{theirs}")
+        if not ref.shape or ref.shape[0] != n_experts:
+            raise ModelLoadError(f"{prefix}.{theirs} has shape {list(ref.shape)}, config.json implies {n_experts} "
+                                 "experts")  # fmt: skip
+        stacked[ours] = ref
+    layer = int(prefix.split(".")[2])
+    return [ExpertHandle(layer, e, {name: slice_stacked(ref, e) for name, ref in stacked.items()}, layout)
+            for e in range(n_experts)]  # fmt: skip
+
+
 def find_expert_handles(
     refs: dict[str, TensorRef],
     prefix: str,
@@ -323,17 +344,14 @@ def find_expert_handles(
     per-expert float8 ones with their `weight_scale_inv` too, in a checkpoint of `fp8_block` scales.
     Returns None when the prefix holds no experts.
     """
-    layer = int(prefix.split(".")[2])
-    fused_gu, fused_d = refs.get(f"{prefix}.gate_up_proj"), refs.get(f"{prefix}.down_proj")
-    if fused_gu is not None and fused_d is not None:
-        return [
-            ExpertHandle(layer, e, {"gate_up": slice_stacked(fused_gu, e), "down": slice_stacked(fused_d, e)})
-            for e in range(n_experts)
-        ]
+    fused = stacked_experts(refs, prefix, {"gate_up": "gate_up_proj", "down": "down_proj"}, n_experts)
+    if fused is not None:
+        return fused
     if f"{prefix}.0.{names['gate']}.weight" not in refs:
         return None
     fp8 = fp8_block is not None and f"{prefix}.0.{names['gate']}.weight_scale_inv" in refs
     layout, block = ("fp8", fp8_block) if fp8 and fp8_block else ("linear", (0, 0))
+    layer = int(prefix.split(".")[2])
     handles = []
     for e in range(n_experts):
         tensors = {}

@@ -40,6 +40,12 @@ def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor
     return weights, ids
 
 
+def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k logits, softmaxed over those k alone (in the logits' dtype) -> (weights, ids) [T, K]."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    return torch.softmax(top, dim=-1), ids
+
+
 # The sigmoid router's tensors, kept in fp32 whatever the model's dtype, as transformers keeps them (a family's
 # `KEEP_FP32`): its score bias decides near-ties between experts.
 ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
