@@ -84,6 +84,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         attention_bias=True, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=1.0,
         residual_multiplier=1.7, logits_scaling=0.5, rope_parameters=dict(rope_type="linear", rope_theta=1e6,
                                                                           factor=2.0))),
+    ("granitemoeshared", "granitemoeshared", {}),
+    ("granitemoeshared-bias-tied-yarn-multipliers", "granitemoeshared", dict(
+        shared_intermediate_size=20, attention_bias=True, tie_word_embeddings=True, embedding_multiplier=0.5,
+        attention_multiplier=0.25, residual_multiplier=1.3, logits_scaling=3.0, num_experts_per_tok=4,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=128))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -334,6 +339,8 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("phimoe", dict(num_local_experts=0), "phimoe needs num_local_experts >= 2"),
         ("granitemoe", dict(num_local_experts=0), "granitemoe needs num_local_experts >= 1"),
         ("granitemoe", dict(logits_scaling=0), "granitemoe needs logits_scaling != 0"),
+        ("granitemoeshared", dict(shared_intermediate_size=-4), "shared_intermediate_size a whole number >= 0"),
+        ("granitemoeshared", dict(logits_scaling=0), "granitemoeshared needs logits_scaling != 0"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -390,6 +397,8 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     # Granite without its multipliers: all 1, the softmax scale too (not 1/sqrt(head_dim))
     ("granitemoe-no-multipliers", "granitemoe", dict(embedding_multiplier=None, attention_multiplier=None,
                                                      residual_multiplier=None, logits_scaling=None)),
+    # without shared_intermediate_size, no shared MLP (transformers' default 0): the checkpoint's is left unused
+    ("granitemoeshared-no-shared_intermediate_size", "granitemoeshared", dict(shared_intermediate_size=None)),
 ]  # fmt: skip
 
 
@@ -496,7 +505,8 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-
                                          "ernie4_5_moe-noshared-bias-interval-tied",
                                          "hunyuan_v1_moe-bias-tied-alpharope-topklist",
                                          "phimoe-bias-headbias-tied-window-longrope",
-                                         "granitemoe-bias-tied-linearrope-multipliers", "qwen3-tied-bias-window",
+                                         "granitemoe-bias-tied-linearrope-multipliers",
+                                         "granitemoeshared-bias-tied-yarn-multipliers", "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

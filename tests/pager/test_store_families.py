@@ -22,6 +22,7 @@ MOE_FAMILIES = [
     "hunyuan_v1_moe",
     "phimoe",
     "granitemoe",
+    "granitemoeshared",
 ]
 
 

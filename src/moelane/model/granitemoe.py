@@ -7,12 +7,13 @@ the top k logits and softmaxes over those k alone (`moe.topk_softmax`); the expe
 `block_sparse_moe.input_linear.weight` [E, 2I, H] (gate rows, then up rows) and `output_linear.weight` [E, H, I],
 each expert read as its slice of them (`find_experts`).
 
-`settle` fills in transformers' defaults for the keys a config leaves out: every multiplier 1, so a softmax scale of
-1 too.
+`granitemoeshared` is this plus a shared MLP beside the experts (`build_granite`'s `shared_width`). `settle` fills in
+transformers' defaults for the keys a config leaves out: every multiplier 1, so a softmax scale of 1 too.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar, cast
 
 import torch
@@ -23,7 +24,7 @@ from moelane.model.attention import Attention, Batch
 from moelane.model.decoder import Decoder, DecoderLayer, Routing, attention_heads
 from moelane.model.layers import Rope, linear, rope_parameters
 from moelane.model.loader import ExpertHandle, TensorRef, stacked_experts
-from moelane.model.moe import run_experts, topk_softmax
+from moelane.model.moe import expert_mlp, run_experts, topk_softmax
 from moelane.model.provider import ExpertProvider
 
 EXPERT_NAMES = {"gate_up": "input_linear.weight", "down": "output_linear.weight"}
@@ -32,6 +33,10 @@ DEFAULTS = dict(num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, a
                 attention_multiplier=1.0, residual_multiplier=1.0,
                 logits_scaling=1.0)  # transformers' defaults  # fmt: skip
 T = TypeVar("T")
+RENAMES = [
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"^(model\.layers\.\d+)\.shared_mlp\."), r"\1.mlp.shared_mlp."),  # (granitemoeshared's)
+]
 
 
 def expert_prefix(layer: int) -> str:
@@ -43,15 +48,20 @@ def find_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> lis
 
 
 def sanitize(weights: dict[str, T]) -> dict[str, T]:
-    """Checkpoint names -> ours (values untouched): the MoE block is `mlp`."""
-    return {name.replace(".block_sparse_moe.", ".mlp."): w for name, w in weights.items()}
+    """Checkpoint names -> ours (values untouched): the MoE block is `mlp`, a shared MLP inside it."""
+    out = {}
+    for name, w in weights.items():
+        for pattern, new in RENAMES:
+            name = pattern.sub(new, name)
+        out[name] = w
+    return out
 
 
 def settle(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with transformers' defaults for the keys it leaves out."""
     out = {**config, **{key: value for key, value in DEFAULTS.items() if config.get(key) is None}}
     if not out["logits_scaling"]:
-        raise ModelLoadError("granitemoe needs logits_scaling != 0 (the logits are divided by it)")
+        raise ModelLoadError(f"{config['model_type']} needs logits_scaling != 0 (the logits are divided by it)")
     return out
 
 
@@ -61,12 +71,27 @@ class Router(nn.Module):
         self.layer = nn.Linear(hidden, n_experts, bias=False)  # (the checkpoint's name: `router.layer.weight`)
 
 
-class GraniteMoe(nn.Module):
-    """Routed experts: the top k router logits softmaxed over those k weigh them."""
+class FusedMlp(nn.Module):
+    """A SwiGLU MLP whose gate and up projections are one matrix (`input_linear`, gate rows first), as Granite stores
+    its shared MLP (and, stacked, its experts)."""
 
-    def __init__(self, hidden: int, n_experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden, 2 * width, bias=False)
+        self.output_linear = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(x, self.input_linear.weight, self.output_linear.weight)
+
+
+class GraniteMoe(nn.Module):
+    """Routed experts (the top k router logits softmaxed over those k weigh them), plus a shared MLP when
+    `shared_width`."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, shared_width: int) -> None:
         super().__init__()
         self.router = Router(hidden, n_experts)
+        self.shared_mlp = FusedMlp(hidden, shared_width) if shared_width else None
         self.top_k = top_k
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +100,8 @@ class GraniteMoe(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)
         routing.append((ids, weights))
-        return run_experts(x, layer, ids, weights, provider)
+        out = run_experts(x, layer, ids, weights, provider)
+        return out if self.shared_mlp is None else out + self.shared_mlp(x)
 
 
 class GraniteDecoder(Decoder):
@@ -99,11 +125,16 @@ class GraniteDecoder(Decoder):
 
 
 def build(config: dict[str, Any]) -> Decoder:
+    return build_granite(config, 0)
+
+
+def build_granite(config: dict[str, Any], shared_width: int) -> Decoder:
+    """A Granite MoE decoder, with a shared MLP of `shared_width` in every layer (0: none)."""
     hidden, eps, bias = config["hidden_size"], config["rms_norm_eps"], bool(config["attention_bias"])
     n_heads, n_kv, head_dim = attention_heads(config)
     n_layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
     if n_experts(config) < 1:
-        raise ModelLoadError("granitemoe needs num_local_experts >= 1 (every layer is MoE)")
+        raise ModelLoadError(f"{config['model_type']} needs num_local_experts >= 1 (every layer is MoE)")
     scale = float(config["attention_multiplier"])
 
     def make_attention(i: int) -> nn.Module:
@@ -112,7 +143,7 @@ def build(config: dict[str, Any]) -> Decoder:
         return attention
 
     def make_mlp(i: int) -> nn.Module:
-        return GraniteMoe(hidden, n_experts(config), top_k)
+        return GraniteMoe(hidden, n_experts(config), top_k, shared_width)
 
     rope = Rope.build(rope_parameters(config), head_dim, config["max_position_embeddings"])
     return GraniteDecoder(
