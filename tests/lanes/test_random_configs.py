@@ -19,7 +19,7 @@ from tests.lanes.reference import prompts
 from tests.lanes.test_engine_lm import check_identity, params_of
 
 MOE_FAMILIES = [f for f in FAMILY_CONFIGS if f not in ("qwen3", "llama")]
-LATENT = ("deepseek_v2", "deepseek_v3")  # heads and head dims set by their latent attention
+LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # heads and head dims set by their latent attention
 
 
 def shape_of(family: str, rng: random.Random) -> dict[str, Any]:

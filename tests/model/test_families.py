@@ -89,6 +89,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         shared_intermediate_size=20, attention_bias=True, tie_word_embeddings=True, embedding_multiplier=0.5,
         attention_multiplier=0.25, residual_multiplier=1.3, logits_scaling=3.0, num_experts_per_tok=4,
         rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=128))),
+    ("glm4_moe_lite", "glm4_moe_lite", {}),
+    ("glm4_moe_lite-noqlora-bias-tied-halves-yarn-groups-layertypes", "glm4_moe_lite", dict(
+        q_lora_rank=None, attention_bias=True, tie_word_embeddings=True, rope_interleave=False, n_group=6, topk_group=2,
+        norm_topk_prob=False, routed_scaling_factor=2.5, n_shared_experts=2, num_hidden_layers=4,
+        mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                             mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -341,6 +348,13 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("granitemoe", dict(logits_scaling=0), "granitemoe needs logits_scaling != 0"),
         ("granitemoeshared", dict(shared_intermediate_size=-4), "shared_intermediate_size a whole number >= 0"),
         ("granitemoeshared", dict(logits_scaling=0), "granitemoeshared needs logits_scaling != 0"),
+        ("glm4_moe_lite", dict(partial_rotary_factor=0.5), "turns all qk_rope_head_dim dims, got partial_rotary_f"),
+        ("glm4_moe_lite", dict(mlp_bias=True), "glm4_moe_lite with mlp_bias is not supported"),
+        ("glm4_moe_lite", dict(topk_method="greedy"), "glm4_moe_lite routes with topk_method 'noaux_tc', got 'greedy'"),
+        ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types 'dense' or 'sparse', one per"),
+        ("glm4_moe_lite", dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types 'dense' or 'sparse'"),
+        ("glm4_moe_lite", dict(first_k_dense_replace=2), "first_k_dense_replace 2 contradicts mlp_layer_types"),
+        ("glm4_moe_lite", dict(num_key_value_heads=2), "MLA needs num_key_value_heads"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -399,6 +413,11 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
                                                      residual_multiplier=None, logits_scaling=None)),
     # without shared_intermediate_size, no shared MLP (transformers' default 0): the checkpoint's is left unused
     ("granitemoeshared-no-shared_intermediate_size", "granitemoeshared", dict(shared_intermediate_size=None)),
+    # GLM-4.7-Flash's hub keys (no mlp_layer_types: its first layer dense) and transformers' defaults for the rest
+    ("glm4_moe_lite-hub-keys-defaults", "glm4_moe_lite", dict(mlp_layer_types=None, first_k_dense_replace=1,
+        topk_method="noaux_tc", num_nextn_predict_layers=1, rope_parameters=None, rope_theta=1e6,
+        partial_rotary_factor=1.0, routed_scaling_factor=None, norm_topk_prob=None, n_shared_experts=None,
+        n_group=None, topk_group=None, rope_interleave=None, rms_norm_eps=None)),
 ]  # fmt: skip
 
 
@@ -498,15 +517,21 @@ def test_unservable_configs_are_refused_at_load(changes: dict, message: str, tmp
         moelane.load(folder)
 
 
-COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step", "mixtral-window", "olmoe-norm-clip-bias",
-                                         "deepseek_v2-group-qlora-yarn", "deepseek_v3-halves-qlora-yarn-8groups",
-                                         "glm4_moe-groups-qknorm-scaled", "gpt_oss-clamped-fullfirst-nobias",
+COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
+                                         "mixtral-window",
+                                         "olmoe-norm-clip-bias",
+                                         "deepseek_v2-group-qlora-yarn",
+                                         "deepseek_v3-halves-qlora-yarn-8groups",
+                                         "glm4_moe-groups-qknorm-scaled",
+                                         "gpt_oss-clamped-fullfirst-nobias",
                                          "lfm2_moe-attention-first-kernel4-bias-tied",
                                          "ernie4_5_moe-noshared-bias-interval-tied",
                                          "hunyuan_v1_moe-bias-tied-alpharope-topklist",
                                          "phimoe-bias-headbias-tied-window-longrope",
                                          "granitemoe-bias-tied-linearrope-multipliers",
-                                         "granitemoeshared-bias-tied-yarn-multipliers", "qwen3-tied-bias-window",
+                                         "granitemoeshared-bias-tied-yarn-multipliers",
+                                         "glm4_moe_lite-noqlora-bias-tied-halves-yarn-groups-layertypes",
+                                         "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 

@@ -23,6 +23,7 @@ MOE_FAMILIES = [
     "phimoe",
     "granitemoe",
     "granitemoeshared",
+    "glm4_moe_lite",
 ]
 
 

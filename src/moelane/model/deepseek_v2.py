@@ -194,12 +194,18 @@ def build(config: dict[str, Any]) -> Decoder:
 
 
 def build_latent(
-    config: dict[str, Any], make_moe: Callable[[], nn.Module], rope_dtype: torch.dtype | None, interleave: bool
+    config: dict[str, Any],
+    make_moe: Callable[[], nn.Module],
+    rope_dtype: torch.dtype | None,
+    interleave: bool,
+    moe_layers: list[int] | None = None,
 ) -> Decoder:
-    """A DeepSeek decoder: MLA in every layer, `make_moe()` in the MoE layers (`is_moe_layer`), dense MLPs elsewhere."""
+    """A DeepSeek decoder: MLA in every layer, `make_moe()` in the MoE layers (`moe_layers`, by default DeepSeek's
+    `is_moe_layer`), dense MLPs elsewhere."""
     hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
     n_layers, n_heads = config["num_hidden_layers"], config["num_attention_heads"]
-    moe_layers = [i for i in range(n_layers) if is_moe_layer(config, i)]
+    if moe_layers is None:
+        moe_layers = [i for i in range(n_layers) if is_moe_layer(config, i)]
     rope = Rope.build(rope_parameters(config), config["qk_rope_head_dim"], config.get("max_position_embeddings", 4096))
 
     def make_mlp(i: int) -> nn.Module:

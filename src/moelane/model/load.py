@@ -40,9 +40,25 @@ from moelane.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-            "lfm2_moe", "ernie4_5_moe", "hunyuan_v1_moe", "phimoe", "granitemoe", "granitemoeshared", "qwen3",
-            "llama")  # fmt: skip
+FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "lfm2_moe",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "phimoe",
+    "granitemoe",
+    "granitemoeshared",
+    "glm4_moe_lite",
+    "qwen3",
+    "llama",
+)
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
