@@ -123,6 +123,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         COMMON, num_key_value_heads=6, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=12,
         n_shared_experts=1, num_experts_per_tok=3, kv_lora_rank=20, q_lora_rank=24, qk_nope_head_dim=10,
         qk_rope_head_dim=6, v_head_dim=12, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        COMMON, intermediate_size=72, moe_intermediate_size=24, n_routed_experts=12, n_shared_experts=2,
+        num_experts_per_tok=3, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.5,
+        sliding_window=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

@@ -96,6 +96,11 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                              mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
+    ("dots1", "dots1", {}),
+    ("dots1-window-groups-bias-tied-yarn-noshared-allmoe", "dots1", dict(
+        sliding_window=20, max_window_layers=1, n_group=4, topk_group=2, attention_bias=True, tie_word_embeddings=True,
+        norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=0, first_k_dense_replace=0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -355,6 +360,14 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("glm4_moe_lite", dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types 'dense' or 'sparse'"),
         ("glm4_moe_lite", dict(first_k_dense_replace=2), "first_k_dense_replace 2 contradicts mlp_layer_types"),
         ("glm4_moe_lite", dict(num_key_value_heads=2), "MLA needs num_key_value_heads"),
+        ("dots1", dict(n_shared_experts=None), "dots1 needs n_shared_experts"),
+        ("dots1", dict(moe_layer_freq=2), "dots1 has MoE in every layer from first_k_dense_replace, got moe_layer_f"),
+        ("dots1", dict(scoring_func="softmax"), "dots1 routes with sigmoid scores and topk_method 'noaux_tc', got"),
+        ("dots1", dict(topk_method="greedy"), "topk_method 'greedy'"),
+        ("dots1", dict(layer_types=["full_attention"] * 2), "dots1 needs layer_types 'full_attention' or 'sliding"),
+        ("dots1", dict(sliding_window=0, max_window_layers=1), "sliding_window must be a positive number"),
+        ("dots1", dict(sliding_window=8, max_window_layers=1, use_sliding_window=False), "use_sliding_window false"),
+        ("dots1", dict(n_group=5, topk_group=2), "n_group dividing the 12 experts"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -418,6 +431,13 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
         topk_method="noaux_tc", num_nextn_predict_layers=1, rope_parameters=None, rope_theta=1e6,
         partial_rotary_factor=1.0, routed_scaling_factor=None, norm_topk_prob=None, n_shared_experts=None,
         n_group=None, topk_group=None, rope_interleave=None, rms_norm_eps=None)),
+    # dots.llm1's hub keys (no window, no layer_types; routing keys transformers does not read) and its defaults
+    ("dots1-hub-keys-defaults", "dots1", dict(layer_types=None, sliding_window=None, max_window_layers=62,
+        use_sliding_window=False, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
+        rope_parameters=None, rope_theta=1e7, n_group=None, topk_group=None, rms_norm_eps=None,
+        attention_bias=None, norm_topk_prob=None, routed_scaling_factor=None)),
+    # no layer_types: the layers from max_window_layers on slide, as transformers derives them
+    ("dots1-window-by-max_window_layers", "dots1", dict(layer_types=None, sliding_window=8, max_window_layers=1)),
 ]  # fmt: skip
 
 
@@ -451,6 +471,19 @@ def test_expert_widths_are_read_only_where_there_are_experts(tmp_path: Path) -> 
     moe = edit_config(random_model("qwen3_moe", tmp_path / "moe"), moe_intermediate_size=None)
     with pytest.raises(ModelLoadError, match="missing or has a bad value for 'moe_intermediate_size'"):
         moelane.load(moe)
+
+
+def test_dots1_null_groups_read_as_no_group_limit(tmp_path: Path) -> None:
+    """dots.llm1 configs may say `n_group: null, topk_group: null`, on which transformers 5.24 fails: moelane reads
+    them as no group limit, the logits of transformers' `n_group: 1`."""
+    folder = random_model("dots1", tmp_path)
+    ref = reference(folder, torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_group": None, "topk_group": None}))
+    lm = moelane.load(folder)
+    prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
 
 
 def test_deepseek_v3_defaults_are_transformers_defaults(tmp_path: Path) -> None:
@@ -531,6 +564,7 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "granitemoe-bias-tied-linearrope-multipliers",
                                          "granitemoeshared-bias-tied-yarn-multipliers",
                                          "glm4_moe_lite-noqlora-bias-tied-halves-yarn-groups-layertypes",
+                                         "dots1-window-groups-bias-tied-yarn-noshared-allmoe",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

@@ -24,6 +24,7 @@ MOE_FAMILIES = [
     "granitemoe",
     "granitemoeshared",
     "glm4_moe_lite",
+    "dots1",
 ]
 
 

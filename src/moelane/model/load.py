@@ -56,6 +56,7 @@ FAMILIES = (
     "granitemoe",
     "granitemoeshared",
     "glm4_moe_lite",
+    "dots1",
     "qwen3",
     "llama",
 )
