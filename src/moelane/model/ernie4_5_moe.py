@@ -83,7 +83,8 @@ class ErnieMoe(nn.Module):
         bias = self.moe_statics.get_buffer("e_score_correction_bias").float()[0]
         ids = torch.topk(probs + bias, self.top_k, dim=-1).indices
         weights = probs.gather(1, ids)
-        return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min), ids
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
+        return weights.to(x.dtype), ids  # (rounded to the model's dtype, as transformers' router gives them)
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -39,7 +39,7 @@ def build(config: dict[str, Any]) -> Decoder:
         return Attention(hidden, n_heads, n_kv, head_dim, eps=eps, window=windows[i])
 
     def make_mlp(i: int) -> nn.Module:
-        return SparseMoe(hidden, n_experts(config), top_k, norm=True)
+        return SparseMoe(hidden, n_experts(config), top_k, norm=True, round_weights=False)
 
     max_pos = config.get("max_position_embeddings", 32768)
     rope = Rope.build(rope_parameters(config, default_theta=1e6), head_dim, max_pos)  # (transformers' default theta)

@@ -176,7 +176,7 @@ def dispatch(
     """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H]; slots, weights [T, K]."""
     if torch.compiler.is_compiling():
         y = gathered(x, slots, w13, w2, act, bias)
-        return (y * weights.to(x.dtype)[..., None]).sum(dim=1)  # as `weighted_sum`
+        return (y * weights[..., None]).sum(dim=1).to(x.dtype)  # as `weighted_sum`
     flat = slots.reshape(-1)
     return weighted_sum(grouped(x, torch.arange(flat.numel()) // slots.shape[1], flat, w13, w2, act, bias), weights)
 
@@ -195,9 +195,10 @@ def gathered(
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Sum over k of weights[t, k] * y[t * K + k], in a fixed order: the same for every row, whatever the batch.
-    y [T * K, H] in pair order; weights [T, K]."""
+    y [T * K, H] in pair order; weights [T, K]. In the wider of the two dtypes, rounded to y's once: fp32 router
+    weights weigh bf16 expert outputs in fp32, as transformers (5.x) does, not rounded to bf16 first."""
     n_tokens, k = weights.shape
-    return (y.view(n_tokens, k, -1) * weights.to(y.dtype)[..., None]).sum(dim=1)
+    return (y.view(n_tokens, k, -1) * weights[..., None]).sum(dim=1).to(y.dtype)
 
 
 def grouped(

@@ -34,7 +34,8 @@ class SharedExpertMoe(nn.Module):
         self.top_k, self.norm = top_k, norm
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)  # [T, K]
+        weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)  # [T, K]
+        return weights.to(x.dtype), ids  # (rounded to the model's dtype, as transformers' router gives them)
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -25,13 +25,17 @@ def expert_prefix(layer: int) -> str:
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, hidden: int, n_experts: int, top_k: int, norm: bool) -> None:
+    """Routed experts under a softmax top-k router; the weights rounded to the model's dtype (`round_weights`), as
+    transformers' Qwen and OLMoE routers give them (Mixtral's stay fp32)."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, norm: bool, round_weights: bool = True) -> None:
         super().__init__()
         self.gate = nn.Linear(hidden, n_experts, bias=False)
-        self.top_k, self.norm = top_k, norm
+        self.top_k, self.norm, self.round_weights = top_k, norm, round_weights
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)
+        weights, ids = softmax_topk(linear(x, self.gate.weight), self.top_k, self.norm)
+        return weights.to(x.dtype) if self.round_weights else weights, ids
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)
