@@ -101,6 +101,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         sliding_window=20, max_window_layers=1, n_group=4, topk_group=2, attention_bias=True, tie_word_embeddings=True,
         norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=0, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128))),
+    ("minimax_m2", "minimax_m2", {}),
+    ("minimax_m2-tied-wholehead-yarn", "minimax_m2", dict(
+        tie_word_embeddings=True, head_dim=12, rotary_dim=None, num_experts_per_tok=4, rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=128))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -195,8 +199,8 @@ def test_bf16_prefill_logits_are_transformers_bit_for_bit(
     case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The same roundings in the same places: the routed experts' outputs weighed in the dtype the reference's router
-    gives its weights (fp32 for Mixtral, DeepSeek-V3, GLM and Hunyuan, the model's for Qwen, OLMoE and ERNIE), then
-    rounded once. Weighed in bf16 throughout, as before, Mixtral's logits were off by up to 0.012."""
+    gives its weights (fp32 for Mixtral, DeepSeek-V3, GLM, Hunyuan and MiniMax-M2, the model's for Qwen, OLMoE and
+    ERNIE), then rounded once. Weighed in bf16 throughout, as before, Mixtral's logits were off by up to 0.012."""
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.bfloat16), moelane.load(folder, dtype=torch.bfloat16)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
@@ -248,8 +252,11 @@ def test_glm_router_stays_fp32_and_its_mtp_layer_is_skipped(tmp_path: Path, capl
     plain = moelane.load(folder).logits(prompt)
     weights = load_file(folder / "model.safetensors")
     mtp = "model.layers.3."  # the layer after the decoder's three
-    extra = {mtp + "eh_proj.weight": torch.randn(48, 96), mtp + "mlp.gate.weight": torch.randn(12, 48),
-             mtp + "mlp.experts.0.gate_proj.weight": torch.randn(24, 48)}  # fmt: skip
+    extra = {
+        mtp + "eh_proj.weight": torch.randn(48, 96),
+        mtp + "mlp.gate.weight": torch.randn(12, 48),
+        mtp + "mlp.experts.0.gate_proj.weight": torch.randn(24, 48),
+    }
     save_file({**weights, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level("WARNING"):
         lm = moelane.load(folder)
@@ -261,6 +268,30 @@ def test_glm_router_stays_fp32_and_its_mtp_layer_is_skipped(tmp_path: Path, capl
     assert torch.equal(gate.weight, weights["model.layers.1.mlp.gate.weight"])
     assert torch.equal(gate.e_score_correction_bias, weights["model.layers.1.mlp.gate.e_score_correction_bias"])
     assert bf16.model.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_minimax_m2_skips_its_mtp_layers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """MiniMax-M2's checkpoints carry `num_mtp_modules` multi-token-prediction layers after the decoder's, under
+    Mixtral's names (`model.layers.{num_hidden_layers + i}.block_sparse_moe.*`): skipped without a warning, changing
+    nothing."""
+    from safetensors.torch import load_file, save_file
+
+    folder = random_model("minimax_m2", tmp_path / "minimax")
+    prompt = token_ids(N_PROMPT, 300, 1)
+    plain = moelane.load(folder).logits(prompt)
+    weights = load_file(folder / "model.safetensors")
+    shapes = {
+        "self_attn.q_proj.weight": (96, 48),
+        "block_sparse_moe.gate.weight": (10, 48),
+        "block_sparse_moe.e_score_correction_bias": (10,),
+        "block_sparse_moe.experts.0.w1.weight": (24, 48),
+    }
+    extra = {f"model.layers.{i}.{name}": torch.randn(*shape) for i in (3, 4) for name, shape in shapes.items()}
+    save_file({**weights, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        lm = moelane.load(edit_config(folder, num_mtp_modules=2, use_mtp=True))
+    assert not caplog.records
+    assert torch.equal(lm.logits(prompt), plain)
 
 
 def test_deepseek_moe_layer_placement() -> None:
@@ -388,6 +419,13 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("dots1", dict(sliding_window=0, max_window_layers=1), "sliding_window must be a positive number"),
         ("dots1", dict(sliding_window=8, max_window_layers=1, use_sliding_window=False), "use_sliding_window false"),
         ("dots1", dict(n_group=5, topk_group=2), "n_group dividing the 12 experts"),
+        ("minimax_m2", dict(qk_norm_type="per_head"), "minimax_m2 needs q/k norms over the whole projection"),
+        ("minimax_m2", dict(use_qk_norm=False), "minimax_m2 needs q/k norms over the whole projection"),
+        ("minimax_m2", dict(scoring_func="softmax"), "minimax_m2 routes by sigmoid scores with a routing bias"),
+        ("minimax_m2", dict(use_routing_bias=False), "minimax_m2 routes by sigmoid scores with a routing bias"),
+        ("minimax_m2", dict(shared_intermediate_size=24), "minimax_m2 with shared experts"),
+        ("minimax_m2", dict(attn_type_list=[0, 1, 1]), "or lightning-attention layers (attn_type_list 0)"),
+        ("minimax_m2", dict(rotary_dim=3), "minimax_m2 rotates 3 dims of a head's 16"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -458,6 +496,11 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
         attention_bias=None, norm_topk_prob=None, routed_scaling_factor=None)),
     # no layer_types: the layers from max_window_layers on slide, as transformers derives them
     ("dots1-window-by-max_window_layers", "dots1", dict(layer_types=None, sliding_window=8, max_window_layers=1)),
+    # MiniMax-M2's released configs: the rotary dims as `rotary_dim`, theta at the top level (default 5e6), and keys
+    # of MiniMax's own code that say what transformers computes anyway
+    ("minimax_m2-released-config", "minimax_m2", dict(rope_parameters=None, rotary_dim=4, rope_theta=None,
+        qk_norm_type="per_layer", use_qk_norm=True, scoring_func="sigmoid", use_routing_bias=True,
+        shared_intermediate_size=0, attn_type_list=[1, 1, 1], use_mtp=True, num_mtp_modules=3)),
 ]  # fmt: skip
 
 
@@ -585,6 +628,7 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "granitemoeshared-bias-tied-yarn-multipliers",
                                          "glm4_moe_lite-noqlora-bias-tied-halves-yarn-groups-layertypes",
                                          "dots1-window-groups-bias-tied-yarn-noshared-allmoe",
+                                         "minimax_m2-tied-wholehead-yarn",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

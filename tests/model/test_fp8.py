@@ -1,5 +1,5 @@
-"""Checkpoints in float8 with block scales (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-Air-FP8): every projection's
-weight in e4m3 with an fp32 scale per block (`weight_scale_inv`), dense and expert weights alike.
+"""Checkpoints in float8 with block scales (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-Air-FP8, MiniMax-M2): every
+projection's weight in e4m3 with an fp32 scale per block (`weight_scale_inv`), dense and expert weights alike.
 
 The reference is transformers' own loader, which expands such a checkpoint on a machine without a GPU: our logits
 must be its logits (fp32, 1e-4), resident or paged.
@@ -35,18 +35,19 @@ def to_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch
     return q.to(torch.float8_e4m3fn), scale.float()
 
 
-def fp8_checkpoint(folder: Path, out: Path, block: tuple[int, int]) -> Path:
-    """A copy of `folder` with every projection weight (not norms, embeddings, LM head or router) in float8."""
+def fp8_checkpoint(folder: Path, out: Path, block: tuple[int, int], fmt: str = "e4m3") -> Path:
+    """A copy of `folder` with every projection weight (not norms, embeddings, LM head or router) in float8; `fmt`
+    as the config spells it."""
     shutil.copytree(folder, out)
     weights, packed = load_file(folder / "model.safetensors"), {}
     for name, w in weights.items():
-        if w.dim() == 2 and name.endswith("proj.weight"):
+        if w.dim() == 2 and name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
             packed[name], packed[name + "_scale_inv"] = to_fp8(w, block)
         else:
             packed[name] = w
     save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic",
                                      "weight_block_size": list(block)}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
     return out
@@ -66,18 +67,21 @@ def test_fp8_expands_block_by_block() -> None:
 
 
 CASES = [
-    ("qwen3_moe", {}),
-    ("glm4_moe", {}),  # its router stays fp32, unquantized
+    ("qwen3_moe", {}, "e4m3"),
+    ("glm4_moe", {}, "e4m3"),  # its router stays fp32, unquantized
     # MLA with every width a multiple of 8 (transformers' expansion needs whole blocks), q through its LoRA
-    ("deepseek_v3", dict(kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, q_lora_rank=24)),
+    ("deepseek_v3", dict(kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, q_lora_rank=24), "e4m3"),
+    ("minimax_m2", {}, "float8_e4m3fn"),  # experts named w1/w3/w2, the format spelt as MiniMax-M2's release does
 ]
 
 
-@pytest.mark.parametrize(("family", "overrides"), CASES, ids=[c[0] for c in CASES])
-def test_an_fp8_checkpoint_runs_as_transformers_expands_it(family: str, overrides: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("family", "overrides", "fmt"), CASES, ids=[c[0] for c in CASES])
+def test_an_fp8_checkpoint_runs_as_transformers_expands_it(
+    family: str, overrides: dict, fmt: str, tmp_path: Path
+) -> None:
     import transformers
 
-    folder = fp8_checkpoint(random_model(family, tmp_path / "base", **overrides), tmp_path / "fp8", (8, 8))
+    folder = fp8_checkpoint(random_model(family, tmp_path / "base", **overrides), tmp_path / "fp8", (8, 8), fmt)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                             attn_implementation="eager").eval()  # fmt: skip
     lm = moelane.load(folder)

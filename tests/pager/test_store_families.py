@@ -25,6 +25,7 @@ MOE_FAMILIES = [
     "granitemoeshared",
     "glm4_moe_lite",
     "dots1",
+    "minimax_m2",
 ]
 
 

@@ -57,6 +57,7 @@ FAMILIES = (
     "granitemoeshared",
     "glm4_moe_lite",
     "dots1",
+    "minimax_m2",
     "qwen3",
     "llama",
 )
@@ -122,7 +123,7 @@ def load(
 
 
 def check_quantization(config: dict[str, object], readable: tuple[str, ...] = ()) -> tuple[int, int] | None:
-    """The block of a float8 checkpoint's weight scales (DeepSeek's, Qwen's and GLM's FP8 releases:
+    """The block of a float8 checkpoint's weight scales (DeepSeek's, Qwen's, GLM's and MiniMax's FP8 releases:
     `quant_method` "fp8", e4m3 weights, `weight_block_size`, activations quantized on the fly, which moelane does
     not: it computes with the weights expanded to the compute dtype, as transformers does without a GPU), or None.
     Other checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, per-tensor FP8: config.json's
@@ -137,7 +138,8 @@ def check_quantization(config: dict[str, object], readable: tuple[str, ...] = ()
     if method == "fp8" and isinstance(quant, dict):
         block = quant.get("weight_block_size")
         fine = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
-        if fine and quant.get("fmt", "e4m3") == "e4m3" and quant.get("activation_scheme", "dynamic") == "dynamic":
+        e4m3 = quant.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn")  # (MiniMax's spelling of the same format)
+        if fine and e4m3 and quant.get("activation_scheme", "dynamic") == "dynamic":
             return block[0], block[1]  # type: ignore[index]
         raise ModelLoadError(f"fp8 checkpoints are read with e4m3 weights in blocks of scales only "
                              f"(weight_block_size), got {json.dumps(quant)[:200]}")  # fmt: skip
