@@ -130,6 +130,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         COMMON, head_dim=16, intermediate_size=24, num_local_experts=10, num_experts_per_tok=3, rotary_dim=8,
         eos_token_id=None, bos_token_id=None)),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+        COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=72, moe_intermediate_size=24, num_experts=10,
+        num_experts_per_tok=3, sliding_window=12, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

@@ -105,6 +105,13 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("minimax_m2-tied-wholehead-yarn", "minimax_m2", dict(
         tie_word_embeddings=True, head_dim=12, rotary_dim=None, num_experts_per_tok=4, rope_parameters=dict(
             rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=128))),
+    ("exaone_moe", "exaone_moe", {}),
+    # a global layer between sliding ones, a dense layer between MoE ones, expert groups, unnormalised scaled weights
+    ("exaone_moe-layerlists-groups-scaled-tied-linearrope", "exaone_moe", dict(
+        sliding_window=20, layer_types=["sliding_attention", "full_attention"] + ["sliding_attention"] * 2,
+        mlp_layer_types=["sparse", "dense", "sparse", "sparse"], n_group=2, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.7, num_shared_experts=2, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -270,26 +277,34 @@ def test_glm_router_stays_fp32_and_its_mtp_layer_is_skipped(tmp_path: Path, capl
     assert bf16.model.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.bfloat16
 
 
-def test_minimax_m2_skips_its_mtp_layers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """MiniMax-M2's checkpoints carry `num_mtp_modules` multi-token-prediction layers after the decoder's, under
-    Mixtral's names (`model.layers.{num_hidden_layers + i}.block_sparse_moe.*`): skipped without a warning, changing
-    nothing."""
+# Multi-token-prediction tensors as checkpoints carry them: (family, their names and shapes, config.json changes)
+MTP = [
+    # MiniMax-M2: `num_mtp_modules` layers after the decoder's, under Mixtral's names
+    ("minimax_m2", {f"model.layers.{i}.{name}": shape for i in (3, 4) for name, shape in [
+        ("self_attn.q_proj.weight", (96, 48)), ("block_sparse_moe.gate.weight", (10, 48)),
+        ("block_sparse_moe.e_score_correction_bias", (10,)), ("block_sparse_moe.experts.0.w1.weight", (24, 48)),
+    ]}, dict(num_mtp_modules=2, use_mtp=True)),
+    # K-EXAONE: a module of its own (`mtp.*`)
+    ("exaone_moe", {"mtp.fc.weight": (48, 96), "mtp.norm.weight": (48,),
+                    "mtp.layers.0.mlp.experts.0.gate_proj.weight": (24, 48)}, {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "shapes", "changes"), MTP, ids=[c[0] for c in MTP])
+def test_mtp_tensors_are_skipped(
+    family: str, shapes: dict, changes: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint's multi-token-prediction tensors, which plain decoding does not use, are skipped without a
+    warning and change nothing."""
     from safetensors.torch import load_file, save_file
 
-    folder = random_model("minimax_m2", tmp_path / "minimax")
+    folder = random_model(family, tmp_path / family)
     prompt = token_ids(N_PROMPT, 300, 1)
     plain = moelane.load(folder).logits(prompt)
-    weights = load_file(folder / "model.safetensors")
-    shapes = {
-        "self_attn.q_proj.weight": (96, 48),
-        "block_sparse_moe.gate.weight": (10, 48),
-        "block_sparse_moe.e_score_correction_bias": (10,),
-        "block_sparse_moe.experts.0.w1.weight": (24, 48),
-    }
-    extra = {f"model.layers.{i}.{name}": torch.randn(*shape) for i in (3, 4) for name, shape in shapes.items()}
-    save_file({**weights, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    weights = load_file(folder / "model.safetensors") | {name: torch.randn(*shape) for name, shape in shapes.items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level("WARNING"):
-        lm = moelane.load(edit_config(folder, num_mtp_modules=2, use_mtp=True))
+        lm = moelane.load(edit_config(folder, **changes))
     assert not caplog.records
     assert torch.equal(lm.logits(prompt), plain)
 
@@ -426,6 +441,11 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("minimax_m2", dict(shared_intermediate_size=24), "minimax_m2 with shared experts"),
         ("minimax_m2", dict(attn_type_list=[0, 1, 1]), "or lightning-attention layers (attn_type_list 0)"),
         ("minimax_m2", dict(rotary_dim=3), "minimax_m2 rotates 3 dims of a head's 16"),
+        ("exaone_moe", dict(sliding_window_pattern="LLLG"), "exaone_moe without layer_types needs a whole-number"),
+        ("exaone_moe", dict(layer_types=["sliding_attention"] * 3), "needs layer_types, one of ('sliding_attention'"),
+        ("exaone_moe", dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "needs mlp_layer_types, one of"),
+        ("exaone_moe", dict(sliding_window=None), "sliding_window must be a positive number of positions, got None"),
+        ("exaone_moe", dict(n_group=3), "n_group dividing the 10 experts"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -501,6 +521,11 @@ EDITED: list[tuple[str, str, dict[str, Any]]] = [
     ("minimax_m2-released-config", "minimax_m2", dict(rope_parameters=None, rotary_dim=4, rope_theta=None,
         qk_norm_type="per_layer", use_qk_norm=True, scoring_func="sigmoid", use_routing_bias=True,
         shared_intermediate_size=0, attn_type_list=[1, 1, 1], use_mtp=True, num_mtp_modules=3)),
+    # K-EXAONE without the per-layer lists or the keys they come from (a global layer every 4th, a dense one first),
+    # nor its routing keys (a scale of 2.5, renormalised, one group, one shared expert)
+    ("exaone_moe-defaults", "exaone_moe", dict(layer_types=None, mlp_layer_types=None, sliding_window_pattern=None,
+        first_k_dense_replace=None, routed_scaling_factor=None, norm_topk_prob=None, n_group=None, topk_group=None,
+        num_shared_experts=None)),
 ]  # fmt: skip
 
 
@@ -629,6 +654,7 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "glm4_moe_lite-noqlora-bias-tied-halves-yarn-groups-layertypes",
                                          "dots1-window-groups-bias-tied-yarn-noshared-allmoe",
                                          "minimax_m2-tied-wholehead-yarn",
+                                         "exaone_moe-layerlists-groups-scaled-tied-linearrope",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

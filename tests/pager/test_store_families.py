@@ -26,6 +26,7 @@ MOE_FAMILIES = [
     "glm4_moe_lite",
     "dots1",
     "minimax_m2",
+    "exaone_moe",
 ]
 
 

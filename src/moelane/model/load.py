@@ -58,6 +58,7 @@ FAMILIES = (
     "glm4_moe_lite",
     "dots1",
     "minimax_m2",
+    "exaone_moe",
     "qwen3",
     "llama",
 )
