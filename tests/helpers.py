@@ -133,6 +133,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
         COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=72, moe_intermediate_size=24, num_experts=10,
         num_experts_per_tok=3, sliding_window=12, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        COMMON, head_dim=16, intermediate_size=24, intermediate_size_mlp=72, num_local_experts=10,
+        num_experts_per_tok=3, no_rope_layer_interval=2, attention_chunk_size=16, floor_scale=8, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(COMMON, head_dim=16, intermediate_size=72)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         COMMON, intermediate_size=72, eos_token_id=None, bos_token_id=None, pad_token_id=None)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shutil
 import struct
@@ -592,7 +593,8 @@ def test_pointwise_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype, thre
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_staged_dispatch_equals_dispatch(dtype: torch.dtype) -> None:
-    """Resident experts first, the late ones after `wait()`: the same bits as all at once; `wait` runs between."""
+    """Resident experts first, the late ones after `wait()`: the same bits as all at once; `wait` runs between. Also
+    with one input per (token, expert) pair (Llama 4's, scaled by the router)."""
     from moelane.model.moe import dispatch, dispatch_staged
 
     gen = torch.Generator().manual_seed(1)
@@ -603,11 +605,14 @@ def test_staged_dispatch_equals_dispatch(dtype: torch.dtype) -> None:
         x = torch.randn(n_tokens, hidden, generator=gen).to(dtype)
         slots = torch.stack([torch.randperm(n_slots, generator=gen)[:k] for _ in range(n_tokens)])
         weights = torch.rand(n_tokens, k, generator=gen)
-        for pending in (slots == 2, slots >= 0, torch.rand(n_tokens, k, generator=gen) < 0.4):
+        per_pair = torch.randn(n_tokens, k, hidden, generator=gen).to(dtype)
+        for inputs, pending in itertools.product(
+            (x, per_pair), (slots == 2, slots >= 0, torch.rand(n_tokens, k, generator=gen) < 0.4)
+        ):
             calls: list[int] = []
-            got = dispatch_staged(x, slots, pending, weights, w13, w2, functools.partial(calls.append, 1))
+            got = dispatch_staged(inputs, slots, pending, weights, w13, w2, functools.partial(calls.append, 1))
             assert calls == [1]
-            assert torch.equal(got, dispatch(x, slots, weights, w13, w2))
+            assert torch.equal(got, dispatch(inputs, slots, weights, w13, w2))
 
 
 @pytest.mark.parametrize("widths", [(40, 24), (36, 20)])  # (hidden, expert width); 36 bf16 values: 72 bytes a row

@@ -112,6 +112,17 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
         mlp_layer_types=["sparse", "dense", "sparse", "sparse"], n_group=2, topk_group=1, norm_topk_prob=False,
         routed_scaling_factor=1.7, num_shared_experts=2, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    # chunks of 16 (the prompt and its decode cross three), a NoPE layer between rope layers, temperature from 8
+    ("llama4", "llama4", {}),
+    # Maverick's shape (dense layers between MoE ones, no q/k norm), Scout's rope scaling (a hard cut: low and high
+    # frequency factors equal) from a short original length, so it bites; a rope layer with full attention
+    # (`layer_types`), chunks of 8, a stronger temperature
+    ("llama4-dense-bias-tied-llama3rope-layertypes", "llama4", dict(
+        num_hidden_layers=4, interleave_moe_layer_step=2, use_qk_norm=False, attention_bias=True,
+        tie_word_embeddings=True, head_dim=12, no_rope_layers=[1, 0, 1, 1], attention_chunk_size=8,
+        layer_types=["chunked_attention", "full_attention", "full_attention", "chunked_attention"], floor_scale=4,
+        attn_scale=0.3, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=16.0, low_freq_factor=1.0,
+                                             high_freq_factor=1.0, original_max_position_embeddings=64))),
     ("qwen3-tied-bias-window", "qwen3", dict(tie_word_embeddings=True, attention_bias=True, use_sliding_window=True,
                                              sliding_window=20, max_window_layers=1)),
     ("llama-bias-llama3rope", "llama", dict(attention_bias=True, mlp_bias=True, head_dim=12, rope_parameters=dict(
@@ -446,6 +457,13 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
         ("exaone_moe", dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "needs mlp_layer_types, one of"),
         ("exaone_moe", dict(sliding_window=None), "sliding_window must be a positive number of positions, got None"),
         ("exaone_moe", dict(n_group=3), "n_group dividing the 10 experts"),
+        ("llama4", dict(no_rope_layers=[1, 0]), "llama4 needs no_rope_layers for each of its 3 layers, got 2"),
+        ("llama4", dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "one per layer (3)"),
+        ("llama4", dict(attention_chunk_size=None, layer_types=["chunked_attention"] * 3), "need an attention_chunk"),
+        ("llama4", dict(attention_chunk_size=0), "llama4 attention_chunk_size must be a whole number >= 1, got 0"),
+        ("llama4", dict(interleave_moe_layer_step=0), "interleave_moe_layer_step must be a whole number >= 1, got 0"),
+        ("llama4", dict(no_rope_layer_interval=0), "no_rope_layer_interval must be a whole number >= 1, got 0"),
+        ("llama4", dict(num_local_experts=0), "llama4 needs num_local_experts >= 1 for its MoE layers"),
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
@@ -536,6 +554,64 @@ def test_edited_configs_read_as_transformers_reads_them(case: str, family: str, 
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     with torch.no_grad():
         assert (lm.logits(prompt) - ref(torch.tensor([prompt])).logits[0]).abs().max().item() <= TOL
+
+
+def test_llama4_release_serves_its_language_model(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A Llama 4 release's layout (`model_type` "llama4", the text model's config under `text_config`, its tensors
+    under `language_model.` beside the vision tower's) gives the logits of the release's language model in
+    transformers (its Llama4ForConditionalGeneration fails on text alone in 5.24, reading `image_outputs` from an
+    output that has none); the image side is skipped without a word, and a quantization_config beside `text_config`
+    (the FP8 release's) is refused as anywhere."""
+    import transformers
+
+    from tests.helpers import FAMILY_CONFIGS, save_model
+
+    torch.manual_seed(0)
+    text = FAMILY_CONFIGS["llama4"][2]
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    config = transformers.Llama4Config(text_config=text, vision_config=vision)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    folder = save_model(model, tmp_path / "release", text["vocab_size"])
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama4"
+    with caplog.at_level("WARNING"):
+        lm = moelane.load(folder)
+    assert not caplog.records
+    prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
+    with torch.no_grad():
+        want = model.language_model(input_ids=torch.tensor([prompt])).logits[0]
+        assert (lm.logits(prompt) - want).abs().max().item() <= TOL
+    edit_config(folder, quantization_config=dict(quant_method="compressed-tensors"))
+    with pytest.raises(ModelLoadError, match="quantized checkpoints are not supported"):
+        moelane.load(folder)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_llama4_chunks_go_by_each_rows_own_position(
+    compiled: bool, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Chunked attention and the NoPE layers' temperature go by each row's position, wherever the row sits in a
+    pass: a prompt fed in parts that straddle the chunks' bounds, beside another stream at other positions, then
+    decoded one row and three rows at a time beside it (through the compiled step's pooled caches when `compiled`),
+    gives transformers' logits for the whole sequence in one go."""
+    case = next(c for c in CASES if c[0] == "llama4-dense-bias-tied-llama3rope-layertypes")
+    folder = folder_for(folders, tmp_path_factory, *case)
+    ref, lm = reference(folder, torch.float32), moelane.load(folder, compile=compiled)
+    ids, other = token_ids(N_PROMPT + N_DECODE, lm.vocab_size, 1), token_ids(60, lm.vocab_size, 3)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    cache, beside = lm.new_cache(64), lm.new_cache(64)
+    lm.forward([Rows(beside, other[:11], 0)])
+    got, start = [], 0
+    for n, decode in [(5, False), (7, False), (9, False), (16, False), (1, True), (1, True), (3, True), (1, True)]:
+        rows = [Rows(cache, ids[start : start + n], start, decode=decode),
+                Rows(beside, [other[11 + start]], 11 + start, decode=decode)]  # fmt: skip
+        got.append(lm.forward(rows)[0])
+        start += n
+    assert (torch.cat(got) - want[:start]).abs().max().item() <= TOL
 
 
 def test_gpt_oss_without_sliding_window_slides_over_128_positions(tmp_path: Path) -> None:
@@ -655,6 +731,7 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "dots1-window-groups-bias-tied-yarn-noshared-allmoe",
                                          "minimax_m2-tied-wholehead-yarn",
                                          "exaone_moe-layerlists-groups-scaled-tied-linearrope",
+                                         "llama4-dense-bias-tied-llama3rope-layertypes",
                                          "qwen3-tied-bias-window",
                                          "llama-bias-llama3rope")]  # fmt: skip
 

@@ -27,6 +27,7 @@ MOE_FAMILIES = [
     "dots1",
     "minimax_m2",
     "exaone_moe",
+    "llama4",
 ]
 
 

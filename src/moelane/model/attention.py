@@ -40,6 +40,26 @@ def reach(end: int, capacity: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Window:
+    """Which keys before its own a row may see, beyond causality: the last `size` positions up to its own (a
+    sliding window: Mixtral, Qwen's and gpt-oss's sliding layers), or, when `chunked`, only those of its own chunk of
+    `size` positions, chunks starting at multiples of `size` (Llama 4's chunked attention)."""
+
+    size: int
+    chunked: bool = False
+
+    def first(self, positions: torch.Tensor) -> torch.Tensor:
+        """The first key position rows at `positions` see (any shape, elementwise)."""
+        return positions - positions % self.size if self.chunked else positions - (self.size - 1)
+
+
+def visible(key_pos: torch.Tensor, row_pos: torch.Tensor, window: Window | None) -> torch.Tensor:
+    """Which keys each row sees: key_pos [L] against row_pos [..., R] -> [..., R, L], causal and within `window`."""
+    mask = key_pos <= row_pos[..., None]
+    return mask if window is None else mask & (key_pos >= window.first(row_pos)[..., None])
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """How the rows of one forward pass split into streams.
 
@@ -100,7 +120,7 @@ def attend_tiles(
     v: torch.Tensor,
     row_pos: torch.Tensor,
     scale: float,
-    window: int | None,
+    window: Window | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batched products of `attend_group`: qp [B, Hkv, M, D] (packed query rows, M a whole number of tiles),
@@ -115,10 +135,7 @@ def attend_tiles(
     length, real = k.shape[2], row_pos.shape[1]
     scores = torch.matmul(qp.reshape(b * n_kv, m, d), k.reshape(b * n_kv, length, d).transpose(1, 2))
     scores = scores.view(b, n_kv, m, length)[:, :, :real] * scale
-    key_pos = torch.arange(length, device=qp.device)
-    mask = key_pos[None, None, :] <= row_pos[:, :, None]  # [B, R, L]
-    if window is not None:
-        mask = mask & (key_pos[None, None, :] > row_pos[:, :, None] - window)
+    mask = visible(torch.arange(length, device=qp.device), row_pos, window)  # [B, R, L]
     if sinks is None:
         probs = torch.softmax(scores.float().masked_fill(~mask[:, None], float("-inf")), dim=-1).to(v.dtype)
     else:  # packed row r of KV head j is query head j * group + r % group
@@ -132,9 +149,9 @@ def attend_tiles(
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (Qwen3, OLMoE), q/k/v bias (Qwen2), o bias (Llama),
-    q/k/v clipping (OLMoE `clip_qkv`), a sliding window (Mixtral, Qwen sliding layers), partial rotary
-    embeddings (GLM: only the first `rotary_dim` dims of each head) and attention sinks (gpt-oss: a learnt logit per
-    query head in every softmax, `with_sinks`)."""
+    q/k/v clipping (OLMoE `clip_qkv`), a `Window` (an int: a sliding window, as Mixtral's and Qwen's sliding layers;
+    Llama 4's chunks), partial rotary embeddings (GLM: only the first `rotary_dim` dims of each head) and attention
+    sinks (gpt-oss: a learnt logit per query head in every softmax, `with_sinks`)."""
 
     def __init__(
         self,
@@ -147,7 +164,7 @@ class Attention(nn.Module):
         eps: float = 1e-6,
         o_bias: bool = False,
         clip: float | None = None,
-        window: int | None = None,
+        window: int | Window | None = None,
         rotary_dim: int | None = None,
         sinks: bool = False,
     ) -> None:
@@ -158,7 +175,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
-        self.clip, self.window = clip, window
+        self.clip, self.window = clip, Window(window) if isinstance(window, int) else window
         self.qk_norm = qk_norm
         if qk_norm == "head":  # Qwen3: per head
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
@@ -207,7 +224,7 @@ def attend_streams(
     layer: int,
     batch: Batch,
     scale: float,
-    window: int | None = None,
+    window: Window | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
@@ -245,7 +262,7 @@ def attend_group(
     end: int,
     layer: int,
     scale: float,
-    window: int | None,
+    window: Window | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of B streams whose caches are slots of one pool and whose packed query rows (`pack_queries`) come
@@ -292,7 +309,7 @@ def attend_pooled(
     positions: torch.Tensor,
     key_pos: torch.Tensor,
     scale: float,
-    window: int | None = None,
+    window: Window | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The compiled decode step's attention: row i writes its K/V at (slots[i], positions[i]) of the pool, then
@@ -324,9 +341,7 @@ def attend_pooled(
     q_rows = q.view(n, n_kv, group, d).reshape(n * n_kv, group, d)
     scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [N * Hkv, group, L]
     scores = scores * scale
-    mask = key_pos[None, :] <= positions[:, None]  # [N, L]
-    if window is not None:
-        mask = mask & (key_pos[None, :] > positions[:, None] - window)
+    mask = visible(key_pos, positions, window)  # [N, L]
     mask = mask[:, None, :].expand(n, n_kv, length).reshape(n * n_kv, 1, length)
     if sinks is None:
         probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(values.dtype)

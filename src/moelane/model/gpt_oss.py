@@ -39,7 +39,8 @@ def expert_prefix(layer: int) -> str:
 
 
 def find_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> list[ExpertHandle] | None:
-    """The layer's experts, as released in MXFP4 ("mxfp4") or fused as saved by transformers ("transposed")."""
+    """The layer's experts, as released in MXFP4 ("mxfp4") or fused as saved by transformers ("transposed"). (Also
+    Llama 4's, fused in the same layout, whose prefix may start with its release's `language_model.`)"""
     mxfp4 = stacked_experts(refs, prefix, MXFP4_NAMES, n_experts, "mxfp4")
     return mxfp4 or stacked_experts(refs, prefix, EXPERT_NAMES, n_experts, "transposed")
 

@@ -59,6 +59,8 @@ FAMILIES = (
     "dots1",
     "minimax_m2",
     "exaone_moe",
+    "llama4",
+    "llama4_text",
     "qwen3",
     "llama",
 )

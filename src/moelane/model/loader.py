@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -309,6 +310,15 @@ def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
     return TensorRef(ref.path, ref.offset + index * per, per, ref.dtype, ref.shape[1:])
 
 
+def layer_of(prefix: str) -> int:
+    """The layer number in an expert prefix (`model.layers.3.mlp.experts`; Llama 4's release puts
+    `language_model.` before it)."""
+    match = re.search(r"model\.layers\.(\d+)\.", prefix + ".")
+    if match is None:
+        raise ModelLoadError(f"no layer number in expert prefix {prefix!r}")
+    return int(match.group(1))
+
+
 def stacked_experts(
     refs: dict[str, TensorRef], prefix: str, names: dict[str, str], n_experts: int, layout: str = "linear"
 ) -> list[ExpertHandle] | None:
@@ -325,7 +335,7 @@ def stacked_experts(
             raise ModelLoadError(f"{prefix}.{theirs} has shape {list(ref.shape)}, config.json implies {n_experts} "
                                  "experts")  # fmt: skip
         stacked[ours] = ref
-    layer = int(prefix.split(".")[2])
+    layer = layer_of(prefix)
     return [ExpertHandle(layer, e, {name: slice_stacked(ref, e) for name, ref in stacked.items()}, layout)
             for e in range(n_experts)]  # fmt: skip
 
@@ -351,7 +361,7 @@ def find_expert_handles(
         return None
     fp8 = fp8_block is not None and f"{prefix}.0.{names['gate']}.weight_scale_inv" in refs
     layout, block = ("fp8", fp8_block) if fp8 and fp8_block else ("linear", (0, 0))
-    layer = int(prefix.split(".")[2])
+    layer = layer_of(prefix)
     handles = []
     for e in range(n_experts):
         tensors = {}

@@ -14,7 +14,9 @@ In both dispatch paths a row's numbers do not depend on the other rows of the pa
 An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
 family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows, `GptOssMoe.act`), and the biases, where a
 family has them (gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not
-paged. The pairs' biases (`PairBias`) ride along with the pairs into whichever dispatch path runs.
+paged. The pairs' biases (`PairBias`) ride along with the pairs into whichever dispatch path runs. A pair's input
+`x` is its token's row [T, H], or one row per pair [T, K, H] where a family scales the input rather than the output
+(Llama 4: its router's score times the row, the outputs then summed with weights of 1).
 
 Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
 """
@@ -173,20 +175,31 @@ def dispatch(
     act: Act = swiglu,
     bias: PairBias | None = None,
 ) -> torch.Tensor:
-    """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H]; slots, weights [T, K]."""
+    """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H] (or [T, K, H]: `pair_rows`); slots,
+    weights [T, K]."""
     if torch.compiler.is_compiling():
         y = gathered(x, slots, w13, w2, act, bias)
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)  # as `weighted_sum`
-    flat = slots.reshape(-1)
-    return weighted_sum(grouped(x, torch.arange(flat.numel()) // slots.shape[1], flat, w13, w2, act, bias), weights)
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    return weighted_sum(grouped(rows, rows_of, slots.reshape(-1), w13, w2, act, bias), weights)
+
+
+def pair_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the pairs read, and each pair's row [T * K]: x [T, H], pair t * K + k reads row t; or x [T, K, H],
+    each pair its own row."""
+    if x.dim() == 3:
+        return x.flatten(0, 1), torch.arange(x.shape[0] * k)
+    return x, torch.arange(x.shape[0] * k) // k
 
 
 def gathered(
     x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act, bias: PairBias | None
 ) -> torch.Tensor:
     """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
-    reductions over the input dim (the compiler reads them in place, no copy). x [T, H]; slots [T, K] -> [T, K, H]."""
-    gate_up = (x[:, None, None, :] * w13[slots]).sum(-1)  # [T, K, 2I]
+    reductions over the input dim (the compiler reads them in place, no copy). x [T, H] or [T, K, H]; slots [T, K]
+    -> [T, K, H]."""
+    rows = x[:, None, None, :] if x.dim() == 2 else x[:, :, None, :]  # [T, 1 or K, 1, H]
+    gate_up = (rows * w13[slots]).sum(-1)  # [T, K, 2I]
     if bias is not None:
         gate_up = gate_up + bias.b13.view(*slots.shape, -1)
     out = (act(gate_up)[:, :, None, :] * w2[slots]).sum(-1)
@@ -286,17 +299,17 @@ def dispatch_staged(
 ) -> torch.Tensor:
     """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
     `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
-    k = slots.shape[1]
+    rows, rows_of = pair_rows(x, slots.shape[1])
     flat, late = slots.reshape(-1), pending.reshape(-1)
     pairs = torch.arange(flat.numel())
-    y = x.new_empty(flat.numel(), x.shape[1])
+    y = x.new_empty(flat.numel(), x.shape[-1])
     early = pairs[~late]
     if early.numel():
-        y[early] = grouped(x, early // k, flat[early], w13, w2, act, None if bias is None else bias.take(early))
+        y[early] = grouped(rows, rows_of[early], flat[early], w13, w2, act, None if bias is None else bias.take(early))
     wait()
     late_pairs = pairs[late]
     if late_pairs.numel():
-        y[late_pairs] = grouped(x, late_pairs // k, flat[late_pairs], w13, w2, act,
+        y[late_pairs] = grouped(rows, rows_of[late_pairs], flat[late_pairs], w13, w2, act,
                                 None if bias is None else bias.take(late_pairs))  # fmt: skip
     return weighted_sum(y, weights)
 
@@ -310,7 +323,8 @@ def run_experts(
     act: Act = swiglu,
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The routed experts' weighted sum for rows x [T, H]; `bias`: per-expert (b13 [E, 2I], b2 [E, H]) or None."""
+    """The routed experts' weighted sum for rows x [T, H] (or one input per pair, [T, K, H]); `bias`: per-expert
+    (b13 [E, 2I], b2 [E, H]) or None."""
     staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
     slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
     w13, w2 = provider.weights(layer)
