@@ -95,7 +95,8 @@ class GraniteMoe(nn.Module):
         self.top_k = top_k
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return topk_softmax(linear(x, self.router.layer.weight).float(), self.top_k)
+        weights, ids = topk_softmax(linear(x, self.router.layer.weight).float(), self.top_k)
+        return weights.to(x.dtype), ids  # (rounded to the model's dtype, as the reference's router gives them)
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         weights, ids = self.route(x)
