@@ -110,51 +110,44 @@ def test_the_chat_api_gives_reasoning_content(tokenizer: Tokenizer) -> None:
         assert completion["choices"][0]["text"] == tokenizer.decode(engine.reply)
 
 
-def test_run_chat_prints_the_final_channel_and_reasoning_apart(
-    tokenizer: Tokenizer,
-    harmony_folder: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """`moelane run --chat`: the answer on stdout, the reasoning on stderr (the model's reply scripted)."""
+@pytest.fixture
+def harmony_model(tmp_path: Path, harmony_folder: Path) -> Path:
+    """A random gpt-oss model with the harmony test tokenizer."""
     import shutil
 
-    import moelane.cli
     from tests.helpers import random_model
 
     folder = random_model("gpt_oss", tmp_path / "m", vocab_size=320)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(harmony_folder / name, folder / name)
+    return folder
+
+
+def test_run_chat_prints_the_final_channel_and_reasoning_apart(
+    tokenizer: Tokenizer, harmony_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`moelane run --chat`: the answer on stdout, the reasoning on stderr (the model's reply scripted)."""
+    import moelane.cli
+
     reply = harmony_reply(tokenizer)
     monkeypatch.setattr(moelane.cli, "generate", lambda *args: iter(reply))
-    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
+    assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
 
 
 def test_run_chat_json_answers_at_once(
-    tokenizer: Tokenizer,
-    harmony_folder: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    tokenizer: Tokenizer, harmony_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`moelane run --chat --json` on gpt-oss: the prompt ends with the final channel's opening, which the reply's
     channels start from, so the (scripted) JSON is the answer on stdout; the reply is held to JSON."""
-    import shutil
-
     import moelane.cli
     from moelane.model.reasoning import FINAL_OPENING
-    from tests.helpers import random_model
 
-    folder = random_model("gpt_oss", tmp_path / "m", vocab_size=320)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(harmony_folder / name, folder / name)
     reply, asked = tokenizer.encode('{"n": 1}'), []
     monkeypatch.setattr(moelane.cli, "generate", lambda lm, ids, args, params: asked.append((ids, params)) or iter(
         reply))  # fmt: skip
-    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--json", "--compile", "off", "fib?"]) == 0
+    assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--json", "--compile", "off", "fib?"]) == 0
     out = capsys.readouterr().out
     ids, params = asked[0]
     opening = tokenizer.encode(FINAL_OPENING)

@@ -23,7 +23,7 @@ from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention, Batch
 from moelane.model.decoder import Decoder, DecoderLayer, Routing, attention_heads
 from moelane.model.layers import Rope, linear, rope_parameters
-from moelane.model.loader import ExpertHandle, TensorRef, stacked_experts
+from moelane.model.loader import ExpertHandle, TensorRef, renamed, stacked_experts
 from moelane.model.moe import expert_mlp, run_experts, topk_softmax
 from moelane.model.provider import ExpertProvider
 
@@ -49,12 +49,7 @@ def find_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> lis
 
 def sanitize(weights: dict[str, T]) -> dict[str, T]:
     """Checkpoint names -> ours (values untouched): the MoE block is `mlp`, a shared MLP inside it."""
-    out = {}
-    for name, w in weights.items():
-        for pattern, new in RENAMES:
-            name = pattern.sub(new, name)
-        out[name] = w
-    return out
+    return renamed(weights, RENAMES)
 
 
 def settle(config: dict[str, Any]) -> dict[str, Any]:

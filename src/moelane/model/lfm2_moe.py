@@ -25,6 +25,7 @@ from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention, Batch, row_slots
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
 from moelane.model.layers import Rope, linear, pointwise, rope_parameters
+from moelane.model.loader import renamed
 from moelane.model.moe import biased_group_topk, run_experts
 from moelane.model.provider import ExpertProvider
 
@@ -53,12 +54,7 @@ def expert_prefix(layer: int) -> str:
 
 def sanitize(weights: dict[str, T]) -> dict[str, T]:
     """Checkpoint names -> ours (values untouched)."""
-    out = {}
-    for name, w in weights.items():
-        for pattern, new in RENAMES:
-            name = pattern.sub(new, name)
-        out[name] = w
-    return out
+    return renamed(weights, RENAMES)
 
 
 class ShortConv(nn.Module):

@@ -17,11 +17,13 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from moelane.errors import ModelLoadError
+
+T = TypeVar("T")
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -308,6 +310,17 @@ def slice_stacked(ref: TensorRef, index: int) -> TensorRef:
     """The TensorRef of row `index` of a stacked [E, ...] tensor (fused expert checkpoints)."""
     per = ref.nbytes // ref.shape[0]
     return TensorRef(ref.path, ref.offset + index * per, per, ref.dtype, ref.shape[1:])
+
+
+def renamed(weights: dict[str, T], renames: list[tuple[re.Pattern[str], str]]) -> dict[str, T]:
+    """`weights` under new names, each name through every (pattern, replacement) of `renames` in turn (values
+    untouched: tensors or their disk references); a family's `sanitize`."""
+    out = {}
+    for name, w in weights.items():
+        for pattern, new in renames:
+            name = pattern.sub(new, name)
+        out[name] = w
+    return out
 
 
 def layer_of(prefix: str) -> int:
