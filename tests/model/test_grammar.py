@@ -140,13 +140,11 @@ def test_a_grammar_for_another_vocabulary_is_refused(lm: Any) -> None:
         SamplingParams(grammar=grammar(lm)).check_vocab(lm.vocab_size + 1)
 
 
-def test_end_ids_past_the_tokenizer_are_left_to_the_rest() -> None:
+def test_end_ids_past_the_tokenizer_are_left_to_the_rest(lm: Any) -> None:
     """A config may name an end-of-sequence id past the tokenizer's own tokens (the embedding has more rows):
-    llguidance refuses such an id, so the grammar ends on the others."""
-    from moelane.assets import default_model_path
-    from moelane.model.tokenizer import Tokenizer
-
-    tok = Tokenizer(default_model_path(), frozenset())  # (its own: llguidance's view is built once per tokenizer)
+    llguidance refuses such an id, so the grammar ends on the others. (The shipped model's tokenizer, whose view
+    other tests have built with other end ids: a view is kept per vocabulary size and end ids.)"""
+    tok = lm.tokenizer
     llg = grammar_tokenizer(tok, tok.vocab_size + 16, {tok.vocab_size + 3, tok.vocab_size - 1})
     held = Grammar(llg, json_grammar())
     finished = tok.encode('{"a": 1}')

@@ -32,20 +32,23 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 COMPILE_OPTIONS = {"whitespace_pattern": r"(?:[\x20\x09]|\r?\n[\x20\x09]{0,32})?"}
 MAX_ROLLBACK = 64  # tokens a matcher can step back (more than any draft): past that it starts over from the reply
 
-_tokenizers: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
 _lock = threading.Lock()
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of a model's tokenizer, built once per tokenizer (~1 s for a large vocabulary, llguidance
-    says; 0.03 s for the shipped model's 8K tokens)."""
+    """llguidance's view of a model's tokenizer, built once per tokenizer, vocabulary size and end ids (~1 s for a
+    large vocabulary, llguidance says; 0.03 s for the shipped model's 8K tokens)."""
+    # (llguidance takes only end tokens the tokenizer has: a config's id past it would be refused)
+    eos = tuple(sorted(i for i in eos_ids if i < min(vocab_size, tokenizer.vocab_size)))
     with _lock:
-        found = _tokenizers.get(tokenizer)
+        views = _tokenizers.setdefault(tokenizer, {})
+        found = views.get((vocab_size, eos))
         if found is None:
-            # (llguidance takes only end tokens the tokenizer has: a config's id past it would be refused)
-            eos = sorted(i for i in eos_ids if i < min(vocab_size, tokenizer.vocab_size))
-            found = llguidance.LLTokenizer(tokenizer.serialized(), n_vocab=vocab_size, eos_token=eos or None)
-            _tokenizers[tokenizer] = found
+            found = llguidance.LLTokenizer(tokenizer.serialized(), n_vocab=vocab_size, eos_token=list(eos) or None)
+            views[(vocab_size, eos)] = found
         return found
 
 
