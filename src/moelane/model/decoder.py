@@ -12,7 +12,6 @@ pager's look-ahead applies it to an earlier layer's input to guess which experts
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -21,6 +20,7 @@ from torch import nn
 
 from moelane.model.attention import Batch
 from moelane.model.layers import MLP, RMSNorm, Rope, linear
+from moelane.model.loader import LAYER
 from moelane.model.provider import ExpertProvider
 
 Routing = list[tuple[torch.Tensor, torch.Tensor]]
@@ -101,7 +101,6 @@ class Decoder(nn.Module):
 
 
 REQUIRED = object()
-LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def attention_heads(config: dict[str, Any]) -> tuple[int, int, int]:

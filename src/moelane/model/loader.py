@@ -24,6 +24,7 @@ import torch
 from moelane.errors import ModelLoadError
 
 T = TypeVar("T")
+LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensors (after a release's own prefix)
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -326,7 +327,7 @@ def renamed(weights: dict[str, T], renames: list[tuple[re.Pattern[str], str]]) -
 def layer_of(prefix: str) -> int:
     """The layer number in an expert prefix (`model.layers.3.mlp.experts`; Llama 4's release puts
     `language_model.` before it)."""
-    match = re.search(r"model\.layers\.(\d+)\.", prefix + ".")
+    match = LAYER.search(prefix + ".")
     if match is None:
         raise ModelLoadError(f"no layer number in expert prefix {prefix!r}")
     return int(match.group(1))
