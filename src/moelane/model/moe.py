@@ -179,7 +179,7 @@ def dispatch(
     weights [T, K]."""
     if torch.compiler.is_compiling():
         y = gathered(x, slots, w13, w2, act, bias)
-        return (y * weights[..., None]).sum(dim=1).to(x.dtype)  # as `weighted_sum`
+        return weighted_sum(y.reshape(-1, y.shape[-1]), weights)
     rows, rows_of = pair_rows(x, slots.shape[1])
     return weighted_sum(grouped(rows, rows_of, slots.reshape(-1), w13, w2, act, bias), weights)
 
