@@ -21,7 +21,7 @@ from typing import Any
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
-from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+from moelane.model.grammar import Grammar, json_grammar
 
 PROMPTS = [
     "def user():\n    return ",
@@ -64,9 +64,7 @@ def main() -> None:
     ap.add_argument("--any", action="store_true", help="any JSON object, not the bounded schema")
     args = ap.parse_args()
     lm = moelane.load()
-    grammar = Grammar(
-        grammar_tokenizer(lm.tokenizer, lm.vocab_size, lm.eos_ids), json_grammar(None if args.any else SCHEMA)
-    )
+    grammar = Grammar.for_lm(lm, json_grammar(None if args.any else SCHEMA))
     revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
     cell(lm, 1, 8, grammar)  # (warm-up)

@@ -376,13 +376,13 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
 
 def reply_grammar(lm, schema: dict[str, object] | bool | None):  # type: ignore[no-untyped-def]
     """What `--json` holds the reply to: JSON that `schema` accepts (None: any JSON object)."""
-    from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+    from moelane.model.grammar import Grammar, json_grammar
 
     try:
         text = json_grammar(schema)
     except InputError as e:
         raise InputError(f"--json-schema: {e}") from None
-    return Grammar(grammar_tokenizer(lm.tokenizer, int(lm.vocab_size), lm.eos_ids), text)
+    return Grammar.for_lm(lm, text)
 
 
 def ended(stopped: bool, n_new: int, max_tokens: int, room: int) -> str:

@@ -43,7 +43,7 @@ def lm() -> Any:
 
 
 def grammar(lm: Any, schema: Any = PERSON) -> Grammar:
-    return Grammar(grammar_tokenizer(lm.tokenizer, lm.vocab_size, lm.eos_ids), json_grammar(schema))
+    return Grammar.for_lm(lm, json_grammar(schema))
 
 
 def meets_person(value: Any) -> bool:

@@ -107,19 +107,30 @@ def error_text(error: object) -> str:
 class Grammar:
     """The constraint of one reply (not shared between replies: it keeps a matcher at the reply it last saw)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str | llguidance.LLMatcher) -> None:
+    def __init__(
+        self, tokenizer: llguidance.LLTokenizer, grammar: str | llguidance.LLMatcher,
+        start: llguidance.LLMatcher | None = None,
+    ) -> None:  # fmt: skip
+        """`grammar` as text, or a matcher at its start; `start`: that start, kept unchanged for `fresh` copies (one
+        of its own by default)."""
         self._tokenizer = tokenizer
         if isinstance(grammar, str):
             grammar = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if grammar.is_error():
                 raise InputError(f"the JSON schema cannot be used: {error_text(grammar.get_error())}")
         self._matcher = grammar
-        self._start = grammar.deep_copy()  # (for `fresh`: a copy costs far less than compiling the grammar again)
+        # (for `fresh`: a copy costs far less than compiling the grammar again; never changed, so copies share it)
+        self._start = grammar.deep_copy() if start is None else start
         self._reply: list[int] = []  # the reply last asked about
         self._n_taken = 0  # how many of its tokens the matcher has taken (the rest left the grammar)
         self._bits = torch.zeros((tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
         self._eos = torch.zeros(tokenizer.vocab_size, dtype=torch.bool)
         self._eos[tokenizer.eos_tokens] = True
+
+    @classmethod
+    def for_lm(cls, lm: Any, grammar: str) -> Grammar:
+        """`grammar` over a model's vocabulary: its tokenizer, its logits' width and its end-of-sequence ids."""
+        return cls(grammar_tokenizer(lm.tokenizer, int(lm.vocab_size), lm.eos_ids), grammar)
 
     @property
     def vocab_size(self) -> int:
@@ -127,7 +138,7 @@ class Grammar:
 
     def fresh(self) -> Grammar:
         """The same constraint for another reply (quick: no compiling)."""
-        return Grammar(self._tokenizer, self._start.deep_copy())
+        return Grammar(self._tokenizer, self._start.deep_copy(), self._start)
 
     def allowed(self, reply: Sequence[int]) -> torch.Tensor:
         """bool [vocab]: the tokens that may follow `reply`. Only end-of-sequence tokens once the JSON is whole,

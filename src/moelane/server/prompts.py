@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from moelane.errors import InputError, PromptTooLong
-from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
+from moelane.model.grammar import Grammar, json_grammar
 from moelane.model.reasoning import Channels, answer_opening
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -133,7 +133,7 @@ class Prompts:
             return None
 
     def _grammar(self, text: str) -> Grammar:
-        return Grammar(grammar_tokenizer(self.lm.tokenizer, int(self.lm.vocab_size), self.lm.eos_ids), text)
+        return Grammar.for_lm(self.lm, text)
 
     def chat_prompt(
         self, body: ChatCompletionRequest, tools: ToolUse | None = None, json: bool = False
