@@ -8,12 +8,13 @@ plain dims followed by `qk_rope_head_dim` rotary dims; values are `v_head_dim` w
 values (simple, not memory-lean: MLA could cache the latent instead). Yarn scaling with `mscale_all_dim` also scales
 the softmax by mscale^2.
 
-Routing: softmax over experts, top-k `greedy` or `group_limited_greedy` (keep the `topk_group` groups of
-`n_group` with the best single expert, then top-k among them). As in DeepSeek's own code, weights are renormalised
-when `norm_topk_prob` (and k > 1), otherwise multiplied by `routed_scaling_factor` (transformers 5.24 always scales
-and ignores `norm_topk_prob`; the released checkpoints have it false, where both agree). `n_shared_experts` always-on
-experts (one MLP of `n_shared_experts * moe_intermediate_size`) are added. Layers below `first_k_dense_replace`
-are dense, and above it every `moe_layer_freq`-th.
+Routing: softmax over experts (the router's weight kept in fp32, as the reference keeps it), top-k `greedy` or
+`group_limited_greedy` (keep the `topk_group` groups of `n_group` with the best single expert, then top-k among
+them). As in DeepSeek's own code, weights are renormalised when `norm_topk_prob` (and k > 1), otherwise multiplied by
+`routed_scaling_factor` (transformers 5.24 always scales and ignores `norm_topk_prob`; the released checkpoints have
+it false, where both agree). `n_shared_experts` always-on experts (one MLP of `n_shared_experts *
+moe_intermediate_size`) are added. Layers below `first_k_dense_replace` are dense, and above it every
+`moe_layer_freq`-th.
 
 A config without `q_lora_rank` or `n_shared_experts` gets transformers' defaults (1536, 2), so a checkpoint that does
 not match them is refused (missing tensors, other shapes) instead of loading with its shared experts or low-rank q
@@ -33,11 +34,13 @@ from moelane.errors import ModelLoadError
 from moelane.model.attention import Batch, attend_streams
 from moelane.model.decoder import Decoder, DenseMlp, Routing, config_get
 from moelane.model.layers import MLP, RMSNorm, Rope, apply_rope, linear, rope_parameters
-from moelane.model.moe import run_experts
+from moelane.model.moe import ROUTER_FP32, run_experts
 from moelane.model.provider import ExpertProvider
 
 EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+KEEP_FP32 = ROUTER_FP32  # (as transformers keeps the router's weight)
 
 
 def expert_prefix(layer: int) -> str:

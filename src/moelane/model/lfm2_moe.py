@@ -4,7 +4,8 @@ choice adds a per-expert bias (`expert_bias`, when `use_expert_bias`), weights r
 scaled (`routed_scaling_factor`). Attention has per-head q/k RMSNorm and no biases.
 
 A conv layer computes `B, C, x = in_proj(h)`, a depthwise causal convolution of `B * x` over the last
-`conv_L_cache` positions, then `out_proj(C * conv)`. Its "cache" is the history of `B * x` by absolute position, kept
+`conv_L_cache` positions (summed in fp32 and rounded once, as `F.conv1d` in the reference), then
+`out_proj(C * conv)`. Its "cache" is the history of `B * x` by absolute position, kept
 in the stream's KV cache like keys (`ShortConv`): a row reads the positions before it by number, so chunked
 prefill, shared rounds and rolled-back drafts need nothing of their own (a recurrent state would have to be
 restored). It costs a hidden vector per position and conv layer, about what a KV cache of the same model costs.
@@ -72,13 +73,13 @@ class ShortConv(nn.Module):
     ) -> torch.Tensor:
         b, c, h = linear(x, self.in_proj.weight, self.in_proj.bias).chunk(3, dim=-1)
         history = remember(b * h, layer, batch, self.kernel)  # [N, L, H]: positions p-L+1 .. p of each row
-        weight = self.conv.weight[:, 0, :]  # [H, L]
-        conv = history[:, 0] * weight[:, 0]
+        weight = self.conv.weight[:, 0, :].float()  # [H, L]
+        conv = history[:, 0].float() * weight[:, 0]
         for j in range(1, self.kernel):
-            conv = conv + history[:, j] * weight[:, j]
+            conv = conv + history[:, j].float() * weight[:, j]
         if self.conv.bias is not None:
-            conv = conv + self.conv.bias
-        return linear(c * conv, self.o_proj.weight, self.o_proj.bias)
+            conv = conv + self.conv.bias.float()
+        return linear(c * conv.to(c.dtype), self.o_proj.weight, self.o_proj.bias)
 
 
 def remember(bx: torch.Tensor, layer: int, batch: Batch, kernel: int) -> torch.Tensor:
