@@ -128,9 +128,10 @@ def test_run_chat_prints_the_final_channel_and_reasoning_apart(
 ) -> None:
     """`moelane run --chat`: the answer on stdout, the reasoning on stderr (the model's reply scripted)."""
     import moelane.cli
+    import moelane.run
 
     reply = harmony_reply(tokenizer)
-    monkeypatch.setattr(moelane.cli, "generate", lambda *args: iter(reply))
+    monkeypatch.setattr(moelane.run, "generate", lambda *args: iter(reply))
     assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
@@ -142,10 +143,11 @@ def test_run_chat_json_answers_at_once(
     """`moelane run --chat --json` on gpt-oss: the prompt ends with the final channel's opening, which the reply's
     channels start from, so the (scripted) JSON is the answer on stdout; the reply is held to JSON."""
     import moelane.cli
+    import moelane.run
     from moelane.model.reasoning import FINAL_OPENING
 
     reply, asked = tokenizer.encode('{"n": 1}'), []
-    monkeypatch.setattr(moelane.cli, "generate", lambda lm, ids, args, params: asked.append((ids, params)) or iter(
+    monkeypatch.setattr(moelane.run, "generate", lambda lm, ids, args, params: asked.append((ids, params)) or iter(
         reply))  # fmt: skip
     assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--json", "--compile", "off", "fib?"]) == 0
     out = capsys.readouterr().out
@@ -221,6 +223,7 @@ def test_run_chat_drops_the_whitespace_that_opens_each_part(
     from tokenizers import Tokenizer as HfTokenizer
 
     import moelane.cli
+    import moelane.run
     from tests.helpers import random_model
 
     folder = random_model("qwen3_moe", tmp_path / "m", vocab_size=310)
@@ -228,7 +231,7 @@ def test_run_chat_drops_the_whitespace_that_opens_each_part(
     tok.add_tokens(["<think>", "</think>"])
     tok.save(str(folder / "tokenizer.json"))
     reply = think_reply(Tokenizer(folder, frozenset()))
-    monkeypatch.setattr(moelane.cli, "generate", lambda *args: iter(reply))
+    monkeypatch.setattr(moelane.run, "generate", lambda *args: iter(reply))
     capsys.readouterr()  # (what saving the model printed)
     assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
