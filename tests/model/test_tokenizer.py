@@ -64,3 +64,24 @@ def test_a_reply_cut_off_mid_character_ends_as_its_whole_decode(kind: str, tmp_p
         assert streamed + detok.flush() == whole
         assert detok.flush() == ""
     assert cut_inside > 0 or kind == "metaspace"  # (this fixture's decode drops its byte tokens: no cut to see)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_shown_special_tokens_read_as_their_text(kind: str, tmp_path: Path) -> None:
+    """A decode drops special tokens but those `shown` (a tool form's markers), streamed as decoded whole."""
+    folder = default_model_path() if kind == "byte-level" else metaspace_folder(tmp_path)
+    hf = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path, frozenset())
+    marker, args = tok.token_id("[TOOL_CALLS]"), tok.token_id("[ARGS]")
+    assert marker is not None and args is not None
+    text = "Let me see. [TOOL_CALLS] [{'a': 'déjà'}][ARGS] to be [TOOL_CALLS]🙂"
+    ids = tok.encode(text)
+    assert ids.count(marker) == 2 and ids.count(args) == 1
+    assert "[TOOL_CALLS]" not in tok.decode(ids) and "[ARGS]" not in tok.decode(ids)
+    whole = tok.decode(ids, frozenset({marker}))
+    assert whole.count("[TOOL_CALLS]") == 2 and "[ARGS]" not in whole
+    assert whole.replace("[TOOL_CALLS]", "") == tok.decode(ids)  # (the rest as a plain decode has it)
+    detok = Detokenizer(tok, frozenset({marker}))
+    assert "".join(detok.push([i]) for i in ids) + detok.flush() == whole

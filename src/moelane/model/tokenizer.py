@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,18 @@ class Tokenizer:
         """The tokenizer as tokenizer.json holds it (for llguidance's view of it: `grammar.grammar_tokenizer`)."""
         return str(self._tok.to_str())
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Iterable[int], shown: frozenset[int] = frozenset()) -> str:
+        """The text of `ids`, without special tokens (`<|endoftext|>`, `[TOOL_CALLS]`) but those in `shown`, which
+        read as their text (a tool form's markers, for the server's reader of calls)."""
+        if not shown:
+            return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        kept = [i for i in ids if i in shown or i not in self._special_ids]
+        return str(self._tok.decode(kept, skip_special_tokens=False))
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The ids of the tokens a decode drops."""
+        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
 
     def token_id(self, token: str) -> int | None:
         """The id of a token of the vocabulary (special tokens included), or None."""
@@ -212,10 +222,11 @@ class Detokenizer:
 
     Each push decodes only a short window: the ids since the last piece plus the ids of that piece as context (so
     tokenizers that drop a leading space at the start of a decode still space correctly), and emits the difference.
-    Work per token stays constant however long the reply grows."""
+    Work per token stays constant however long the reply grows. `shown`: special tokens that read as their text
+    (`Tokenizer.decode`)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, shown: frozenset[int] = frozenset()) -> None:
+        self._tok, self._shown = tokenizer, shown
         self._ids: list[int] = []
         self._prefix = 0  # window start: context ids already emitted
         self._read = 0  # ids before this are emitted
@@ -233,8 +244,8 @@ class Detokenizer:
         """The text of the ids not emitted yet; with `hold`, nothing while it ends in an unfinished character."""
         if len(self._ids) == self._read:
             return ""
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        text = self._tok.decode(self._ids[self._prefix :])
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._shown)
+        text = self._tok.decode(self._ids[self._prefix :], self._shown)
         if hold and (text.endswith("\ufffd") or len(text) <= len(before)):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
