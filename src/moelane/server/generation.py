@@ -26,9 +26,9 @@ from moelane.lanes.stream import TokenLogprob
 from moelane.model.grammar import Grammar
 from moelane.model.reasoning import ANSWER, CALL, REASONING, Openings, splitter_for
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
+from moelane.server.calls import call_id, object_text
 from moelane.server.protocol import FunctionCall, ToolCall
 from moelane.server.responses import PagerCost
-from moelane.server.tools import call_id, object_text
 
 END = None  # queue sentinel: the engine stream has finished
 
