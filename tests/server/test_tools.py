@@ -1,7 +1,8 @@
 """Tool calls: the tools and the call history reach a chat template that takes them, and a reply's calls come back
 as OpenAI's `tool_calls`, streamed and not, as the official `openai` client reads them, in each form the server reads
-(`<tool_call>` blocks of JSON, Qwen3-Coder's tags, GLM-4.5's keys, gpt-oss's harmony messages); a model whose
-template takes no tools refuses them in one line."""
+(`<tool_call>` blocks of JSON, Qwen3-Coder's tags, GLM-4.5's keys, MiniMax-M2's invokes, gpt-oss's harmony messages,
+and the forms whose markers are special tokens: Mistral's, Granite's, DeepSeek's, Kimi-K2's, more of which in
+`test_tool_markers.py`); a model whose template takes no tools refuses them in one line."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def test_the_openai_client_reads_the_calls_streamed_and_not(tokenizer: Tokenizer
     assert "maxItems" not in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]["anyOf"][0]
 
 
-def test_the_call_history_reaches_the_template(tokenizer: Tokenizer) -> None:
+def test_the_call_messagesreaches_the_template(tokenizer: Tokenizer) -> None:
     """An assistant's calls (arguments sent as JSON text, given to the template as the object) and the tool's
     answer, with the id of the call it answers."""
     engine = FakeEngine(tokenizer.encode("It is sunny."))
@@ -329,10 +330,11 @@ class TemplateOnly:
         return "" if self.special_tag else "<tool_call>"
 
 
-def test_a_tokenizer_that_drops_the_tag_refuses_tools() -> None:
+def test_a_tag_the_tokenizer_drops_is_shown_to_the_reader() -> None:
+    """(A special token: the reply's text writes it out for the reader, which keeps it out of the content.)"""
     support = tool_support(TemplateOnly('<tool_call>\n{"name": ...', special_tag=True))
-    assert support.syntax is None and "drops <tool_call>" in support.why_not
-    assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).syntax == "hermes"
+    assert support.syntax == "hermes" and support.shown == {7: "<tool_call>"}
+    assert tool_support(TemplateOnly('<tool_call>\n{"name": ...')).shown == {}
 
 
 # Each form as a template of the model's own writes a call (Qwen3's, Qwen3-Coder's, GLM-4.5's, MiniMax-M2's: written
@@ -354,7 +356,33 @@ CALL_IN_HISTORY = {
                 "{% for key, value in call.function.arguments | items %}<parameter name=\"{{ key }}\">"
                 "{{ value if value is string else value | tojson }}</parameter>\n{% endfor %}</invoke>\n{% endfor %}"
                 "</minimax:tool_call>"),
+    # the forms whose markers are special tokens (`MARKERS`)
+    "mistral": ("[TOOL_CALLS][{% for call in m.tool_calls %}{% if call.id | length != 9 %}"
+                "{{ raise_exception('call ids are nine letters and digits') }}{% endif %}"
+                "{% set function = call.function | tojson %}{{ function[:-1] }}, \"id\": \"{{ call.id }}\"}"
+                "{{ ', ' if not loop.last }}{% endfor %}]"),
+    "mistral_args": ("{% for call in m.tool_calls %}[TOOL_CALLS]{{ call.function.name }}[ARGS]"
+                     "{{ call.function.arguments | tojson }}{% endfor %}"),
+    "granite": "<|tool_call|>{{ m.tool_calls | map(attribute='function') | list | tojson }}",
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>{% for call in m.tool_calls %}{{ '<｜tool▁call▁begin｜>' + call.type + "
+                    "'<｜tool▁sep｜>' + call.function.name + '\\n```json\\n' + call.function.arguments + "
+                    "'\\n```<｜tool▁call▁end｜>' }}{% endfor %}<｜tool▁calls▁end｜>"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜>{% for call in m.tool_calls %}{{ '<｜tool▁call▁begin｜>' + "
+                     "call.function.name + '<｜tool▁sep｜>' + call.function.arguments + '<｜tool▁call▁end｜>' }}"
+                     "{% endfor %}<｜tool▁calls▁end｜>"),
+    "kimi_k2": ("<|tool_calls_section_begin|>{% for call in m.tool_calls %}<|tool_call_begin|>{{ call.id }}"
+                "<|tool_call_argument_begin|>{{ call.function.arguments if call.function.arguments is string else "
+                "call.function.arguments | tojson }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"),
 }  # fmt: skip
+DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>")  # fmt: skip
+KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+        "<|tool_calls_section_end|>")  # fmt: skip
+MARKERS = {"mistral": ("[TOOL_CALLS]",), "mistral_args": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+           "granite": ("<|tool_call|>",), "deepseek_v3": DEEPSEEK, "deepseek_v31": DEEPSEEK,
+           "kimi_k2": KIMI}  # special tokens, in the test tokenizer  # fmt: skip
+NEEDS_OBJECT = ("qwen3_coder", "glm45", "minimax")  # templates that read a call's arguments as an object (`| items`)
+TO_THE_END = ("mistral", "mistral_args", "granite")  # forms whose calls run to the reply's end: no text after them
 ARGUMENTS = {"city": "Paris", "days": 3, "code": "007", "opts": {"a": [1, True]}, "note": "two\n\nlines", "on": False,
              "count": None, "zip": "12345", "ref": "99"}  # fmt: skip
 TYPES = {"city": "string", "days": "integer", "code": "string", "opts": "object", "note": ["string", "null"],
@@ -367,47 +395,73 @@ SCHEMA = {"type": "object", "properties": {key: {"type": kind} for key, kind in 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "plan", "arguments": json.dumps(ARGUMENTS)}}
 HISTORY = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
 PLAN = [{"type": "function", "function": {"name": "plan", "parameters": SCHEMA}}]
+CALL_IDS = {"mistral": "a1B2c3D4e", "kimi_k2": "functions.plan:0"}  # ids as those forms' templates take them
+
+
+def history(syntax: str) -> list[dict[str, Any]]:
+    """`HISTORY`, its call's id as the form gives ids."""
+    call = {**CALL, "id": CALL_IDS.get(syntax, CALL["id"])}
+    return [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}]
 
 
 def form(folder: Path, syntax: str) -> tuple[Tokenizer, str]:
-    """A tokenizer whose chat template writes calls in this form, and the call `CALL` as it writes it."""
+    """A tokenizer whose chat template writes calls in this form (its `MARKERS` special tokens), and the call of
+    `history(syntax)` as it writes it."""
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from moelane.server.tools import ARGUMENTS_AS_TEXT
+
     template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>\n{% endif %}"
                 "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.tool_calls %}" + CALL_IN_HISTORY[syntax] +
                 "{% else %}\n{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant")  # fmt: skip
     write_tokenizer(folder, 300)
+    hf = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens(list(MARKERS.get(syntax, ())))
+    hf.save(str(folder / "tokenizer.json"))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     tok = Tokenizer(folder, frozenset())
     assert tool_support(tok).syntax == syntax
-    messages = [ChatMessage.model_validate(m).for_template() for m in HISTORY]  # as the server gives them
+    as_text = syntax in ARGUMENTS_AS_TEXT
+    messages = [ChatMessage.model_validate(m).for_template(as_text) for m in history(syntax)]  # as the server gives
     written = tok.apply_chat_template(messages, add_generation_prompt=False).split("<|im_start|>assistant")[1]
     return tok, written.removesuffix("<|im_end|>\n")
+
+
+def shown(tok: Tokenizer, ids: list[int]) -> str:
+    """The text of `ids` with every special token written out (markers included)."""
+    return tok.decode(ids, frozenset(range(tok.vocab_size)))
 
 
 @pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
 def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: str) -> None:
     tok, written = form(tmp_path, syntax)
-    call, history, tools = CALL, HISTORY, PLAN
-    reply = written + "\n\nDone."  # what the model writes: the call, then more text
+    messages, tools = history(syntax), PLAN
+    call = messages[1]["tool_calls"][0]
+    after = "" if syntax in TO_THE_END else "\n\nDone."
+    reply = written + after  # what the model writes: the call, then more text
     engine = FakeEngine(tok.encode(reply), per_round=3)
     app = app_over(engine, tok)
     with running(app) as base:
-        whole = client(base).chat.completions.create(model="m", messages=history[:1], tools=tools)  # type: ignore[arg-type]
-        with client(base).chat.completions.stream(model="m", messages=history[:1], tools=tools) as stream:  # type: ignore[arg-type]
+        whole = client(base).chat.completions.create(model="m", messages=messages[:1], tools=tools)  # type: ignore[arg-type]
+        with client(base).chat.completions.stream(model="m", messages=messages[:1], tools=tools) as stream:  # type: ignore[arg-type]
             streamed = stream.get_final_completion()
-        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": history, "tools": tools}, timeout=30)
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "tools": tools}, timeout=30)
         # arguments that are not JSON reach the template as text: where it needs an object, a 400, not a 500
         bad = {**call, "function": {"name": "plan", "arguments": "oops"}}
-        odd = [history[0], {**history[1], "tool_calls": [bad]}]
+        odd = [messages[0], {**messages[1], "tool_calls": [bad]}]
         refused = httpx.post(f"{base}/v1/chat/completions", json={"messages": odd, "tools": tools}, timeout=30)
     for choice in (whole.choices[0], streamed.choices[0]):
         calls = choice.message.tool_calls or []
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("plan", ARGUMENTS)]  # type: ignore[union-attr]
-        assert choice.message.content == "Done." and choice.finish_reason == "tool_calls"
+        assert choice.message.content == (after.strip() or None) and choice.finish_reason == "tool_calls"
+        assert syntax not in CALL_IDS or calls[0].id == call["id"]  # (ids the template writes back: the model's)
     assert r.status_code == 200, r.text
-    if syntax != "hermes":  # (Qwen3's writes the text as it is)
+    if syntax in NEEDS_OBJECT:  # (the others write the text as it is)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
-    assert written in tok.decode(engine.streams[2].prompt_ids)  # (the history request's)
+    else:
+        assert refused.status_code == 200, refused.text
+    assert written in shown(tok, engine.streams[2].prompt_ids)  # (the history request's)
 
 
 @pytest.mark.parametrize(
@@ -483,7 +537,7 @@ def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() 
     }
 
 
-def test_history_arguments_that_are_not_an_object_reach_the_template_as_text() -> None:
+def test_messagesarguments_that_are_not_an_object_reach_the_template_as_text() -> None:
     from moelane.server.protocol import template_tool_calls
 
     for text in ("not json", "[1, 2]", "[" * 5000):  # (the last nests deeper than Python's JSON reader goes)
@@ -500,7 +554,7 @@ def test_harmony_arguments_that_are_not_an_object_are_reasoning(harmony: Tokeniz
         assert choice.message.content is None and "now please" in choice.message.reasoning_content  # type: ignore[attr-defined]
 
 
-def test_harmony_history_gives_each_call_a_message_of_its_own() -> None:
+def test_harmony_messagesgives_each_call_a_message_of_its_own() -> None:
     from moelane.server.prompts import one_call_each
 
     call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": {}}}
@@ -527,7 +581,7 @@ def test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with(
         assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
             ("plan", ARGUMENTS)]  # fmt: skip
         assert got.finish_reason == ("stop" if named else "tool_calls") and got.message.content is None
-    assert tok.decode(engine.streams[0].prompt_ids).endswith(opening)
+    assert shown(tok, engine.streams[0].prompt_ids).endswith(opening)
 
 
 TRIP = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
@@ -572,8 +626,18 @@ def test_a_forced_call_is_held_to_the_tools_schema(tmp_path: Path, choice: Any) 
         ("qwen3_coder", "required", None),  # (tagged parameters, not JSON)
         ("minimax", {"type": "function", "function": {"name": "trip"}}, None),
         ("hermes", "auto", None),
+        ("mistral", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}}]'),
+        ("mistral", "required", '[{"name": "ping", "arguments": {}}, {"name": "trip", "arguments": {"city": "Paris", '
+                                '"days": 1}}]'),
+        ("granite", "required", '[{"name": "ping", "arguments": {}}]'),
+        ("mistral_args", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}'),
+        ("mistral_args", "required", None),  # (the name comes first, then [ARGS])
+        ("deepseek_v3", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}\n```'),
+        ("deepseek_v31", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}'),
+        ("deepseek_v31", "required", None),
+        ("kimi_k2", {"type": "function", "function": {"name": "trip"}}, '{"city": "Rome", "days": 2}'),
     ],
-)
+)  # fmt: skip
 def test_which_forced_calls_a_grammar_holds(
     tmp_path: Path, harmony: Tokenizer, syntax: str, choice: Any, rest: str | None
 ) -> None:

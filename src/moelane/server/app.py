@@ -130,6 +130,7 @@ class ServerState:
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
                 tool_calls=tools is not None and tools.syntax == HARMONY,
+                shown=frozenset(tools.shown if tools is not None else ()),
                 primer=primer, grammar=grammar,
             )
             for ids, echo in prompts

@@ -6,7 +6,8 @@ string, client gone, timeout, server stopping).
 A chat reply of a model that reasons aloud (gpt-oss's channels, `<think>` tags: `moelane.model.reasoning`) is split:
 the answer is the content, cut at stop strings; the reasoning comes as `Reasoning` pieces; the markup between them
 is dropped, and so is the whitespace that opens each part. With `tool_calls`, a harmony message to a function comes
-as one `ToolCall` piece once it has ended (formats that write calls as text are read by the app: `tools.py`).
+as one `ToolCall` piece once it has ended (formats that write calls as text are read by the app: `tools.py`; the
+special tokens among their tags, `shown`, are written out in the content's text for it).
 
 Invariants: every `Generation` that submitted a stream leaves it finished or cancelled when `run` returns or is
 cancelled, so its KV cache and slot are freed; text past a stop string never leaves this module; the engine thread
@@ -112,6 +113,7 @@ class GenerationParams:
     reasoning: bool = False  # split the reply's reasoning from its answer, where the model writes both (chat)
     tool_calls: bool = False  # harmony's messages to functions are calls (else reasoning)
     primer: tuple[int, ...] = ()  # the prompt's last tokens, read as the reply's start (a forced call's opening)
+    shown: frozenset[int] = frozenset()  # special tokens the content's text shows (a tool form's tags: `ToolUse`)
     grammar: Grammar | None = None  # what the reply is held to (each generation submits a copy of its own)
 
     def __post_init__(self) -> None:
@@ -134,7 +136,7 @@ class Generation:
     ) -> None:
         self.engine, self.params, self.limits = engine, params, limits
         self._tokenizer = tokenizer
-        self._detok, self._stops = Detokenizer(tokenizer), StopFilter(params.stops)
+        self._detok, self._stops = Detokenizer(tokenizer, params.shown), StopFilter(params.stops)
         self._splitter = splitter_for(tokenizer, list(params.prompt_ids)) if params.reasoning else None
         self._reasoning = Detokenizer(tokenizer)
         self._openings = Openings()
@@ -309,7 +311,7 @@ class Generation:
     def _tail(self) -> str:
         """At the end: what the detokenizer held back (an unfinished character, shown as U+FFFD like a whole
         decode would) and what the stop filter held back, still cut at a stop string."""
-        rest = self._tokenizer.decode(self._ids)[self._n_chars :]
+        rest = self._tokenizer.decode(self._ids, self.params.shown)[self._n_chars :]
         text = self._stops.push(self._opened(ANSWER, rest)) if rest else ""
         return text + self._stops.flush()
 

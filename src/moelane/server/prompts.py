@@ -18,7 +18,17 @@ from moelane.model.grammar import Grammar, json_grammar
 from moelane.model.reasoning import Channels, answer_opening
 from moelane.server.errors import ModelNotFound
 from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from moelane.server.tools import HARMONY, HERMES, ToolSupport, ToolUse, call_opening, tool_support
+from moelane.server.tools import (
+    ARGUMENTS_AS_TEXT,
+    HARMONY,
+    HERMES,
+    NAMED_AFTER,
+    REQUIRED_JSON,
+    ToolSupport,
+    ToolUse,
+    call_opening,
+    tool_support,
+)
 
 log = logging.getLogger(__name__)
 OVER_CONTEXT, INVALID = "context_length_exceeded", "invalid_value"  # error codes, as OpenAI's
@@ -64,8 +74,10 @@ class Prompts:
         if not body.tools_on() or syntax is None:
             return None
         types = {tool.function.name: properties(tool.function.parameters) for tool in body.tools or ()}
-        opening = call_opening(syntax, forced or None) if forced is not None else ""
-        return ToolUse(syntax, body.parallel_tool_calls is not False, types, opening, named=bool(forced))
+        n_calls = sum(len(m.tool_calls or ()) for m in body.messages)
+        opening = call_opening(syntax, forced or None, n_calls) if forced is not None else ""
+        parallel = body.parallel_tool_calls is not False
+        return ToolUse(syntax, parallel, types, opening, named=bool(forced), shown=self.tools.shown)
 
     def check_model(self, name: str | None) -> None:
         """Refuse a request for another model; one that names none gets the served one (as vLLM's, llama.cpp's)."""
@@ -112,22 +124,26 @@ class Prompts:
             raise bad_request(f"response_format: {e}", "response_format") from None
 
     def call_grammar(self, body: ChatCompletionRequest, tools: ToolUse | None) -> Grammar | None:
-        """What a call that `tool_choice` forces is held to, where the call's form is JSON: in a `<tool_call>`
-        block, the named function's arguments (then the brace that closes the call), or for "required" a call of
-        any tool given, each with its own arguments; a named harmony call's arguments. None where nothing is forced,
-        for the tagged forms (Qwen3-Coder's, GLM-4.5's), for "required" in harmony, and where a tool's schema cannot
-        be used (the call then goes as the model writes it)."""
+        """What a call that `tool_choice` forces is held to, where the rest of the call is JSON (`NAMED_AFTER`): the
+        named function's arguments (in a `<tool_call>` block, then the brace that closes the call; after Mistral's
+        v3 or Granite's opening, `}]`), or for "required", where the call is JSON throughout, a call of any tool
+        given, each with its own arguments (in a `<tool_call>` block; a list of such calls after Mistral's v3 or
+        Granite's opening). None where nothing is forced, for the tagged forms (Qwen3-Coder's, GLM-4.5's,
+        MiniMax-M2's), for "required" where the name comes before the JSON (harmony, Mistral's v11, DeepSeek's,
+        Kimi-K2's), and where a tool's schema cannot be used (the call then goes as the model writes it)."""
         forced, syntax = body.forced(), tools.syntax if tools is not None else None
-        if forced is None or not (syntax == HERMES or (syntax == HARMONY and forced)):
+        if forced is None or syntax is None or syntax not in (NAMED_AFTER if forced else REQUIRED_JSON):
             return None
         schemas = {tool.function.name: arguments_schema(tool.function.parameters) for tool in body.tools or ()}
         try:
             if forced:
-                return self._grammar(json_grammar(schemas[forced], "}" if syntax == HERMES else ""))
+                return self._grammar(json_grammar(schemas[forced], NAMED_AFTER[syntax]))
             calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for name, schema in schemas.items()]  # fmt: skip
-            return self._grammar(json_grammar({"anyOf": calls}))
+            one = {"anyOf": calls}
+            return self._grammar(json_grammar(one if syntax == HERMES else {"type": "array", "items": one,
+                                                                            "minItems": 1}))  # fmt: skip
         except InputError as e:
             log.warning("a forced tool call goes unconstrained: %s", e)
             return None
@@ -142,7 +158,7 @@ class Prompts:
         or of the answer where the reply must be `json`; and the primer: that opening's tokens where the channel
         splitter must read them first (harmony's; think tags are read from the prompt). Runs off the event loop:
         rendering thousands of messages takes seconds, in which no other stream would be served."""
-        messages = [m.for_template() for m in body.messages]
+        messages = [m.for_template(self.tools.syntax in ARGUMENTS_AS_TEXT) for m in body.messages]
         if any(len(m.get("tool_calls") or ()) > 1 for m in messages) and self.tools.syntax == HARMONY:
             messages = one_call_each(messages)
         try:

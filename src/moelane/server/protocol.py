@@ -285,11 +285,13 @@ class ChatMessage(Body):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it (transformers' convention)."""
+    def for_template(self, arguments_as_text: bool = False) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention; with `arguments_as_text`, a call's
+        arguments as the JSON text sent, for templates that join them into a string, as DeepSeek's do)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls and self.role == "assistant":
-            out["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+            calls = [c.model_dump() for c in self.tool_calls]
+            out["tool_calls"] = calls if arguments_as_text else template_tool_calls(calls)
         if self.reasoning_content is not None and self.role == "assistant":  # (gpt-oss's template reads `thinking`)
             out["reasoning_content"] = out["thinking"] = self.reasoning_content
         if self.tool_call_id is not None:
