@@ -44,6 +44,7 @@ def test_serve_compiles_where_it_can(argv: tuple[str, ...], paged: bool, compile
         (("--max-depth", "-1"), "--max-depth must be in 0-64"),
         (("--max-depth", "9999"), "--max-depth must be in 0-64"),
         (("--max-queue", "-1"), "--max-queue must be at least 0"),
+        (("--prefix-cache", "-1"), "--prefix-cache must be at least 0 MiB"),
         (("--grace", "-1"), "--grace must be a finite number of seconds >= 0"),
         (("--grace", "nan"), "--grace must be a finite number of seconds >= 0"),
         (("--grace", "inf"), "--grace must be a finite number of seconds >= 0"),

@@ -10,7 +10,7 @@ from moelane.errors import integer
 from moelane.lanes.depth import DEFAULT_PRICES
 
 DRAFTERS = ("none", "copy", "recall", "model")
-COUNTS = ("max_streams", "max_depth", "max_rows", "prefill_chunk", "min_match", "recall_tokens")
+COUNTS = ("max_streams", "max_depth", "max_rows", "prefill_chunk", "min_match", "recall_tokens", "prefix_cache_mb")
 
 
 def finite(name: str, value: object) -> float:
@@ -39,6 +39,8 @@ class EngineConfig:
                    not depend on it (admitting and indexing streams).
     compile_draft: compile the decode step of the draft model the engine loads itself (drafter "model" without a
                    `draft` given): a draft level is then one compiled call.
+    prefix_cache_mb: MiB of K/V that finished streams' caches may keep, beside the live streams' positions, for
+                   requests that start with the same tokens (`moelane.lanes.prefix`); 0: none kept.
     """
 
     drafter: str = "none"
@@ -54,6 +56,7 @@ class EngineConfig:
     recall_tokens: int = 1 << 20
     overlap: bool = False
     compile_draft: bool = True
+    prefix_cache_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -66,6 +69,8 @@ class EngineConfig:
         for name in ("max_streams", "max_rows", "prefill_chunk", "min_match", "recall_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_depth < 0:
             raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
         if self.max_rows < self.max_streams:

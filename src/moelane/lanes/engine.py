@@ -33,15 +33,14 @@ from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate, probe_ro
 from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore, load_draft_model
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
+from moelane.lanes.prefix import PrefixStore, admit_cache, live_bytes, valid_tokens
 from moelane.lanes.request import check_request
 from moelane.lanes.rounds import Window, choose, commit, logprobs_of, plan_windows, prompt_logprobs_of, verify
 from moelane.lanes.stream import Stream
-from moelane.lanes.target import Target, fit_to_target
-from moelane.model.cache import Rows
+from moelane.lanes.target import Target, calibrate, fit_to_target
 from moelane.model.grammar import Grammar
 
 log = logging.getLogger(__name__)
-CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_PRICE_RATE = 0.2
 STEADY_FEED = 2  # a draft model's first feed in a round while it drafts every round: the last accepted draft (fed
 # only if it is verified) and the target's own token
@@ -54,6 +53,8 @@ class EngineStats:
     accepted: int = 0  # holds that became committed tokens
     committed: int = 0  # tokens appended to replies
     prefill_tokens: int = 0
+    prefix_hits: int = 0  # streams that took over a kept cache sharing their prompt's prefix
+    prefix_tokens: int = 0  # prompt tokens those streams did not feed
     finished: int = 0
     n_active: int = 0
     n_waiting: int = 0
@@ -78,6 +79,7 @@ class Engine:
         self.guard = Guard() if self.config.guard_on else None
         self.prices = PriceTable(self.config.prices)
         self.draft_price = self.config.draft_price
+        self.prefixes = PrefixStore(self.config.prefix_cache_mb << 20, self.config.max_streams)
         self._waiting: deque[Lane] = deque()
         self._active: list[Lane] = []
         self._cv = threading.Condition()
@@ -91,7 +93,9 @@ class Engine:
         self._stopped = False  # start()ed, then stopped: submit refuses until start() again
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moelane-forward") if self.config.overlap else None
         if self.config.timed:
-            self._calibrate()
+            draft_model = self.drafter.draft if isinstance(self.drafter, ModelDrafter) else None
+            self.prices, measured = calibrate(self.target, draft_model, self.clock, self.config.max_rows)
+            self.draft_price = self.draft_price if measured is None else measured
 
     def _make_drafter(self, draft: Any, store: RecallStore | None) -> Drafter | None:
         c = self.config
@@ -158,6 +162,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(
             rounds=self._round, **self._counts, n_active=self.n_active, n_waiting=self.n_waiting,
+            prefix_hits=self.prefixes.n_hits, prefix_tokens=self.prefixes.n_reused,
             guard_modes=self.guard.modes() if self.guard else {},
         )  # fmt: skip
 
@@ -325,7 +330,7 @@ class Engine:
                     lane.stream._finish("cancelled")
                     continue
                 try:
-                    lane.cache = self.target.cache_for(lane.n_prompt, lane.stream.max_tokens)
+                    lane.cache = admit_cache(self.target, self.prefixes, lane, self._active)
                 except Exception as e:  # (a cache it cannot have, as a failing pass: it ends alone)
                     log.exception("lanes stream %d could not be admitted; ending it", lane.stream.id)
                     self._retire(lane, "error", e)
@@ -339,29 +344,11 @@ class Engine:
             self._active.remove(lane)
         if self.drafter is not None:
             self.drafter.release(lane)
+        if reason != "error" and lane.cache is not None:  # (an error may have left its state unsound)
+            self.prefixes.keep(lane.cache, valid_tokens(lane, self.target), live_bytes(self._active))
         lane.cache, lane.drafts = None, []
         self._counts["finished"] += 1
         lane.stream._finish(reason, error)
-
-    def _calibrate(self) -> None:
-        """Measure the price of a pass by width (and of a draft pass) before serving: the best of two passes each,
-        of generated rows (as rounds feed them; through the compiled step, if any)."""
-
-        def best_of_two(model: Any, rows: Rows) -> float:
-            seconds = []
-            for _ in range(2):
-                t0 = self.clock.now()
-                model.forward([rows])
-                seconds.append(self.clock.now() - t0)
-            return min(seconds)
-
-        widths = [w for w in CALIBRATION_WIDTHS if w <= self.config.max_rows]
-        cache = self.target.new_cache(widths[-1])
-        points = [(w, max(best_of_two(self.target, Rows(cache, [0] * w, 0, decode=True)), 1e-9)) for w in widths]
-        self.prices = PriceTable(points)
-        if isinstance(self.drafter, ModelDrafter):  # a level: one row
-            draft = self.drafter.draft
-            self.draft_price = best_of_two(draft, Rows(draft.cache_for(1, 1), [0], 0, decode=True))
 
     # ---- threaded mode ------------------------------------------------------------------------------------------
 

@@ -73,8 +73,11 @@ class FakeTarget:
     def new_cache(self, capacity: int) -> FakeCache:
         return FakeCache(capacity)
 
+    def capacity_for(self, n_prompt: int, max_tokens: int) -> int:
+        return n_prompt + max_tokens
+
     def cache_for(self, n_prompt: int, max_tokens: int) -> FakeCache:
-        return FakeCache(n_prompt + max_tokens)
+        return FakeCache(self.capacity_for(n_prompt, max_tokens))
 
     def forward(self, rows: Sequence[Rows], last_only: bool = False) -> list[torch.Tensor]:
         out = []

@@ -38,6 +38,7 @@ class Stream:
         self._prompt_logprobs: list[TokenLogprob | None] = []  # one per prompt token (None for the first), if asked
         self._finish_reason: str | None = None
         self.error: BaseException | None = None  # what ended it, when finish_reason is "error"
+        self.n_cached = 0  # prompt tokens whose K/V came from a kept cache (`moelane.lanes.prefix`), set at admission
         self._cancel_requested = False
         self._changed = threading.Condition()
         self._listeners: list[Callable[[list[int] | None], None]] = []

@@ -109,13 +109,15 @@ class LM:
         limit = getattr(self.provider, "max_rows", None)
         return int(limit(self.args.num_experts_per_tok)) if callable(limit) else None
 
-    def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
-        """A cache for a prompt and its reply, rounded up to a bucket (so streams often share a capacity)."""
-        need = n_prompt + max_tokens
+    def capacity_for(self, n_prompt: int, max_tokens: int) -> int:
+        """The capacity of `cache_for`'s cache: prompt and reply rounded up to a bucket (so streams often share one)."""
         if n_prompt >= self.max_context:
             raise InputError(f"prompt of {n_prompt} tokens does not fit the model's context of {self.max_context}")
-        capacity = min(-(-need // CACHE_BUCKET) * CACHE_BUCKET, self.max_context)
-        return self.new_cache(capacity)
+        return min(-(-(n_prompt + max_tokens) // CACHE_BUCKET) * CACHE_BUCKET, self.max_context)
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> KVCache:
+        """A cache for a prompt and its reply, of `capacity_for` positions."""
+        return self.new_cache(self.capacity_for(n_prompt, max_tokens))
 
     @torch.no_grad()
     def forward(self, rows: list[Rows], phase: str | None = None, last_only: bool = False) -> list[torch.Tensor]:

@@ -53,6 +53,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--max-streams", type=int, default=16, help="streams decoded together (default 16; at most 256)")
     p.add_argument("--max-depth", type=int, default=8,
                    help="most draft tokens per stream and round (default 8; at most 64)")  # fmt: skip
+    p.add_argument("--prefix-cache", type=int, default=512, metavar="MB",
+                   help="MiB of KV cache that finished requests may leave for later requests starting with the same "
+                   "tokens (a chat resending its conversation feeds only the new messages; with a compiled decode "
+                   "step only a request's prompt is kept, not its reply). Live requests' caches come first. 0: "
+                   "off (default 512)")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a stream slot; beyond that: 429 (default 64)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
@@ -90,7 +95,7 @@ def build(args: argparse.Namespace) -> Any:
         drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
         guard = {"auto": None, "on": True, "off": False}[args.guard]
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,
-                              compile_draft=args.compile != "off")  # fmt: skip
+                              compile_draft=args.compile != "off", prefix_cache_mb=args.prefix_cache)  # fmt: skip
         if drafter == "model" and config.compile_draft:
             say("compiling the draft model's decode step (10-30 s the first time; later starts: cached)...")
         return lm, Engine(lm, config)  # (which fits its rounds to what an expert store's pool holds)
@@ -131,6 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
     for name, value, least, most in limits:
         if not least <= value <= most:
             raise InputError(f"{name} must be in {least}-{most}, got {value}")
+    if args.prefix_cache < 0:
+        raise InputError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
     if args.max_queue < 0:
         raise InputError(f"--max-queue must be at least 0, got {args.max_queue}")
     if not 0 <= args.grace < math.inf:

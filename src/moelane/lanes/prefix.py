@@ -1,0 +1,163 @@
+"""Prefix caching: the KV caches of finished streams, kept so that a request starting with the same tokens (a chat
+client resending its conversation, an agent its transcript) feeds only what follows them.
+
+When a stream ends (stop, length, cancelled; not after an error) the engine keeps its cache with the tokens whose K/V
+it validly holds (`valid_tokens`). When a stream joins, `admit_cache` gives it the kept cache sharing the longest
+prefix with its prompt, whole (no copy: the kept cache leaves the store), and the stream starts feeding where the
+match ends, or at its last prompt token, whose row gives the first logits. Stale rows past that point are masked by
+attention and overwritten as the stream feeds.
+
+Replies stay token-identical to decoding the prompt alone, since every reused row holds the bits the stream's own
+prefill would have written there:
+- a row's bits do not depend on what shares its pass (docs/batch-invariance.md), so rows written beside other
+  streams, in other prompt chunks or as verified drafts are those of a prefill. Eager rows, that is: a compiled
+  target's generated rows are not bit-identical to eager prompt rows, so from a target with its decode step compiled
+  only the prompt's rows are kept;
+- attention reads a cache in blocks of REACH keys, or whole below that, and MKL's product takes another path below
+  384 keys. A kept cache is therefore adopted only where its capacity is the one `capacity_for` gives the request, or
+  both are at least REACH and the kept one holds the prompt and the reply (`interchangeable`);
+- requests asking for the prompt's log-probabilities need every prompt row's logits: they never adopt.
+
+Bounds: at most `max_kept` caches (the engine's `max_streams`: pools then hold at most twice the slots live streams
+take), and the K/V positions they hold (tokens kept times bytes per position) within `max_bytes` once the live
+streams' positions are counted first; the oldest kept goes first (a cache leaves the store when it is adopted, so the
+oldest is also the least recently used). A live stream's cache that cannot be allocated is tried again once every
+kept cache is dropped. The store belongs to the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moelane.lanes.lane import Lane
+from moelane.model.attention import REACH
+
+log = logging.getLogger(__name__)
+MIN_REUSE = 16  # fewer matching tokens are not worth taking a kept cache over (it may serve its own conversation)
+SIMILARITY = 0.5  # a match must cover this share of a kept cache's tokens (llama.cpp's slot similarity, 0.5 too):
+# a new conversation that shares only a system prompt with a long kept one leaves it to that one's next turn
+
+
+@dataclass(slots=True, eq=False)
+class Kept:
+    cache: Any
+    tokens: list[int]  # the tokens whose K/V the cache holds at positions 0..len-1
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.tokens) * position_bytes(self.cache)
+
+
+class PrefixStore:
+    def __init__(self, max_bytes: int, max_kept: int) -> None:
+        self.max_bytes, self.max_kept = max_bytes, max_kept
+        self._kept: list[Kept] = []  # oldest first
+        self.n_hits = 0  # streams that adopted a kept cache
+        self.n_reused = 0  # prompt tokens they did not feed
+
+    @property
+    def n_kept(self) -> int:
+        return len(self._kept)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self._kept)
+
+    def keep(self, cache: Any, tokens: list[int], live_bytes: int = 0) -> None:
+        """Keep `cache`, which holds the K/V of `tokens` from position 0, unless it is too short to reuse or too big
+        to keep; then drop the oldest kept caches beyond the bounds."""
+        if len(tokens) < MIN_REUSE or len(tokens) * position_bytes(cache) > self.max_bytes or self.max_kept < 1:
+            return
+        self._kept.append(Kept(cache, tokens))
+        self.fit(live_bytes)
+
+    def fit(self, live_bytes: int = 0) -> None:
+        """Drop the oldest kept caches until they are within the bounds, with `live_bytes` held by live streams."""
+        while self._kept and (len(self._kept) > self.max_kept or self.nbytes + live_bytes > self.max_bytes):
+            self._kept.pop(0)
+
+    def clear(self) -> int:
+        """Drop every kept cache; -> how many there were."""
+        n, self._kept = len(self._kept), []
+        return n
+
+    def adopt(self, prompt: list[int], capacity: int, need: int) -> tuple[Any, int] | None:
+        """The kept cache sharing the longest prefix with `prompt` (the newest on ties) among those that give a stream
+        of this `capacity` (needing `need` positions) its own bits, taken out of the store, and the position to feed
+        from; None if no match is worth it."""
+        best, n_best = None, 0
+        for kept in self._kept:
+            if not interchangeable(kept.cache.capacity, capacity, need):
+                continue
+            n = common_prefix(kept.tokens, prompt)
+            if n >= max(MIN_REUSE, SIMILARITY * len(kept.tokens), n_best):
+                best, n_best = kept, n
+        if best is None:
+            return None
+        self._kept.remove(best)
+        start = min(n_best, len(prompt) - 1)  # the last prompt token is fed: its row gives the first logits
+        self.n_hits += 1
+        self.n_reused += start
+        return best.cache, start
+
+
+def interchangeable(kept: int, capacity: int, need: int) -> bool:
+    """Whether a cache of `kept` positions gives a stream the bits of a cache of `capacity` (which holds its `need`
+    positions): attention reads a cache whole below REACH, in blocks of REACH from there on, and below 384 keys MKL
+    takes another path; so the capacities must be equal, or both at least REACH with room for the stream."""
+    return kept == capacity or (kept >= REACH and capacity >= REACH and kept >= need)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def position_bytes(cache: Any) -> int:
+    """Bytes of K/V one position of `cache` holds (0 for a cache that does not say: the fake target's)."""
+    return int(getattr(cache, "nbytes", 0)) // max(1, int(cache.capacity))
+
+
+def live_bytes(lanes: Sequence[Lane]) -> int:
+    """Bytes of K/V the positions the live streams hold take."""
+    return sum(len(x.tokens) * position_bytes(x.cache) for x in lanes if x.cache is not None)
+
+
+def valid_tokens(lane: Lane, target: Any) -> list[int]:
+    """The tokens whose K/V a finished stream's cache holds as a prefill of them would write them: `tokens[:n_fed]`
+    (a stop or length cut may leave `n_fed` past the tokens kept), only the prompt's when the target's decode step is
+    compiled (its generated rows have other bits than eager prompt rows)."""
+    n = min(lane.n_fed, len(lane.tokens))
+    if getattr(target, "compile_enabled", False):
+        n = min(n, lane.n_prompt)
+    return lane.tokens[:n]
+
+
+def admit_cache(target: Any, store: PrefixStore, lane: Lane, live: Sequence[Lane]) -> Any:
+    """A cache for the joining `lane`: a kept one sharing a prefix of its prompt (`lane.n_fed` then starts past the
+    prefix), or a new one from the target, for which kept caches make room within the bounds with the `live`
+    streams counted first, and are all dropped if it cannot be allocated beside them."""
+    capacity_for = getattr(target, "capacity_for", None)
+    max_tokens = lane.stream.max_tokens
+    if store.n_kept and callable(capacity_for) and not lane.prompt_logprobs:
+        capacity = capacity_for(lane.n_prompt, max_tokens)
+        found = store.adopt(lane.tokens[: lane.n_prompt], capacity, lane.n_prompt + max_tokens)
+        if found is not None:
+            cache, lane.n_fed = found
+            lane.stream.n_cached = lane.n_fed
+            return cache
+    try:
+        cache = target.cache_for(lane.n_prompt, max_tokens)
+    except Exception:
+        if not store.clear():
+            raise
+        log.warning("a stream's KV cache could not be allocated beside kept prefixes: dropped them, trying again")
+        cache = target.cache_for(lane.n_prompt, max_tokens)
+    store.fit(live_bytes(live) + lane.n_prompt * position_bytes(cache))
+    return cache

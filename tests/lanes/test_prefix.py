@@ -1,0 +1,345 @@
+"""Prefix caching (`moelane.lanes.prefix`): a request that starts with the tokens of a finished stream takes over its
+KV cache and feeds only the rest, and its reply is still the one-token decode of its prompt alone, to the bit (each
+token's log-probability equals an engine's that keeps nothing). Also: where reuse must be refused (capacities that
+read attention through other kernels, prompt log-probabilities), the store's bounds, and what is kept after a
+cancel, an error and a compiled decode."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import moelane
+from moelane.lanes import Engine, EngineConfig
+from moelane.lanes.prefix import MIN_REUSE, PrefixStore, interchangeable
+from moelane.lanes.request import submit_kwargs
+from moelane.lanes.stream import Stream
+from moelane.model.sampling import SamplingParams
+from tests.helpers import random_model
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+
+
+def tokens(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab - 1, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random model with room for caches of 256 to 1,024 positions."""
+    folder = random_model("qwen3_moe", tmp_path_factory.mktemp("prefix") / "m", max_position_embeddings=1024)
+    return moelane.load(folder)
+
+
+def run(engine: Engine, prompt: list[int], max_tokens: int, params: SamplingParams, **kw: Any) -> Stream:
+    stream = engine.submit(prompt, max_tokens, logprobs=2, **submit_kwargs(params), **kw)
+    engine.run_until_idle()
+    return stream
+
+
+def check_same(lm: Any, stream: Stream, max_tokens: int, params: SamplingParams, draft: Any = None,
+               **config: Any) -> None:  # fmt: skip
+    """`stream`'s reply is its prompt's one-token decode alone, and its log-probabilities are bit for bit those of an
+    engine that keeps no cache."""
+    assert stream.token_ids == list(lm.generate_ids(stream.prompt_ids, max_tokens, params))
+    fresh_engine = Engine(lm, EngineConfig(**{**config, "prefix_cache_mb": 0}), draft=draft)
+    fresh = run(fresh_engine, stream.prompt_ids, max_tokens, params)
+    assert fresh.token_ids == stream.token_ids
+    assert [(x.token_id, x.logprob, x.top) for x in fresh.logprobs] == [
+        (x.token_id, x.logprob, x.top) for x in stream.logprobs
+    ]
+
+
+def config_of(drafter: str) -> dict[str, Any]:
+    return dict(drafter=drafter, timed=False, guard=False, prefill_chunk=24)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny: Any) -> Any:
+    return moelane.load(tiny.folder)  # the model itself, as a draft model: its drafts land
+
+
+class Counted:
+    """A target that counts the prompt rows (not generated ones) its passes feed."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm, self.n_prompt_rows = lm, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lm, name)
+
+    def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.n_prompt_rows += sum(len(r.token_ids) for r in rows if not r.decode)
+        return self.lm.forward(rows, *args, **kwargs)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", ["none", "copy", "model"])
+def test_a_conversation_reuses_its_history_and_replies_as_alone(tiny, draft, params, drafter: str) -> None:
+    """Four turns, each resending the history and a new message: from the second on, the stream takes over the
+    previous turn's cache, feeds only the new tokens, and replies bit for bit as with nothing kept."""
+    config = config_of(drafter)
+    target = Counted(tiny)
+    engine = Engine(target, EngineConfig(**config), draft=draft)
+    history: list[int] = []
+    n_cached = n_prompts = 0
+    for turn in range(4):
+        prompt = history + tokens(30, tiny.vocab_size, turn)
+        target.n_prompt_rows = 0
+        stream = run(engine, prompt, 16, params)
+        # the previous reply's last token is in the cache only if a round fed it (a stop, or drafts past the end)
+        assert stream.n_cached in ((len(history) - 1, len(history)) if turn else (0,))
+        assert target.n_prompt_rows == len(prompt) - stream.n_cached
+        check_same(tiny, stream, 16, params, draft, **config)
+        history = prompt + stream.token_ids
+        n_cached, n_prompts = n_cached + stream.n_cached, n_prompts + len(prompt)
+    stats = engine.stats()
+    assert stats.prefix_hits == 3 and stats.prefix_tokens == n_cached > 3 * 40
+    assert stats.prefill_tokens == n_prompts - n_cached
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_prompt_sharing_part_of_a_kept_one_feeds_from_where_they_part(tiny, params: SamplingParams) -> None:
+    """An edited last message: the kept cache holds the common part and stale rows after it, which the new prompt
+    overwrites."""
+    engine = Engine(tiny, EngineConfig(**config_of("copy")))
+    first = run(engine, tokens(60, tiny.vocab_size, 1), 16, params)
+    prompt = first.prompt_ids[:45] + tokens(20, tiny.vocab_size, 2)
+    second = run(engine, prompt, 16, params)
+    assert second.n_cached == 45 and engine.stats().prefix_hits == 1
+    check_same(tiny, second, 16, params, **config_of("copy"))
+
+
+def test_reuse_is_refused_where_the_capacities_read_attention_otherwise(tiny) -> None:
+    """A cache of 256 positions is read whole, one of 512 in blocks of 512 keys: other kernels, other bits. A cache
+    of 1,024 serves a stream that would get 768 (both read in blocks), once it holds the stream's prompt and reply."""
+    config = config_of("none")
+    engine = Engine(tiny, EngineConfig(**config))
+    short = run(engine, tokens(60, tiny.vocab_size, 3), 16, GREEDY)  # capacity 256
+    longer = short.prompt_ids + short.token_ids + tokens(20, tiny.vocab_size, 4)
+    assert tiny.capacity_for(len(longer), 300) == 512 and not interchangeable(256, 512, len(longer) + 300)
+    refused = run(engine, longer, 300, GREEDY)
+    assert refused.n_cached == 0 and engine.stats().prefix_hits == 0
+    check_same(tiny, refused, 300, GREEDY, **config)
+    # kept now: a cache of 512 holding `longer` and its reply; cancelled after 16 tokens, a stream of 1,024 keeps it
+    big = cut_short(engine, tokens(100, tiny.vocab_size, 5), 900)
+    assert big.finish_reason == "cancelled" and tiny.capacity_for(100, 900) == 1024
+    follow = big.prompt_ids + big.token_ids + tokens(20, tiny.vocab_size, 6)
+    assert tiny.capacity_for(len(follow), 500) == 768
+    stream = cut_short(engine, follow, 500)
+    assert stream.n_cached >= len(big.prompt_ids) + len(big.token_ids) - 1 and engine.stats().prefix_hits == 1
+    fresh = cut_short(Engine(tiny, EngineConfig(**{**config, "prefix_cache_mb": 0})), follow, 500)
+    n = min(len(fresh.token_ids), len(stream.token_ids))
+    assert [(x.token_id, x.logprob) for x in stream.logprobs[:n]] == [
+        (x.token_id, x.logprob) for x in fresh.logprobs[:n]
+    ]
+    alone = tiny.generate_ids(follow, 500)
+    assert stream.token_ids == [next(alone) for _ in stream.token_ids]
+
+
+def cut_short(engine: Engine, prompt: list[int], max_tokens: int, n: int = 16) -> Stream:
+    """A stream cancelled once it has `n` tokens (or more: the round that gave them may have given more)."""
+    stream = engine.submit(prompt, max_tokens, logprobs=2)
+    while len(stream.token_ids) < n and not stream.done:
+        engine.step()
+    stream.cancel()
+    engine.run_until_idle()
+    return stream
+
+
+def test_a_request_for_prompt_logprobs_feeds_its_whole_prompt(tiny) -> None:
+    engine = Engine(tiny, EngineConfig(**config_of("none")))
+    first = run(engine, tokens(40, tiny.vocab_size, 7), 8, GREEDY)
+    prompt = first.prompt_ids + first.token_ids + tokens(10, tiny.vocab_size, 8)
+    second = run(engine, prompt, 8, GREEDY, prompt_logprobs=True)
+    assert second.n_cached == 0 and engine.stats().prefix_hits == 0
+    assert len(second.prompt_logprobs) == len(prompt) and second.prompt_logprobs[0] is None
+
+
+def test_a_cancelled_stream_keeps_what_it_fed_and_an_errored_one_nothing(tiny) -> None:
+    """Cancelled while prefilling, a stream keeps the prompt rows it fed, which the same prompt then reuses; a stream
+    that fails alone (its pass raises) keeps nothing, while the stream beside it keeps its cache."""
+    poison = 5
+
+    class Poisoned(Counted):
+        def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
+            if any(poison in r.token_ids for r in rows):
+                raise RuntimeError("poisoned pass (test)")
+            return super().forward(rows, *args, **kwargs)
+
+    config = config_of("copy")
+    engine = Engine(Poisoned(tiny), EngineConfig(**config))
+    prompt = [t for t in tokens(60, tiny.vocab_size, 9) if t != poison]
+    stream = engine.submit(prompt, 8)
+    engine.step()  # one prompt chunk of 24
+    stream.cancel()
+    engine.run_until_idle()
+    assert stream.finish_reason == "cancelled" and engine.prefixes.n_kept == 1
+    again = run(engine, prompt, 8, GREEDY)
+    assert again.n_cached == 24
+    check_same(tiny, again, 8, GREEDY, **config)
+    assert engine.prefixes.n_kept == 1  # `again`'s cache, kept in its turn
+    engine.prefixes.clear()
+    bad = engine.submit([*prompt[:30], poison, *prompt[30:]], 8)
+    good = engine.submit(tokens(40, tiny.vocab_size, 10), 8)
+    engine.run_until_idle()
+    assert bad.finish_reason == "error" and good.finish_reason in ("stop", "length")
+    assert engine.prefixes.n_kept == 1 and engine.prefixes._kept[0].tokens[:40] == good.prompt_ids
+
+
+def test_the_store_keeps_within_its_count_and_bytes(tiny) -> None:
+    """At most max_streams caches are kept, the newest; their positions' bytes stay within prefix_cache_mb."""
+    engine = Engine(tiny, EngineConfig(**config_of("none"), max_streams=2))
+    prompts = [tokens(20, tiny.vocab_size, 20 + i) for i in range(5)]
+    for prompt in prompts:
+        run(engine, prompt, 4, GREEDY)
+        assert engine.prefixes.n_kept <= 2
+    assert engine.prefixes.n_kept == 2
+    assert run(engine, prompts[0] + [1, 2], 4, GREEDY).n_cached == 0  # the oldest went first
+    assert run(engine, prompts[4] + [1, 2], 4, GREEDY).n_cached == 20
+
+    per_position = tiny.cache_for(1, 1).nbytes // 256
+    engine = Engine(tiny, EngineConfig(**config_of("none"), prefix_cache_mb=1))
+    n_fit = (1 << 20) // (per_position * 300)
+    for i in range(n_fit + 3):
+        run(engine, tokens(296, tiny.vocab_size, 40 + i), 4, GREEDY)
+        assert engine.prefixes.nbytes <= 1 << 20
+    assert engine.prefixes.n_kept == n_fit >= 2
+
+
+def test_kept_caches_make_room_for_live_streams() -> None:
+    """Live streams' positions are counted first: keeping or admitting drops the oldest kept caches beyond the bytes
+    left; only matches of at least MIN_REUSE tokens covering half a kept cache's tokens are taken."""
+
+    class Cache:
+        capacity, nbytes = 10, 100  # 10 bytes a position
+
+    store = PrefixStore(max_bytes=1000, max_kept=8)
+    for i in range(3):
+        store.keep(Cache(), [i] * 20)  # 200 bytes each
+    store.fit(live_bytes=500)
+    assert store.n_kept == 2 and store.nbytes == 400
+    store.keep(Cache(), [9] * 20, live_bytes=700)
+    assert store.n_kept == 1 and store.nbytes == 200
+    store.keep(Cache(), [7] * (MIN_REUSE - 1))
+    assert store.n_kept == 1  # too short to be worth keeping
+    store.keep(Cache(), list(range(40)))
+    assert store.adopt([*range(19), 99], 10, 10) is None  # 19 of 40: under half
+    found = store.adopt([*range(25), 99], 10, 10)
+    assert found is not None and found[1] == 25 and store.n_kept == 1
+
+
+def test_a_cache_that_cannot_be_allocated_beside_kept_ones_drops_them(tiny) -> None:
+    """A live stream never fails for kept prefixes: when its cache cannot be allocated (a pool out of memory), every
+    kept cache is dropped and the allocation tried again."""
+
+    class Scarce(Counted):  # room for two caches at a time
+        def __init__(self, lm: Any) -> None:
+            super().__init__(lm)
+            self.alive: weakref.WeakSet[Any] = weakref.WeakSet()
+
+        def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
+            if len(self.alive) >= 2:
+                raise MemoryError("no room for a third cache (test)")
+            cache = self.lm.cache_for(n_prompt, max_tokens)
+            self.alive.add(cache)
+            return cache
+
+    config = config_of("none")
+    engine = Engine(Scarce(tiny), EngineConfig(**config))
+    for i in range(2):
+        run(engine, tokens(30, tiny.vocab_size, 60 + i), 4, GREEDY)
+    assert engine.prefixes.n_kept == 2
+    stream = run(engine, tokens(30, tiny.vocab_size, 62), 8, GREEDY)
+    assert stream.finish_reason in ("stop", "length") and engine.prefixes.n_kept == 1
+    check_same(tiny, stream, 8, GREEDY, **config)
+
+
+def conversation(engine: Engine, vocab: int, n_turns: int, params: SamplingParams) -> list[Stream]:
+    streams: list[Stream] = []
+    history: list[int] = []
+    for turn in range(n_turns):
+        stream = run(engine, history + tokens(30, vocab, 100 + turn), 16, params)
+        streams.append(stream)
+        history = stream.prompt_ids + stream.token_ids
+    return streams
+
+
+def test_a_compiled_target_keeps_only_its_prompt_rows(tiny) -> None:
+    """Generated rows through the compiled step have other bits than eager prompt rows: a compiled target's kept
+    cache holds only the prompt, and replies equal the compiled solo decode and an engine that keeps nothing."""
+    lm = moelane.load(tiny.folder, compile=True)
+    assert lm.warm_up(8, 16)
+    config = config_of("copy")
+    engine = Engine(lm, EngineConfig(**config))
+    streams = conversation(engine, lm.vocab_size, 3, SAMPLED)
+    for before, stream in itertools.pairwise(streams):
+        assert stream.n_cached == len(before.prompt_ids)
+    for stream in streams:
+        check_same(lm, stream, 16, SAMPLED, **config)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("gpt_oss", dict(sliding_window=6)), ("deepseek_v3", dict(rope_interleave=False)), ("lfm2_moe", {})],
+)
+def test_families_whose_cache_is_not_plain_kv_reuse_it(family: str, overrides: dict, tmp_path: Path) -> None:
+    """Sinks and sliding windows (gpt-oss), latent attention (DeepSeek-V3), convolutions reading their inputs by
+    position from the cache (LFM2): a conversation's turns reuse the cache and reply as alone."""
+    lm = moelane.load(random_model(family, tmp_path / family, **overrides))
+    config = config_of("copy")
+    engine = Engine(lm, EngineConfig(**config))
+    for params in (GREEDY, SAMPLED):
+        for stream in conversation(engine, lm.vocab_size, 3, params):
+            check_same(lm, stream, 16, params, **config)
+    assert engine.stats().prefix_hits == 4
+
+
+def test_a_threaded_engine_with_overlap_reuses_caches(tiny) -> None:
+    """Admission (and adoption) runs during the previous pass with `overlap`; the engine's own thread runs rounds."""
+    config = dict(config_of("copy"), overlap=True)
+    engine = Engine(tiny, EngineConfig(**config))
+    history: list[int] = []
+    with engine:
+        for turn in range(3):
+            side = engine.submit(tokens(40, tiny.vocab_size, 200 + turn), 12)  # another stream in the rounds
+            stream = engine.submit(history + tokens(30, tiny.vocab_size, 300 + turn), 16, logprobs=2)
+            assert stream.wait(60) and side.wait(60)
+            assert (stream.n_cached > 0) == (turn > 0)
+            check_same(tiny, stream, 16, GREEDY, **config)
+            history = stream.prompt_ids + stream.token_ids
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Any:
+    try:
+        return moelane.load()
+    except Exception as e:  # the shipped model is not in this checkout
+        pytest.skip(f"no shipped model: {e}")
+
+
+MESSAGES = [
+    "You are a helpful assistant. The user writes about trains, rivers and the weather in the mountains.",
+    "Tell me about the river that runs past the old mill, and what the trains carried along it.",
+    "And in winter? Does the snow close the line, or do they keep it open with ploughs?",
+]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("drafter", ["none", "copy"])
+def test_the_shipped_model_replies_as_alone_across_turns(shipped, params: SamplingParams, drafter: str) -> None:
+    config = config_of(drafter)
+    engine = Engine(shipped, EngineConfig(**config))
+    history: list[int] = []
+    for message in MESSAGES:
+        stream = run(engine, history + shipped.tokenizer.encode(message), 24, params)
+        check_same(shipped, stream, 24, params, **config)
+        history = stream.prompt_ids + stream.token_ids
+    assert engine.stats().prefix_hits == 2
