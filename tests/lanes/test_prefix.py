@@ -119,12 +119,13 @@ def test_a_prompt_sharing_part_of_a_kept_one_feeds_from_where_they_part(tiny, pa
 
 def test_reuse_is_refused_where_the_capacities_read_attention_otherwise(tiny) -> None:
     """A cache of 256 positions is read whole, one of 512 in blocks of 512 keys: other kernels, other bits. A cache
-    of 1,024 serves a stream that would get 768 (both read in blocks), once it holds the stream's prompt and reply."""
+    of 1,024 serves a stream that would get 768 (both read in blocks); one of 512 too small for a stream's reply has
+    its rows copied into the stream's cache of 1,024."""
     config = config_of("none")
     engine = Engine(tiny, EngineConfig(**config))
     short = run(engine, tokens(60, tiny.vocab_size, 3), 16, GREEDY)  # capacity 256
     longer = short.prompt_ids + short.token_ids + tokens(20, tiny.vocab_size, 4)
-    assert tiny.capacity_for(len(longer), 300) == 512 and not interchangeable(256, 512, len(longer) + 300)
+    assert tiny.capacity_for(len(longer), 300) == 512 and not interchangeable(256, 512)
     refused = run(engine, longer, 300, GREEDY)
     assert refused.n_cached == 0 and engine.stats().prefix_hits == 0
     check_same(tiny, refused, 300, GREEDY, **config)
@@ -142,6 +143,14 @@ def test_reuse_is_refused_where_the_capacities_read_attention_otherwise(tiny) ->
     ]
     alone = tiny.generate_ids(follow, 500)
     assert stream.token_ids == [next(alone) for _ in stream.token_ids]
+
+    small = cut_short(engine, tokens(200, tiny.vocab_size, 7), 300)
+    assert small.n_cached == 0 and engine.prefixes._kept[-1].cache.capacity == 512
+    grown = small.prompt_ids + small.token_ids + tokens(400, tiny.vocab_size, 8)
+    assert tiny.capacity_for(len(grown), 100) == 768
+    copied = run(engine, grown, 100, GREEDY)
+    assert copied.n_cached >= len(small.prompt_ids) + len(small.token_ids) - 1 and engine.stats().prefix_hits == 2
+    check_same(tiny, copied, 100, GREEDY, **config)
 
 
 def cut_short(engine: Engine, prompt: list[int], max_tokens: int, n: int = 16) -> Stream:

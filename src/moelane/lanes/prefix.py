@@ -5,7 +5,9 @@ When a stream ends (stop, length, cancelled; not after an error) the engine keep
 it validly holds (`valid_tokens`). When a stream joins, `admit_cache` gives it the kept cache sharing the longest
 prefix with its prompt, whole (no copy: the kept cache leaves the store), and the stream starts feeding where the
 match ends, or at its last prompt token, whose row gives the first logits. Stale rows past that point are masked by
-attention and overwritten as the stream feeds.
+attention and overwritten as the stream feeds. A kept cache too small for the stream's reply (a conversation grows
+past its capacity every few turns) has its matching rows copied into a cache of the stream's own, where the cache
+can copy (`copy_from`: `LM`'s can).
 
 Replies stay token-identical to decoding the prompt alone, since every reused row holds the bits the stream's own
 prefill would have written there:
@@ -14,8 +16,8 @@ prefill would have written there:
   target's generated rows are not bit-identical to eager prompt rows, so from a target with its decode step compiled
   only the prompt's rows are kept;
 - attention reads a cache in blocks of REACH keys, or whole below that, and MKL's product takes another path below
-  384 keys. A kept cache is therefore adopted only where its capacity is the one `capacity_for` gives the request, or
-  both are at least REACH and the kept one holds the prompt and the reply (`interchangeable`);
+  384 keys. A kept cache is therefore used only where its capacity is the one `capacity_for` gives the request, or
+  both are at least REACH (`interchangeable`; a copy gives the rows the same bits);
 - requests asking for the prompt's log-probabilities need every prompt row's logits: they never adopt.
 
 Bounds: at most `max_kept` caches (the engine's `max_streams`: pools then hold at most twice the slots live streams
@@ -90,7 +92,8 @@ class PrefixStore:
         from; None if no match is worth it."""
         best, n_best = None, 0
         for kept in self._kept:
-            if not interchangeable(kept.cache.capacity, capacity, need):
+            fits = kept.cache.capacity >= need or callable(getattr(kept.cache, "copy_from", None))
+            if not (fits and interchangeable(kept.cache.capacity, capacity)):
                 continue
             n = common_prefix(kept.tokens, prompt)
             if n >= max(MIN_REUSE, SIMILARITY * len(kept.tokens), n_best):
@@ -104,11 +107,11 @@ class PrefixStore:
         return best.cache, start
 
 
-def interchangeable(kept: int, capacity: int, need: int) -> bool:
-    """Whether a cache of `kept` positions gives a stream the bits of a cache of `capacity` (which holds its `need`
-    positions): attention reads a cache whole below REACH, in blocks of REACH from there on, and below 384 keys MKL
-    takes another path; so the capacities must be equal, or both at least REACH with room for the stream."""
-    return kept == capacity or (kept >= REACH and capacity >= REACH and kept >= need)
+def interchangeable(kept: int, capacity: int) -> bool:
+    """Whether a cache of `kept` positions gives a stream the bits of a cache of `capacity`: attention reads a cache
+    whole below REACH, in blocks of REACH from there on, and below 384 keys MKL takes another path; so the capacities
+    must be equal, or both at least REACH."""
+    return kept == capacity or (kept >= REACH and capacity >= REACH)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -141,17 +144,20 @@ def valid_tokens(lane: Lane, target: Any) -> list[int]:
 
 def admit_cache(target: Any, store: PrefixStore, lane: Lane, live: Sequence[Lane]) -> Any:
     """A cache for the joining `lane`: a kept one sharing a prefix of its prompt (`lane.n_fed` then starts past the
-    prefix), or a new one from the target, for which kept caches make room within the bounds with the `live`
-    streams counted first, and are all dropped if it cannot be allocated beside them."""
+    prefix), or a new one from the target (holding a copy of the prefix, if the kept cache is too small for the
+    reply), for which kept caches make room within the bounds with the `live` streams counted first, and are all
+    dropped if it cannot be allocated beside them."""
     capacity_for = getattr(target, "capacity_for", None)
     max_tokens = lane.stream.max_tokens
+    kept = None
     if store.n_kept and callable(capacity_for) and not lane.prompt_logprobs:
         capacity = capacity_for(lane.n_prompt, max_tokens)
         found = store.adopt(lane.tokens[: lane.n_prompt], capacity, lane.n_prompt + max_tokens)
         if found is not None:
-            cache, lane.n_fed = found
+            kept, lane.n_fed = found
             lane.stream.n_cached = lane.n_fed
-            return cache
+            if kept.capacity >= lane.n_prompt + max_tokens:
+                return kept
     try:
         cache = target.cache_for(lane.n_prompt, max_tokens)
     except Exception:
@@ -159,5 +165,7 @@ def admit_cache(target: Any, store: PrefixStore, lane: Lane, live: Sequence[Lane
             raise
         log.warning("a stream's KV cache could not be allocated beside kept prefixes: dropped them, trying again")
         cache = target.cache_for(lane.n_prompt, max_tokens)
+    if kept is not None:
+        cache.copy_from(kept, lane.n_fed)
     store.fit(live_bytes(live) + lane.n_prompt * position_bytes(cache))
     return cache

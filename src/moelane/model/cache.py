@@ -84,6 +84,15 @@ class KVPool:
                 self.k, self.v, self._free = {}, {}, []  # no cache of this pool is alive, so no pass reads it
                 self._grow(FIRST_SLOTS)
 
+    def load(self, slot: int, source: KVPool, source_slot: int, n: int) -> None:
+        """Copy positions 0..n-1 of `source`'s `source_slot` (a pool of the same layers) into `slot`, which then
+        counts them as clean."""
+        with self._lock:
+            for store, other in ((self.k, source.k), (self.v, source.v)):
+                for layer, t in store.items():
+                    t[slot, :, :n].copy_(other[layer][source_slot, :, :n])
+            self._clean[slot] = max(self._clean[slot], n)
+
     def _grow(self, n_slots: int) -> None:
         old = self.n_slots if self.k else 0
         for store, dim in ((self.k, 1), (self.v, 2)):
@@ -123,6 +132,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.pool.slot_bytes
+
+    def copy_from(self, other: KVCache, n: int) -> None:
+        """Positions 0..n-1 of `other`, a cache of the same model, into this one (prefix caching: a kept cache too
+        small for a new stream's reply)."""
+        self.pool.load(self.slot, other.pool, other.slot, n)
 
     def write(
         self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
