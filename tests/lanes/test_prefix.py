@@ -247,28 +247,38 @@ def test_kept_caches_make_room_for_live_streams() -> None:
 
 def test_a_cache_that_cannot_be_allocated_beside_kept_ones_drops_them(tiny) -> None:
     """A live stream never fails for kept prefixes: when its cache cannot be allocated (a pool out of memory), every
-    kept cache is dropped and the allocation tried again."""
-
-    class Scarce(Counted):  # room for two caches at a time
-        def __init__(self, lm: Any) -> None:
-            super().__init__(lm)
-            self.alive: weakref.WeakSet[Any] = weakref.WeakSet()
-
-        def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
-            if len(self.alive) >= 2:
-                raise MemoryError("no room for a third cache (test)")
-            cache = self.lm.cache_for(n_prompt, max_tokens)
-            self.alive.add(cache)
-            return cache
+    kept cache is dropped, the one it would copy from too, and the allocation tried again."""
 
     config = config_of("none")
-    engine = Engine(Scarce(tiny), EngineConfig(**config))
+    engine = Engine(Scarce(tiny, 2), EngineConfig(**config))
     for i in range(2):
         run(engine, tokens(30, tiny.vocab_size, 60 + i), 4, GREEDY)
     assert engine.prefixes.n_kept == 2
     stream = run(engine, tokens(30, tiny.vocab_size, 62), 8, GREEDY)
     assert stream.finish_reason in ("stop", "length") and engine.prefixes.n_kept == 1
     check_same(tiny, stream, 8, GREEDY, **config)
+    # room for one cache: a stream that would copy a kept cache too small for its reply drops it and starts afresh
+    engine = Engine(Scarce(tiny, 1), EngineConfig(**config))
+    first = run(engine, tokens(300, tiny.vocab_size, 63), 100, GREEDY)  # capacity 512
+    grown = first.prompt_ids + first.token_ids + tokens(200, tiny.vocab_size, 64)
+    second = run(engine, grown, 100, GREEDY)  # capacity 768: would copy
+    assert second.finish_reason in ("stop", "length") and second.n_cached == 0 and engine.stats().prefix_hits == 0
+    check_same(tiny, second, 100, GREEDY, **config)
+
+
+class Scarce(Counted):
+    """A target with room for `room` caches at a time (as a pool out of memory)."""
+
+    def __init__(self, lm: Any, room: int) -> None:
+        super().__init__(lm)
+        self.room, self.alive = room, weakref.WeakSet[Any]()
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
+        if len(self.alive) >= self.room:
+            raise MemoryError("no room for another cache (test)")
+        cache = self.lm.cache_for(n_prompt, max_tokens)
+        self.alive.add(cache)
+        return cache
 
 
 def conversation(engine: Engine, vocab: int, n_turns: int, params: SamplingParams) -> list[Stream]:

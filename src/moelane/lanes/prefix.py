@@ -101,10 +101,7 @@ class PrefixStore:
         if best is None:
             return None
         self._kept.remove(best)
-        start = min(n_best, len(prompt) - 1)  # the last prompt token is fed: its row gives the first logits
-        self.n_hits += 1
-        self.n_reused += start
-        return best.cache, start
+        return best.cache, min(n_best, len(prompt) - 1)  # the last prompt token is fed: its row gives the first logits
 
 
 def interchangeable(kept: int, capacity: int) -> bool:
@@ -152,20 +149,27 @@ def admit_cache(target: Any, store: PrefixStore, lane: Lane, live: Sequence[Lane
     kept = None
     if store.n_kept and callable(capacity_for) and not lane.prompt_logprobs:
         capacity = capacity_for(lane.n_prompt, max_tokens)
-        found = store.adopt(lane.tokens[: lane.n_prompt], capacity, lane.n_prompt + max_tokens)
-        if found is not None:
-            kept, lane.n_fed = found
-            lane.stream.n_cached = lane.n_fed
-            if kept.capacity >= lane.n_prompt + max_tokens:
-                return kept
+        kept, lane.n_fed = store.adopt(lane.tokens[: lane.n_prompt], capacity, lane.n_prompt + max_tokens) or (None, 0)
+        if kept is not None and kept.capacity >= lane.n_prompt + max_tokens:
+            return reused(store, lane, kept)
     try:
         cache = target.cache_for(lane.n_prompt, max_tokens)
     except Exception:
-        if not store.clear():
+        if not store.clear() and kept is None:
             raise
         log.warning("a stream's KV cache could not be allocated beside kept prefixes: dropped them, trying again")
+        kept, lane.n_fed = None, 0  # (the one it would copy from too)
         cache = target.cache_for(lane.n_prompt, max_tokens)
+    store.fit(live_bytes(live) + lane.n_prompt * position_bytes(cache))
     if kept is not None:
         cache.copy_from(kept, lane.n_fed)
-    store.fit(live_bytes(live) + lane.n_prompt * position_bytes(cache))
+        return reused(store, lane, cache)
+    return cache
+
+
+def reused(store: PrefixStore, lane: Lane, cache: Any) -> Any:
+    """Count a stream that starts past a kept prefix (`lane.n_fed`); -> its cache."""
+    store.n_hits += 1
+    store.n_reused += lane.n_fed
+    lane.stream.n_cached = lane.n_fed
     return cache
