@@ -161,7 +161,7 @@ class ServerState:
             self._reply(gen, echo, collected, chat, tools)
             for gen, echo, collected in zip(gens, echoes, texts, strict=True)
         ]
-        usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens))
+        usage = header.usage(n_prompt, sum(gen.n_tokens for gen in gens), gens)
         whole = header.whole(replies, usage, total_cost(gens)).model_dump(mode="json")
         for choice in whole["choices"]:  # a reply with no reasoning or calls says nothing of them, as OpenAI's do
             for key in ("reasoning_content", "tool_calls"):
@@ -211,7 +211,7 @@ class ServerState:
                 async for chunk in chunks:
                     yield chunk
             if header.include_usage:
-                yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens)))
+                yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens), gens))
             self._account(gens, started, n_prompt, count_rate=False)
         except asyncio.CancelledError:
             self.metrics.cancelled.inc()

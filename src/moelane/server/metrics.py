@@ -56,6 +56,8 @@ class EngineCollector(Collector):
             ("accepted", "draft rows that became committed tokens"),
             ("committed", "tokens committed to replies"),
             ("prefill_tokens", "prompt tokens fed"),
+            ("prefix_hits", "streams that took over the KV cache a finished stream left (prefix caching)"),
+            ("prefix_tokens", "prompt tokens taken from kept KV caches instead of fed"),
             ("finished", "streams finished"),
         ):
             yield CounterMetricFamily(f"moelane_engine_{name}", doc, value=float(getattr(s, name, 0)))

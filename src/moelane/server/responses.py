@@ -12,9 +12,9 @@ OpenAI does, every other chunk carries `"usage": null`); `[DONE]`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -24,10 +24,15 @@ from moelane.server.protocol import ToolCall
 # ---- bodies ----------------------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV cache a finished request left (docs/lanes.md, "Prefix caching")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PagerCost(BaseModel):
@@ -239,8 +244,17 @@ class Header:
     chat: bool
     include_usage: bool = False  # streamed with a usage chunk: every other chunk says "usage": null
 
-    def usage(self, n_prompt: int, n_tokens: int) -> Usage:
-        return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens)
+    def usage(self, n_prompt: int, n_tokens: int, gens: Sequence[Any] = ()) -> Usage:
+        """Usage of a request whose generations are `gens`: their prompts' tokens taken from kept caches are
+        `prompt_tokens_details.cached_tokens`, each prompt counted once, as `n_prompt` counts it (the most any of
+        its choices took: choices of one prompt share its `prompt_ids`)."""
+        cached: dict[int, int] = {}
+        for gen in gens:
+            key = id(gen.params.prompt_ids)
+            cached[key] = max(cached.get(key, 0), gen.stream.n_cached if gen.stream is not None else 0)
+        details = PromptTokensDetails(cached_tokens=sum(cached.values()))
+        return Usage(prompt_tokens=n_prompt, completion_tokens=n_tokens, total_tokens=n_prompt + n_tokens,
+                     prompt_tokens_details=details)  # fmt: skip
 
     def whole(self, choices: list[Reply], usage: Usage, cost: PagerCost) -> BaseModel:
         """The response of a finished request: its choices' replies, by index."""
