@@ -362,3 +362,44 @@ def test_the_shipped_model_replies_as_alone_across_turns(shipped, params: Sampli
         check_same(shipped, stream, 24, params, **config)
         history = stream.prompt_ids + stream.token_ids
     assert engine.stats().prefix_hits == 2
+
+
+def test_a_paged_target_reuses_caches(tiny) -> None:
+    """With half the experts paged (an expert store evicting and loading as rounds route), turns still reuse the
+    history and reply as an engine keeping nothing on the same store."""
+    from moelane.pager.build import store_factory
+
+    lm = moelane.load(tiny.folder, provider=store_factory("50%"))
+    config = config_of("copy")
+    engine = Engine(lm, EngineConfig(**config))
+    streams = conversation(engine, lm.vocab_size, 3, SAMPLED)
+    assert engine.stats().prefix_hits == 2
+    for stream in streams:
+        check_same(lm, stream, 16, SAMPLED, **config)
+    lm.close()
+
+
+@pytest.mark.parametrize("drafter", ["copy", "recall"])
+def test_many_streams_sharing_prefixes_in_waves_reply_as_alone(tiny, drafter: str) -> None:
+    """Three conversations, then nine follow-ups of them at once, four streams a round: a follow-up takes a kept cache
+    if it is there and fits (capacities 256 and 512 mixed), or prefills beside those that did; a few edit the last
+    message, one is cancelled midway and kept. Every reply is its solo decode."""
+    engine = Engine(tiny, EngineConfig(**config_of(drafter), max_streams=4))
+    bases = [engine.submit(tokens(60, tiny.vocab_size, 400 + i), 16) for i in range(3)]
+    engine.run_until_idle()
+    follow: list[tuple[list[int], int]] = []
+    for i, base in enumerate(bases):
+        history = base.prompt_ids + base.token_ids
+        follow += [(history + tokens(20, tiny.vocab_size, 500 + i), 16),
+                   (history[:50] + tokens(30, tiny.vocab_size, 600 + i), 16),
+                   (history + tokens(40, tiny.vocab_size, 700 + i), 300)]  # fmt: skip
+    streams = [engine.submit(p, n) for p, n in follow]
+    cancelled = streams[4]
+    while len(cancelled.token_ids) < 4:
+        engine.step()
+    cancelled.cancel()
+    engine.run_until_idle()
+    assert engine.stats().prefix_hits >= 2  # (base 2's cache may be gone: four are kept, the newest)
+    for stream, (prompt, n) in zip(streams, follow, strict=True):
+        alone = list(tiny.generate_ids(prompt, n))
+        assert stream.token_ids == (alone if stream is not cancelled else alone[: len(stream.token_ids)])
