@@ -40,7 +40,8 @@ class EngineConfig:
     compile_draft: compile the decode step of the draft model the engine loads itself (drafter "model" without a
                    `draft` given): a draft level is then one compiled call.
     prefix_cache_mb: MiB of K/V that finished streams' caches may keep, beside the live streams' positions, for
-                   requests that start with the same tokens (`moelane.lanes.prefix`); 0: none kept.
+                   requests that start with the same tokens (`moelane.lanes.prefix`; as much again for the draft
+                   model's caches); 0: none kept.
     """
 
     drafter: str = "none"

@@ -9,6 +9,7 @@
 - `ModelDrafter`: a small model with the target's tokenizer, greedy, with its own per-stream caches; each draft
   level costs one batched pass of the draft model (its compiled decode step, if it has one), so it drafts exactly
   the depths it is asked for. `prepare` catches its caches up with tokens committed while a stream did not draft.
+  Finished streams' draft caches are kept for prompts with the same start (`kept`, `moelane.lanes.prefix`).
   `load_draft_model` loads one (by default the shipped one, its decode step compiled).
 
 A drafter never changes a reply: it only decides what is verified. `propose` is called only in drafted rounds.
@@ -27,6 +28,7 @@ import torch
 from moelane.errors import InputError
 from moelane.lanes.lane import Lane
 from moelane.lanes.ngram import NgramIndex, longest_match
+from moelane.lanes.prefix import PrefixStore, position_bytes
 from moelane.model.cache import Rows
 
 log = logging.getLogger(__name__)
@@ -204,10 +206,13 @@ class _DraftCache:
 class ModelDrafter:
     costs_passes = True
 
-    def __init__(self, draft: Any, prefill_chunk: int = 64) -> None:
+    def __init__(self, draft: Any, prefill_chunk: int = 64, prefix_bytes: int = 0, max_kept: int = 16) -> None:
+        """`prefix_bytes`, `max_kept`: the bounds of the draft caches kept for later prompts with the same start
+        (`moelane.lanes.prefix`; a draft cache's bits never change a reply, only what is verified)."""
         self.draft = draft  # target protocol: new_cache / cache_for / forward
         self.prefill_chunk = prefill_chunk
         self._caches: dict[int, _DraftCache] = {}
+        self.kept = PrefixStore(prefix_bytes, max_kept)
 
     def propose(self, lanes: Sequence[Lane], depths: Sequence[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in lanes]
@@ -244,7 +249,10 @@ class ModelDrafter:
         """Keep the fed drafts that the stream committed; always leave the last token to feed (its logits)."""
         dc = self._caches.get(lane.id)
         if dc is None:
-            dc = self._caches[lane.id] = _DraftCache(self.draft.cache_for(lane.n_prompt, lane.stream.max_tokens))
+            prompt = lane.tokens[: lane.n_prompt]
+            cache, start = self.kept.take(self.draft, prompt, lane.stream.max_tokens, self._live_bytes())
+            dc = self._caches[lane.id] = _DraftCache(cache)
+            dc.n_fed = start
         for tok in dc.fed:
             if dc.n_fed >= len(lane.tokens) or lane.tokens[dc.n_fed] != tok:
                 break
@@ -274,7 +282,12 @@ class ModelDrafter:
         pass
 
     def release(self, lane: Lane) -> None:
-        self._caches.pop(lane.id, None)
+        dc = self._caches.pop(lane.id, None)
+        if dc is not None:
+            self.kept.keep(dc.cache, lane.tokens[: min(dc.n_fed, len(lane.tokens))], self._live_bytes())
+
+    def _live_bytes(self) -> int:
+        return sum(dc.n_fed * position_bytes(dc.cache) for dc in self._caches.values())
 
 
 def load_draft_model(path: str | None = None, compile: bool = True) -> Any:

@@ -107,7 +107,7 @@ class Engine:
             draft = draft if draft is not None else load_draft_model(compile=c.compile_draft)
             if draft.vocab_size != self.target.vocab_size:
                 raise InputError(f"draft vocabulary {draft.vocab_size} != target's {self.target.vocab_size}")
-            return ModelDrafter(draft, c.prefill_chunk)
+            return ModelDrafter(draft, c.prefill_chunk, c.prefix_cache_mb << 20, c.max_streams)
         return None
 
     # ---- requests -----------------------------------------------------------------------------------------------

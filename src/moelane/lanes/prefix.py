@@ -2,7 +2,7 @@
 client resending its conversation, an agent its transcript) feeds only what follows them.
 
 When a stream ends (stop, length, cancelled; not after an error) the engine keeps its cache with the tokens whose K/V
-it validly holds (`valid_tokens`). When a stream joins, `admit_cache` gives it the kept cache sharing the longest
+it validly holds (`valid_tokens`). When a stream joins, `PrefixStore.take` gives it the kept cache sharing the longest
 prefix with its prompt, whole (no copy: the kept cache leaves the store), and the stream starts feeding where the
 match ends, or at its last prompt token, whose row gives the first logits. Stale rows past that point are masked by
 attention and overwritten as the stream feeds. A kept cache too small for the stream's reply (a conversation grows
@@ -24,7 +24,8 @@ Bounds: at most `max_kept` caches (the engine's `max_streams`: pools then hold a
 take), and the K/V positions they hold (tokens kept times bytes per position) within `max_bytes` once the live
 streams' positions are counted first; the oldest kept goes first (a cache leaves the store when it is adopted, so the
 oldest is also the least recently used). A live stream's cache that cannot be allocated is tried again once every
-kept cache is dropped. The store belongs to the engine thread.
+kept cache is dropped. The store belongs to the engine thread. The draft model's caches are kept in a store of their
+own (`ModelDrafter.kept`), with no rule held back: a draft cache's bits only decide what is verified.
 """
 
 from __future__ import annotations
@@ -86,6 +87,40 @@ class PrefixStore:
         n, self._kept = len(self._kept), []
         return n
 
+    def take(
+        self, target: Any, prompt: list[int], max_tokens: int, live_bytes: int = 0, reuse: bool = True
+    ) -> tuple[Any, int]:
+        """A cache for a stream of `prompt` and `max_tokens` from `target`, and the position it starts feeding at: a
+        kept cache sharing a prefix with the prompt (whole, or copied into a new one if it is too small for the
+        reply, where it can copy: `copy_from`), else a new one, for which kept caches make room within the bounds
+        with `live_bytes` counted first, and are all dropped if it cannot be allocated beside them (the one it would
+        copy from too)."""
+        n_prompt, need = len(prompt), len(prompt) + max_tokens
+        capacity_for = getattr(target, "capacity_for", None)
+        kept, start = None, 0
+        if self._kept and reuse and callable(capacity_for):
+            kept, start = self.adopt(prompt, capacity_for(n_prompt, max_tokens), need) or (None, 0)
+            if kept is not None and kept.capacity >= need:
+                return self._counted(kept, start)
+        try:
+            cache = target.cache_for(n_prompt, max_tokens)
+        except Exception:
+            if not self.clear() and kept is None:
+                raise
+            log.warning("a stream's KV cache could not be allocated beside kept prefixes: dropped them, trying again")
+            kept, start = None, 0
+            cache = target.cache_for(n_prompt, max_tokens)
+        self.fit(live_bytes + n_prompt * position_bytes(cache))
+        if kept is None:
+            return cache, 0
+        cache.copy_from(kept, start)
+        return self._counted(cache, start)
+
+    def _counted(self, cache: Any, start: int) -> tuple[Any, int]:
+        self.n_hits += 1
+        self.n_reused += start
+        return cache, start
+
     def adopt(self, prompt: list[int], capacity: int, need: int) -> tuple[Any, int] | None:
         """The kept cache sharing the longest prefix with `prompt` (the newest on ties) among those that give a stream
         of this `capacity` (needing `need` positions) its own bits, taken out of the store, and the position to feed
@@ -140,36 +175,9 @@ def valid_tokens(lane: Lane, target: Any) -> list[int]:
 
 
 def admit_cache(target: Any, store: PrefixStore, lane: Lane, live: Sequence[Lane]) -> Any:
-    """A cache for the joining `lane`: a kept one sharing a prefix of its prompt (`lane.n_fed` then starts past the
-    prefix), or a new one from the target (holding a copy of the prefix, if the kept cache is too small for the
-    reply), for which kept caches make room within the bounds with the `live` streams counted first, and are all
-    dropped if it cannot be allocated beside them."""
-    capacity_for = getattr(target, "capacity_for", None)
-    max_tokens = lane.stream.max_tokens
-    kept = None
-    if store.n_kept and callable(capacity_for) and not lane.prompt_logprobs:
-        capacity = capacity_for(lane.n_prompt, max_tokens)
-        kept, lane.n_fed = store.adopt(lane.tokens[: lane.n_prompt], capacity, lane.n_prompt + max_tokens) or (None, 0)
-        if kept is not None and kept.capacity >= lane.n_prompt + max_tokens:
-            return reused(store, lane, kept)
-    try:
-        cache = target.cache_for(lane.n_prompt, max_tokens)
-    except Exception:
-        if not store.clear() and kept is None:
-            raise
-        log.warning("a stream's KV cache could not be allocated beside kept prefixes: dropped them, trying again")
-        kept, lane.n_fed = None, 0  # (the one it would copy from too)
-        cache = target.cache_for(lane.n_prompt, max_tokens)
-    store.fit(live_bytes(live) + lane.n_prompt * position_bytes(cache))
-    if kept is not None:
-        cache.copy_from(kept, lane.n_fed)
-        return reused(store, lane, cache)
-    return cache
-
-
-def reused(store: PrefixStore, lane: Lane, cache: Any) -> Any:
-    """Count a stream that starts past a kept prefix (`lane.n_fed`); -> its cache."""
-    store.n_hits += 1
-    store.n_reused += lane.n_fed
+    """A cache for the joining `lane` from `store.take` (`lane.n_fed` then starts past a reused prefix), with the
+    `live` streams' positions counted first."""
+    prompt = lane.tokens[: lane.n_prompt]
+    cache, lane.n_fed = store.take(target, prompt, lane.stream.max_tokens, live_bytes(live), not lane.prompt_logprobs)
     lane.stream.n_cached = lane.n_fed
     return cache
