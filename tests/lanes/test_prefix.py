@@ -17,11 +17,13 @@ import torch
 import moelane
 from moelane.lanes import Engine, EngineConfig
 from moelane.lanes.drafters import ModelDrafter
+from moelane.lanes.fake import FakeTarget
 from moelane.lanes.prefix import MIN_REUSE, PrefixStore, interchangeable
 from moelane.lanes.request import submit_kwargs
 from moelane.lanes.stream import Stream
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
+from tests.lanes.reference import solo_decode
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
@@ -228,6 +230,20 @@ def test_the_store_keeps_within_its_count_and_bytes(tiny) -> None:
         run(engine, tokens(296, tiny.vocab_size, 40 + i), 4, GREEDY)
         assert engine.prefixes.nbytes <= 1 << 20
     assert engine.prefixes.n_kept == n_fit >= 2
+
+
+def test_a_store_of_0_bytes_keeps_nothing() -> None:
+    """Off is off, for caches that do not say their bytes too (the fake target's); on, the fake target's are kept."""
+    for mb, n_kept in ((0, 0), (1, 1)):
+        engine = Engine(FakeTarget(48), EngineConfig(timed=False, prefix_cache_mb=mb))
+        first = engine.submit(list(range(1, 30)), 8)
+        engine.run_until_idle()
+        assert engine.prefixes.n_kept == n_kept
+        prompt = [*range(1, 26), 7, 7, 7, 7]  # (capacity 37 as the first's: the fake's capacities are exact)
+        second = engine.submit(prompt, 8)
+        engine.run_until_idle()
+        assert len(first.token_ids) == 8 and second.n_cached == (0 if mb == 0 else 25)
+        assert second.token_ids == solo_decode(FakeTarget(48), prompt, 8, GREEDY)
 
 
 def test_kept_caches_make_room_for_live_streams() -> None:

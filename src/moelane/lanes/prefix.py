@@ -71,8 +71,10 @@ class PrefixStore:
 
     def keep(self, cache: Any, tokens: list[int], live_bytes: int = 0) -> None:
         """Keep `cache`, which holds the K/V of `tokens` from position 0, unless it is too short to reuse or too big
-        to keep; then drop the oldest kept caches beyond the bounds."""
-        if len(tokens) < MIN_REUSE or len(tokens) * position_bytes(cache) > self.max_bytes or self.max_kept < 1:
+        to keep (a store of 0 bytes keeps nothing, caches that do not say their bytes included); then drop the oldest
+        kept caches beyond the bounds."""
+        too_big = len(tokens) * position_bytes(cache) > self.max_bytes
+        if len(tokens) < MIN_REUSE or too_big or self.max_bytes < 1 or self.max_kept < 1:
             return
         self._kept.append(Kept(cache, tokens))
         self.fit(live_bytes)
