@@ -1,86 +1,45 @@
 """Prefix caching (`moelane.lanes.prefix`): a request that starts with the tokens of a finished stream takes over its
 KV cache and feeds only the rest, and its reply is still the one-token decode of its prompt alone, to the bit (each
-token's log-probability equals an engine's that keeps nothing). Also: where reuse must be refused (capacities that
-read attention through other kernels, prompt log-probabilities), the store's bounds, and what is kept after a
-cancel, an error and a compiled decode."""
+token's log-probability equals an engine's that keeps nothing): conversations, edited messages, capacities that must
+not be mixed, prompt log-probabilities, compiled and paged targets, other families, threads, the shipped model.
+The store's bounds and what is kept after a cancel or an error: `test_prefix_bounds.py`."""
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
 from moelane.lanes.drafters import ModelDrafter
-from moelane.lanes.fake import FakeTarget
-from moelane.lanes.prefix import MIN_REUSE, PrefixStore, interchangeable
-from moelane.lanes.request import submit_kwargs
-from moelane.lanes.stream import Stream
+from moelane.lanes.prefix import interchangeable
 from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
-from tests.lanes.reference import solo_decode
-
-GREEDY = SamplingParams()
-SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-
-
-def tokens(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab - 1, (n,), generator=g).tolist()
+from tests.lanes.prefix_helpers import (
+    GREEDY,
+    SAMPLED,
+    Counted,
+    check_same,
+    config_of,
+    conversation,
+    cut_short,
+    run,
+    tiny_model,
+    tokens,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A tiny random model with room for caches of 256 to 1,024 positions."""
-    folder = random_model("qwen3_moe", tmp_path_factory.mktemp("prefix") / "m", max_position_embeddings=1024)
-    return moelane.load(folder)
-
-
-def run(engine: Engine, prompt: list[int], max_tokens: int, params: SamplingParams, **kw: Any) -> Stream:
-    stream = engine.submit(prompt, max_tokens, logprobs=2, **submit_kwargs(params), **kw)
-    engine.run_until_idle()
-    return stream
-
-
-def check_same(lm: Any, stream: Stream, max_tokens: int, params: SamplingParams, draft: Any = None,
-               **config: Any) -> None:  # fmt: skip
-    """`stream`'s reply is its prompt's one-token decode alone, and its log-probabilities are bit for bit those of an
-    engine that keeps no cache."""
-    assert stream.token_ids == list(lm.generate_ids(stream.prompt_ids, max_tokens, params))
-    fresh_engine = Engine(lm, EngineConfig(**{**config, "prefix_cache_mb": 0}), draft=draft)
-    fresh = run(fresh_engine, stream.prompt_ids, max_tokens, params)
-    assert fresh.token_ids == stream.token_ids
-    assert [(x.token_id, x.logprob, x.top) for x in fresh.logprobs] == [
-        (x.token_id, x.logprob, x.top) for x in stream.logprobs
-    ]
-
-
-def config_of(drafter: str) -> dict[str, Any]:
-    return dict(drafter=drafter, timed=False, guard=False, prefill_chunk=24)
+    return tiny_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def draft(tiny: Any) -> Any:
     return moelane.load(tiny.folder)  # the model itself, as a draft model: its drafts land
-
-
-class Counted:
-    """A target that counts the prompt rows (not generated ones) its passes feed."""
-
-    def __init__(self, lm: Any) -> None:
-        self.lm, self.n_prompt_rows = lm, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.lm, name)
-
-    def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-        self.n_prompt_rows += sum(len(r.token_ids) for r in rows if not r.decode)
-        return self.lm.forward(rows, *args, **kwargs)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -162,16 +121,6 @@ def test_reuse_is_refused_where_the_capacities_read_attention_otherwise(tiny) ->
     check_same(tiny, copied, 100, GREEDY, **config)
 
 
-def cut_short(engine: Engine, prompt: list[int], max_tokens: int, n: int = 16) -> Stream:
-    """A stream cancelled once it has `n` tokens (or more: the round that gave them may have given more)."""
-    stream = engine.submit(prompt, max_tokens, logprobs=2)
-    while len(stream.token_ids) < n and not stream.done:
-        engine.step()
-    stream.cancel()
-    engine.run_until_idle()
-    return stream
-
-
 def test_a_request_for_prompt_logprobs_feeds_its_whole_prompt(tiny) -> None:
     engine = Engine(tiny, EngineConfig(**config_of("none")))
     first = run(engine, tokens(40, tiny.vocab_size, 7), 8, GREEDY)
@@ -179,139 +128,6 @@ def test_a_request_for_prompt_logprobs_feeds_its_whole_prompt(tiny) -> None:
     second = run(engine, prompt, 8, GREEDY, prompt_logprobs=True)
     assert second.n_cached == 0 and engine.stats().prefix_hits == 0
     assert len(second.prompt_logprobs) == len(prompt) and second.prompt_logprobs[0] is None
-
-
-def test_a_cancelled_stream_keeps_what_it_fed_and_an_errored_one_nothing(tiny) -> None:
-    """Cancelled while prefilling, a stream keeps the prompt rows it fed, which the same prompt then reuses; a stream
-    that fails alone (its pass raises) keeps nothing, while the stream beside it keeps its cache."""
-    poison = 5
-
-    class Poisoned(Counted):
-        def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-            if any(poison in r.token_ids for r in rows):
-                raise RuntimeError("poisoned pass (test)")
-            return super().forward(rows, *args, **kwargs)
-
-    config = config_of("copy")
-    engine = Engine(Poisoned(tiny), EngineConfig(**config))
-    prompt = [t for t in tokens(60, tiny.vocab_size, 9) if t != poison]
-    stream = engine.submit(prompt, 8)
-    engine.step()  # one prompt chunk of 24
-    stream.cancel()
-    engine.run_until_idle()
-    assert stream.finish_reason == "cancelled" and engine.prefixes.n_kept == 1
-    again = run(engine, prompt, 8, GREEDY)
-    assert again.n_cached == 24
-    check_same(tiny, again, 8, GREEDY, **config)
-    assert engine.prefixes.n_kept == 1  # `again`'s cache, kept in its turn
-    engine.prefixes.clear()
-    bad = engine.submit([*prompt[:30], poison, *prompt[30:]], 8)
-    good = engine.submit(tokens(40, tiny.vocab_size, 10), 8)
-    engine.run_until_idle()
-    assert bad.finish_reason == "error" and good.finish_reason in ("stop", "length")
-    assert engine.prefixes.n_kept == 1 and engine.prefixes._kept[0].tokens[:40] == good.prompt_ids
-
-
-def test_the_store_keeps_within_its_count_and_bytes(tiny) -> None:
-    """At most max_streams caches are kept, the newest; their positions' bytes stay within prefix_cache_mb."""
-    engine = Engine(tiny, EngineConfig(**config_of("none"), max_streams=2))
-    prompts = [tokens(20, tiny.vocab_size, 20 + i) for i in range(5)]
-    for prompt in prompts:
-        run(engine, prompt, 4, GREEDY)
-        assert engine.prefixes.n_kept <= 2
-    assert engine.prefixes.n_kept == 2
-    assert run(engine, prompts[0] + [1, 2], 4, GREEDY).n_cached == 0  # the oldest went first
-    assert run(engine, prompts[4] + [1, 2], 4, GREEDY).n_cached == 20
-
-    per_position = tiny.cache_for(1, 1).nbytes // 256
-    engine = Engine(tiny, EngineConfig(**config_of("none"), prefix_cache_mb=1))
-    n_fit = (1 << 20) // (per_position * 300)
-    for i in range(n_fit + 3):
-        run(engine, tokens(296, tiny.vocab_size, 40 + i), 4, GREEDY)
-        assert engine.prefixes.nbytes <= 1 << 20
-    assert engine.prefixes.n_kept == n_fit >= 2
-
-
-def test_a_store_of_0_bytes_keeps_nothing() -> None:
-    """Off is off, for caches that do not say their bytes too (the fake target's); on, the fake target's are kept."""
-    for mb, n_kept in ((0, 0), (1, 1)):
-        engine = Engine(FakeTarget(48), EngineConfig(timed=False, prefix_cache_mb=mb))
-        first = engine.submit(list(range(1, 30)), 8)
-        engine.run_until_idle()
-        assert engine.prefixes.n_kept == n_kept
-        prompt = [*range(1, 26), 7, 7, 7, 7]  # (capacity 37 as the first's: the fake's capacities are exact)
-        second = engine.submit(prompt, 8)
-        engine.run_until_idle()
-        assert len(first.token_ids) == 8 and second.n_cached == (0 if mb == 0 else 25)
-        assert second.token_ids == solo_decode(FakeTarget(48), prompt, 8, GREEDY)
-
-
-def test_kept_caches_make_room_for_live_streams() -> None:
-    """Live streams' positions are counted first: keeping or admitting drops the oldest kept caches beyond the bytes
-    left; only matches of at least MIN_REUSE tokens covering half a kept cache's tokens are taken."""
-
-    class Cache:
-        capacity, nbytes = 10, 100  # 10 bytes a position
-
-    store = PrefixStore(max_bytes=1000, max_kept=8)
-    for i in range(3):
-        store.keep(Cache(), [i] * 20)  # 200 bytes each
-    store.fit(live_bytes=500)
-    assert store.n_kept == 2 and store.nbytes == 400
-    store.keep(Cache(), [9] * 20, live_bytes=700)
-    assert store.n_kept == 1 and store.nbytes == 200
-    store.keep(Cache(), [7] * (MIN_REUSE - 1))
-    assert store.n_kept == 1  # too short to be worth keeping
-    store.keep(Cache(), list(range(40)))
-    assert store.adopt([*range(19), 99], 10, 10) is None  # 19 of 40: under half
-    found = store.adopt([*range(25), 99], 10, 10)
-    assert found is not None and found[1] == 25 and store.n_kept == 1
-
-
-def test_a_cache_that_cannot_be_allocated_beside_kept_ones_drops_them(tiny) -> None:
-    """A live stream never fails for kept prefixes: when its cache cannot be allocated (a pool out of memory), every
-    kept cache is dropped, the one it would copy from too, and the allocation tried again."""
-
-    config = config_of("none")
-    engine = Engine(Scarce(tiny, 2), EngineConfig(**config))
-    for i in range(2):
-        run(engine, tokens(30, tiny.vocab_size, 60 + i), 4, GREEDY)
-    assert engine.prefixes.n_kept == 2
-    stream = run(engine, tokens(30, tiny.vocab_size, 62), 8, GREEDY)
-    assert stream.finish_reason in ("stop", "length") and engine.prefixes.n_kept == 1
-    check_same(tiny, stream, 8, GREEDY, **config)
-    # room for one cache: a stream that would copy a kept cache too small for its reply drops it and starts afresh
-    engine = Engine(Scarce(tiny, 1), EngineConfig(**config))
-    first = run(engine, tokens(300, tiny.vocab_size, 63), 100, GREEDY)  # capacity 512
-    grown = first.prompt_ids + first.token_ids + tokens(200, tiny.vocab_size, 64)
-    second = run(engine, grown, 100, GREEDY)  # capacity 768: would copy
-    assert second.finish_reason in ("stop", "length") and second.n_cached == 0 and engine.stats().prefix_hits == 0
-    check_same(tiny, second, 100, GREEDY, **config)
-
-
-class Scarce(Counted):
-    """A target with room for `room` caches at a time (as a pool out of memory)."""
-
-    def __init__(self, lm: Any, room: int) -> None:
-        super().__init__(lm)
-        self.room, self.alive = room, weakref.WeakSet[Any]()
-
-    def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
-        if len(self.alive) >= self.room:
-            raise MemoryError("no room for another cache (test)")
-        cache = self.lm.cache_for(n_prompt, max_tokens)
-        self.alive.add(cache)
-        return cache
-
-
-def conversation(engine: Engine, vocab: int, n_turns: int, params: SamplingParams) -> list[Stream]:
-    streams: list[Stream] = []
-    history: list[int] = []
-    for turn in range(n_turns):
-        stream = run(engine, history + tokens(30, vocab, 100 + turn), 16, params)
-        streams.append(stream)
-        history = stream.prompt_ids + stream.token_ids
-    return streams
 
 
 def test_a_compiled_target_keeps_only_its_prompt_rows(tiny) -> None:
