@@ -203,7 +203,7 @@ DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = "<｜tool▁call▁begin｜>", 
 DEEPSEEK_FENCE, FENCE_END = "\n```json\n", "```"  # DeepSeek-V3's arguments, between NAME and the call's end
 KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-KIMI_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_-]{1,64}):\d+")  # `functions.NAME:IDX`, the call's id
+KIMI_ID = re.compile(rf"(?:functions\.)?({NAME.pattern}):\d+")  # `functions.NAME:IDX`, the call's id
 
 
 def read_call_list(body: str, types: Types, new_id: Callable[[], str] = call_id) -> list[ToolCall] | None:
