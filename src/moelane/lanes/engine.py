@@ -242,13 +242,13 @@ class Engine:
         last_only = not any(w.drafts or (w.lane.prompt_logprobs and w.lane.prefilling) for w in windows)
         t0 = self.clock.now()
         if self._pool is not None:
-            pending = self._pool.submit(self.target.forward, rows, last_only)
+            pending = self._pool.submit(self.target.forward, rows, last_only=last_only)
             joined = self._admit()  # host work that does not depend on this pass: the next round's newcomers
             if joined and self.drafter is not None:
                 self.drafter.prepare(joined)  # index their prompts, prefill the draft model
             logits = pending.result()
         else:
-            logits = self.target.forward(rows, last_only)
+            logits = self.target.forward(rows, last_only=last_only)  # (keyword: LM's second is `phase`)
         if self.config.timed:
             self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0)
         for w in windows:

@@ -1,0 +1,50 @@
+"""The lanes engine at the edges its users reach: how it calls a real `LM`, settings and arguments of the wrong type,
+streams cancelled while they wait, draft models that cannot hold a stream. Tiny models; every wait has a timeout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import moelane
+from moelane.lanes import Engine, EngineConfig
+from moelane.model.provider import RoutingRecord
+from tests.helpers import random_model
+from tests.lanes.reference import prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return moelane.load(random_model("qwen3_moe", tmp_path_factory.mktemp("lanes_edges") / "target"))
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.phases: list[object] = []
+
+    def observe(self, record: RoutingRecord) -> None:
+        self.phases.append(record.phase)
+
+
+def test_plain_rounds_ask_the_lm_for_last_rows_only(tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`last_only` reaches `LM.forward` as itself (its second parameter is `phase`): plain rounds get one row of
+    logits per stream, and routing observers get a phase, not a flag."""
+    shapes: list[list[int]] = []
+    forward = tiny.forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        shapes.append([lg.shape[0] for lg in out])
+        return out
+
+    monkeypatch.setattr(tiny, "forward", recording)
+    observer = Phases()
+    monkeypatch.setattr(tiny, "observers", [observer])
+    engine = Engine(tiny, EngineConfig(timed=False, max_streams=3))
+    streams = [engine.submit(p, 4) for p in prompts(3, tiny.vocab_size)]
+    engine.run_until_idle()
+    assert all(s.finish_reason == "length" for s in streams)
+    assert shapes and all(n == 1 for pass_shapes in shapes for n in pass_shapes), shapes
+    assert observer.phases and set(observer.phases) <= {"prefill", "decode", "mixed"}, observer.phases
+
