@@ -3,12 +3,15 @@ streams cancelled while they wait, draft models that cannot hold a stream. Tiny 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
 import moelane
+from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
+from moelane.lanes.fake import FakeTarget
 from moelane.model.provider import RoutingRecord
 from tests.helpers import random_model
 from tests.lanes.reference import prompts
@@ -48,3 +51,34 @@ def test_plain_rounds_ask_the_lm_for_last_rows_only(tiny: Any, monkeypatch: pyte
     assert shapes and all(n == 1 for pass_shapes in shapes for n in pass_shapes), shapes
     assert observer.phases and set(observer.phases) <= {"prefill", "decode", "mixed"}, observer.phases
 
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (dict(timed="no"), "timed must be True or False"),  # (a truthy string would turn it on)
+        (dict(overlap=1), "overlap must be True or False"),
+        (dict(guard="off"), "guard must be True or False"),
+        (dict(compile_draft=None), "compile_draft must be True or False"),
+        (dict(prices=5), "prices must be (rows, cost) pairs"),
+        (dict(prices=((1,),)), "prices must be (rows, cost) pairs"),
+        (dict(prices=((1, "x"),)), "prices cost must be a finite number"),
+    ],
+)
+def test_config_of_the_wrong_type_is_refused_in_one_line(setting: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**setting)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(grammar="json"), "grammar must be a moelane.model.grammar.Grammar"),
+        (dict(grammar={"type": "object"}), "grammar must be a moelane.model.grammar.Grammar"),
+        (dict(prompt_logprobs="no", logprobs=1), "prompt_logprobs must be True or False"),
+    ],
+)
+def test_submit_refuses_arguments_of_the_wrong_type(arguments: dict[str, Any], message: str) -> None:
+    engine = Engine(FakeTarget(32), EngineConfig(timed=False))
+    with pytest.raises(InputError, match=re.escape(message)):
+        engine.submit([1, 2, 3], 4, **arguments)
+    assert engine.n_waiting == 0

@@ -11,6 +11,7 @@ from moelane.lanes.depth import DEFAULT_PRICES
 
 DRAFTERS = ("none", "copy", "recall", "model")
 COUNTS = ("max_streams", "max_depth", "max_rows", "prefill_chunk", "min_match", "recall_tokens", "prefix_cache_mb")
+FLAGS = ("guard", "timed", "overlap", "compile_draft")  # guard may be None too
 
 
 def finite(name: str, value: object) -> float:
@@ -64,7 +65,15 @@ class EngineConfig:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}; got {self.drafter!r}")
         for name in COUNTS:  # (plain ints from here on: a NaN or 2.5 would fail every round, not here)
             object.__setattr__(self, name, integer(name, getattr(self, name)))
-        prices = tuple((integer("prices rows", n), finite("prices cost", c)) for n, c in self.prices)
+        for name in FLAGS:  # (a truthy "no" would turn a setting on)
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "guard" and value is None):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        try:
+            pairs = [(n, c) for n, c in self.prices]
+        except (TypeError, ValueError):
+            raise ValueError(f"prices must be (rows, cost) pairs, got {self.prices!r}") from None
+        prices = tuple((integer("prices rows", n), finite("prices cost", c)) for n, c in pairs)
         object.__setattr__(self, "prices", prices)
         object.__setattr__(self, "draft_price", finite("draft_price", self.draft_price))
         for name in ("max_streams", "max_rows", "prefill_chunk", "min_match", "recall_tokens"):

@@ -49,6 +49,10 @@ def check_request(
     grammar: Grammar | None = None,
 ) -> Request:
     """`Engine.submit`'s arguments (as it documents them) checked for `target`; InputError for a bad one."""
+    if grammar is not None and not isinstance(grammar, Grammar):
+        raise InputError(f"grammar must be a moelane.model.grammar.Grammar, got {grammar!r}")
+    if not isinstance(prompt_logprobs, bool):
+        raise InputError(f"prompt_logprobs must be True or False, got {prompt_logprobs!r}")
     try:  # counts, ids and seeds as plain ints (numpy's too), before anything is queued
         max_tokens, top_k = integer("max_tokens", max_tokens), integer("top_k", top_k)
         seed = None if seed is None else integer("seed", seed)
