@@ -82,3 +82,18 @@ def test_submit_refuses_arguments_of_the_wrong_type(arguments: dict[str, Any], m
     with pytest.raises(InputError, match=re.escape(message)):
         engine.submit([1, 2, 3], 4, **arguments)
     assert engine.n_waiting == 0
+
+
+def test_a_stream_cancelled_while_it_waits_ends_at_the_next_round() -> None:
+    """A queued stream cancelled while every seat is taken ends then (a client that went away is not kept until a
+    seat frees); the stream holding the seat goes on."""
+    engine = Engine(FakeTarget(32, window=1), EngineConfig(timed=False, max_streams=1))
+    running = engine.submit([1, 2, 3], 50)
+    queued = [engine.submit([4, 5], 5) for _ in range(3)]
+    engine.step()
+    queued[1].cancel()
+    engine.step()
+    assert queued[1].finish_reason == "cancelled" and engine.n_waiting == 2
+    assert running.finish_reason is None and not queued[0].done
+    engine.run_until_idle()
+    assert [s.finish_reason for s in (running, queued[0], queued[2])] == ["length"] * 3

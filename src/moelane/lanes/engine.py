@@ -324,6 +324,9 @@ class Engine:
         with self._cv:
             for lane in [x for x in self._active if x.stream.cancel_requested]:
                 self._retire(lane, "cancelled")
+            for lane in [x for x in self._waiting if x.stream.cancel_requested]:  # (not left waiting for a seat)
+                self._waiting.remove(lane)
+                lane.stream._finish("cancelled")
             while self._waiting and len(self._active) < self.config.max_streams:
                 lane = self._waiting.popleft()
                 if lane.stream.cancel_requested:
