@@ -11,10 +11,11 @@ import pytest
 import moelane
 from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
-from moelane.lanes.fake import FakeTarget
+from moelane.lanes.fake import FakeCache, FakeTarget
 from moelane.model.provider import RoutingRecord
+from moelane.model.sampling import SamplingParams
 from tests.helpers import random_model
-from tests.lanes.reference import prompts
+from tests.lanes.reference import prompts, solo_decode
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,36 @@ def test_a_stream_cancelled_while_it_waits_ends_at_the_next_round() -> None:
     assert running.finish_reason is None and not queued[0].done
     engine.run_until_idle()
     assert [s.finish_reason for s in (running, queued[0], queued[2])] == ["length"] * 3
+
+
+class ShortDraft(FakeTarget):
+    """A draft model of a shorter context than the target's: as `LM`, its caches stop at its context and a prompt
+    that fills it is refused."""
+
+    def __init__(self, vocab_size: int, max_context: int, **kwargs: Any) -> None:
+        super().__init__(vocab_size, **kwargs)
+        self.max_context = max_context
+
+    def capacity_for(self, n_prompt: int, max_tokens: int) -> int:
+        if n_prompt >= self.max_context:
+            raise InputError(f"prompt of {n_prompt} tokens does not fit the model's context of {self.max_context}")
+        return min(n_prompt + max_tokens, self.max_context)
+
+    def cache_for(self, n_prompt: int, max_tokens: int) -> FakeCache:
+        return FakeCache(self.capacity_for(n_prompt, max_tokens))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_draft_model_of_a_shorter_context_drafts_only_what_it_holds(overlap: bool) -> None:
+    """Streams longer than the draft model's context (a prompt past it, or a reply that runs past it) are served
+    as without drafts where the draft model cannot follow: same replies, none ends "error"."""
+    target = FakeTarget(32, window=1)
+    draft = ShortDraft(32, 24, window=1, error_rate=0.2)
+    engine = Engine(target, EngineConfig(drafter="model", timed=False, overlap=overlap), draft=draft)
+    cases = [([1, 2, 3], 40), ([5, 6, 7] * 10, 12), ([4] * 23, 6), ([9, 8], 8)]
+    streams = [engine.submit(prompt, n) for prompt, n in cases]
+    engine.run_until_idle()
+    for stream, (prompt, n) in zip(streams, cases, strict=True):
+        assert (stream.finish_reason, stream.error) == ("length", None)
+        assert stream.token_ids == solo_decode(target, prompt, n, SamplingParams())
+    assert engine.stats().accepted > 0

@@ -8,7 +8,8 @@
   across requests and bounded in tokens; it also copies from the stream's own context and keeps the longer match.
 - `ModelDrafter`: a small model with the target's tokenizer, greedy, with its own per-stream caches; each draft
   level costs one batched pass of the draft model (its compiled decode step, if it has one), so it drafts exactly
-  the depths it is asked for. `prepare` catches its caches up with tokens committed while a stream did not draft.
+  the depths it is asked for, as far as its own context holds the stream (none for a prompt past it). `prepare`
+  catches its caches up with tokens committed while a stream did not draft.
   Finished streams' draft caches are kept for prompts with the same start (`kept`, `moelane.lanes.prefix`).
   `load_draft_model` loads one (by default the shipped one, its decode step compiled).
 
@@ -216,8 +217,12 @@ class ModelDrafter:
 
     def propose(self, lanes: Sequence[Lane], depths: Sequence[int]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in lanes]
-        active = [i for i, d in enumerate(depths) if d > 0]
-        caches = {i: self._sync(lanes[i]) for i in active}
+        caches = {i: self._sync(lanes[i]) for i, d in enumerate(depths) if d > 0 and self._holds(lanes[i])}
+        # the draft cache may be shorter than the stream's (a draft model of a shorter context): depth k feeds
+        # positions up to len(tokens) + k - 2
+        depths = [min(d, caches[i].cache.capacity - len(lanes[i].tokens) + 1) if i in caches else 0
+                  for i, d in enumerate(depths)]  # fmt: skip
+        active = [i for i in caches if depths[i] > 0]
         while active:  # one batched draft pass per draft level
             feeds = {i: self._feed(lanes[i], caches[i], out[i]) for i in active}
             rows = [self._rows(lanes[i], caches[i], feeds[i]) for i in active]
@@ -245,6 +250,11 @@ class ModelDrafter:
         start = dc.n_fed + len(dc.fed)
         return Rows(dc.cache, feed, start, lane.id, decode=start >= lane.n_prompt and len(feed) <= DECODE_FEED)
 
+    def _holds(self, lane: Lane) -> bool:
+        """Whether the draft model's context holds the stream's prompt (with room for a token): it drafts for no
+        other stream."""
+        return lane.n_prompt < getattr(self.draft, "max_context", lane.n_prompt + 1)
+
     def _sync(self, lane: Lane) -> _DraftCache:
         """Keep the fed drafts that the stream committed; always leave the last token to feed (its logits)."""
         dc = self._caches.get(lane.id)
@@ -264,15 +274,17 @@ class ModelDrafter:
     def prepare(self, lanes: Sequence[Lane], leave: int = 1) -> None:
         """Catch the draft caches up with the streams' tokens (a joining stream's prompt, or the tokens committed
         while the stream did not draft), all but the last `leave`, which `propose` feeds."""
+        lanes = [x for x in lanes if self._holds(x)]
         caches = {lane.id: self._sync(lane) for lane in lanes}
+        ends = {x.id: min(len(x.tokens) - leave, caches[x.id].cache.capacity) for x in lanes}
         while True:
-            todo = [x for x in lanes if caches[x.id].n_fed < len(x.tokens) - leave]
+            todo = [x for x in lanes if caches[x.id].n_fed < ends[x.id]]
             if not todo:
                 return
             rows = []
             for x in todo:
                 dc = caches[x.id]
-                end = min(dc.n_fed + self.prefill_chunk, len(x.tokens) - leave)
+                end = min(dc.n_fed + self.prefill_chunk, ends[x.id])
                 rows.append(self._rows(x, dc, x.tokens[dc.n_fed : end]))
             self.draft.forward(rows, last_only=True)
             for x, r in zip(todo, rows, strict=True):
