@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import moelane
+import moelane.lanes.engine as engine_module
 from moelane.errors import InputError
 from moelane.lanes import Engine, EngineConfig
 from moelane.lanes.fake import FakeCache, FakeTarget
@@ -131,3 +132,28 @@ def test_a_draft_model_of_a_shorter_context_drafts_only_what_it_holds(overlap: b
         assert (stream.finish_reason, stream.error) == ("length", None)
         assert stream.token_ids == solo_decode(target, prompt, n, SamplingParams())
     assert engine.stats().accepted > 0
+
+
+def test_a_stream_cancelled_during_an_overlapped_pass_gets_no_tokens_after_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `overlap`, newcomers are admitted while a pass runs; a stream of that pass cancelled meanwhile ends once,
+    after it, and no token reaches it (nor its listener) after its end."""
+    engine = Engine(FakeTarget(32, window=1), EngineConfig(timed=False, overlap=True, max_streams=3))
+    victim, other = engine.submit([1, 2, 3], 20), engine.submit([4, 5, 6], 8)
+    events: list[object] = []
+    victim.subscribe(lambda tokens: events.append(tokens if tokens is None else len(tokens)))
+    plan = engine_module.plan_windows
+
+    def cancelling(*args: Any, **kwargs: Any) -> Any:  # (after the round's streams are chosen, before its pass)
+        if engine.stats().rounds == 3:
+            victim.cancel()
+            engine.submit([7, 8], 4)  # (a newcomer to admit during the pass)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "plan_windows", cancelling)
+    engine.run_until_idle()
+    assert victim.finish_reason == "cancelled" and other.finish_reason == "length"
+    assert events[-1] is None and None not in events[:-1], events
+    assert sum(n for n in events if n is not None) == len(victim.token_ids)
+    assert engine.stats().finished == 3

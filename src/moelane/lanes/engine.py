@@ -243,7 +243,7 @@ class Engine:
         t0 = self.clock.now()
         if self._pool is not None:
             pending = self._pool.submit(self.target.forward, rows, last_only=last_only)
-            joined = self._admit()  # host work that does not depend on this pass: the next round's newcomers
+            joined = self._admit([w.lane for w in windows])  # host work that does not depend on this pass
             if joined and self.drafter is not None:
                 self.drafter.prepare(joined)  # index their prompts, prefill the draft model
             logits = pending.result()
@@ -318,11 +318,13 @@ class Engine:
 
     # ---- membership ---------------------------------------------------------------------------------------------
 
-    def _admit(self) -> list[Lane]:
-        """Between rounds (or during a pass, with `overlap`): drop cancelled streams, admit waiting ones."""
+    def _admit(self, in_pass: Sequence[Lane] = ()) -> list[Lane]:
+        """Between rounds (or during a pass, with `overlap`): drop cancelled streams, admit waiting ones. The streams
+        `in_pass` are not dropped here: their pass is still writing their caches, and its commits follow (`_settle`
+        ends them)."""
         joined = []
         with self._cv:
-            for lane in [x for x in self._active if x.stream.cancel_requested]:
+            for lane in [x for x in self._active if x.stream.cancel_requested and x not in in_pass]:
                 self._retire(lane, "cancelled")
             for lane in [x for x in self._waiting if x.stream.cancel_requested]:  # (not left waiting for a seat)
                 self._waiting.remove(lane)
