@@ -4,6 +4,7 @@ streams cancelled while they wait, draft models that cannot hold a stream. Tiny 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,3 +158,13 @@ def test_a_stream_cancelled_during_an_overlapped_pass_gets_no_tokens_after_it_en
     assert events[-1] is None and None not in events[:-1], events
     assert sum(n for n in events if n is not None) == len(victim.token_ids)
     assert engine.stats().finished == 3
+
+
+def test_a_timed_engine_serves_a_model_of_a_context_shorter_than_its_calibration(tmp_path: Path) -> None:
+    """Calibration measures passes only as wide as the model's context holds (it asked a context of 24 for a cache
+    of 64 positions: InputError from `Engine(...)`)."""
+    lm = moelane.load(random_model("qwen3_moe", tmp_path / "short", max_position_embeddings=24))
+    engine = Engine(lm, EngineConfig(drafter="copy"))
+    stream = engine.submit([1, 2, 3] * 7, 10)
+    engine.run_until_idle()
+    assert stream.token_ids == list(lm.generate_ids([1, 2, 3] * 7, 10))

@@ -64,7 +64,7 @@ def calibrate(target: Target, draft: Any, clock: Clock, max_rows: int) -> tuple[
             seconds.append(clock.now() - t0)
         return min(seconds)
 
-    widths = [w for w in CALIBRATION_WIDTHS if w <= max_rows]
+    widths = [w for w in CALIBRATION_WIDTHS if w <= min(max_rows, target.max_context)]  # (a cache holds the rows)
     cache = target.new_cache(widths[-1])
     points = [(w, max(best_of_two(target, Rows(cache, [0] * w, 0, decode=True)), 1e-9)) for w in widths]
     draft_price = None if draft is None else best_of_two(draft, Rows(draft.cache_for(1, 1), [0], 0, decode=True))
