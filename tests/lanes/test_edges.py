@@ -4,6 +4,8 @@ streams cancelled while they wait, draft models that cannot hold a stream. Tiny 
 from __future__ import annotations
 
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +170,58 @@ def test_a_timed_engine_serves_a_model_of_a_context_shorter_than_its_calibration
     stream = engine.submit([1, 2, 3] * 7, 10)
     engine.run_until_idle()
     assert stream.token_ids == list(lm.generate_ids([1, 2, 3] * 7, 10))
+
+
+def engine_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "moelane-lanes"}
+
+
+def test_starts_racing_each_other_run_one_engine_thread() -> None:
+    """`start()` from several threads while a stop asked on the engine thread is under way runs one engine thread
+    after it: each ran one, and they ran rounds over the same streams (other tokens, shared caches, "error")."""
+    before = engine_threads()
+    engine = Engine(FakeTarget(32, window=1), EngineConfig(timed=False))
+    engine.start()
+    asked, release = threading.Event(), threading.Event()
+
+    def stopping(tokens: list[int] | None) -> None:
+        if tokens and not asked.is_set():
+            engine.stop()  # (asked on the engine thread: it ends the streams after this round)
+            asked.set()
+            release.wait(10)
+
+    engine.submit([1, 2, 3], 50).subscribe(stopping)
+    assert asked.wait(10)
+    starters = [threading.Thread(target=engine.start) for _ in range(6)]
+    for t in starters:
+        t.start()
+    time.sleep(0.1)  # (the starters find the stopping thread, and wait for it)
+    release.set()
+    for t in starters:
+        t.join(10)
+    assert len(engine_threads() - before) == 1
+    stream = engine.submit([1, 2, 3], 5)
+    assert stream.wait(10) and stream.token_ids == solo_decode(engine.target, [1, 2, 3], 5, SamplingParams())
+    engine.stop()
+    assert not engine_threads() - before
+
+
+def test_start_on_the_engine_thread_after_a_stop_asked_there_goes_on() -> None:
+    """A listener's `stop()` then `start()` (both on the engine thread) leaves the engine running: no join of the
+    thread by itself (RuntimeError, logged as the listener's)."""
+    engine = Engine(FakeTarget(32, window=1), EngineConfig(timed=False))
+    with engine:
+        stream = engine.submit([1, 2, 3], 6)
+        restarted: list[bool] = []
+
+        def listener(tokens: list[int] | None) -> None:
+            if tokens and not restarted:
+                engine.stop()
+                engine.start()
+                restarted.append(True)
+
+        stream.subscribe(listener)
+        assert stream.wait(10) and restarted
+        assert stream.finish_reason == "length"
+        later = engine.submit([4, 5], 3)
+        assert later.wait(10) and later.finish_reason == "length"

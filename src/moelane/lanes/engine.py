@@ -360,16 +360,20 @@ class Engine:
     def start(self) -> None:
         """Run rounds on a thread of the engine's own (for a server); `submit` from any thread. Then `stop()` it (or
         use `with engine:`, which starts and stops): a started engine is kept alive by its thread."""
-        with self._cv:
-            thread = self._thread
-            if thread is not None and not self._stopping:
-                return
-        if thread is not None:
-            thread.join()  # a stop asked on the engine thread itself: that thread is ending
-        with self._cv:
-            self._stopping = self._stopped = False
-            self._thread = threading.Thread(target=self._loop, name="moelane-lanes", daemon=True)
-            self._thread.start()
+        while True:  # (under the lock, with the thread found there: starts racing each other start one thread)
+            with self._cv:
+                thread = self._thread
+                if thread is None:
+                    self._stopping = self._stopped = False
+                    self._thread = threading.Thread(target=self._loop, name="moelane-lanes", daemon=True)
+                    self._thread.start()
+                    return
+                if not self._stopping:
+                    return
+                if thread is threading.current_thread():  # (a listener's stop() then start(): the thread goes on)
+                    self._stopping = self._stopped = False
+                    return
+            thread.join()  # a stop asked (on the engine thread itself, or racing this start): that thread is ending
 
     def stop(self) -> None:
         """Stop the engine thread; every stream it leaves, running or waiting, ends "cancelled", and `submit` refuses
