@@ -225,3 +225,17 @@ def test_start_on_the_engine_thread_after_a_stop_asked_there_goes_on() -> None:
         assert stream.finish_reason == "length"
         later = engine.submit([4, 5], 3)
         assert later.wait(10) and later.finish_reason == "length"
+
+
+def test_the_draft_model_drafts_with_prompt_chunks_of_one_token() -> None:
+    """`prefill_chunk=1`: the draft model still catches up with each round's two new tokens and drafts (it fed
+    one token a round, ended each round a token behind, and never drafted)."""
+    target = FakeTarget(32, window=1)
+    draft = FakeTarget(32, window=1, error_rate=0.2)
+    engine = Engine(target, EngineConfig(drafter="model", timed=False, prefill_chunk=1), draft=draft)
+    cases = [([1, 2, 3], 30), ([5, 6, 7, 8], 20)]
+    streams = [engine.submit(prompt, n) for prompt, n in cases]
+    engine.run_until_idle()
+    for stream, (prompt, n) in zip(streams, cases, strict=True):
+        assert stream.token_ids == solo_decode(target, prompt, n, SamplingParams())
+    assert engine.stats().accepted > 10

@@ -211,7 +211,9 @@ class ModelDrafter:
         """`prefix_bytes`, `max_kept`: the bounds of the draft caches kept for later prompts with the same start
         (`moelane.lanes.prefix`; a draft cache's bits never change a reply, only what is verified)."""
         self.draft = draft  # target protocol: new_cache / cache_for / forward
-        self.prefill_chunk = prefill_chunk
+        # (at least 2: a level's first feed while drafting goes on is the last accepted draft and the target's token;
+        # fed one at a time, the draft model never caught up to draft)
+        self.prefill_chunk = max(prefill_chunk, 2)
         self._caches: dict[int, _DraftCache] = {}
         self.kept = PrefixStore(prefix_bytes, max_kept)
 
