@@ -239,3 +239,8 @@ def test_the_draft_model_drafts_with_prompt_chunks_of_one_token() -> None:
     for stream, (prompt, n) in zip(streams, cases, strict=True):
         assert stream.token_ids == solo_decode(target, prompt, n, SamplingParams())
     assert engine.stats().accepted > 10
+
+
+def test_an_engine_refuses_settings_that_are_not_an_engine_config() -> None:
+    with pytest.raises(ValueError, match=re.escape("config must be an EngineConfig")):
+        Engine(FakeTarget(32), {"drafter": "copy"})  # type: ignore[arg-type]

@@ -73,6 +73,8 @@ class Engine:
     ) -> None:
         """`draft`: the draft model for drafter "model" (default: the shipped one). `recall_store`: a store to share
         with other engines (default: a new one)."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig (EngineConfig(**settings)), got {config!r}")
         self.target, self.config = target, fit_to_target(config or EngineConfig(), target)
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
