@@ -244,3 +244,19 @@ def test_the_draft_model_drafts_with_prompt_chunks_of_one_token() -> None:
 def test_an_engine_refuses_settings_that_are_not_an_engine_config() -> None:
     with pytest.raises(ValueError, match=re.escape("config must be an EngineConfig")):
         Engine(FakeTarget(32), {"drafter": "copy"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prompt", [[True, 2], (1, False), iter([3, True])])
+def test_a_prompt_of_bools_is_refused(prompt: Any) -> None:
+    engine = Engine(FakeTarget(32), EngineConfig(timed=False))
+    with pytest.raises(InputError, match="token ids must be integers, not bools"):
+        engine.submit(prompt, 4)
+
+
+def test_a_prompt_from_an_iterator_is_taken() -> None:
+    engine = Engine(FakeTarget(32, window=1), EngineConfig(timed=False))
+    stream = engine.submit(iter([1, 2, 3]), 4)
+    engine.run_until_idle()
+    assert stream.prompt_ids == [1, 2, 3] and stream.token_ids == solo_decode(
+        engine.target, [1, 2, 3], 4, SamplingParams()
+    )

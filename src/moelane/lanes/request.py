@@ -73,11 +73,25 @@ def check_request(
         raise InputError("prompt_logprobs needs logprobs (the number of alternatives to report)")
     if not params.greedy and params.seed is None:
         params = replace(params, seed=secrets.randbits(62))
-    prompt = token_id_list(token_ids, target.vocab_size, target.max_context)
+    prompt = token_id_list(prompt_ids(token_ids), target.vocab_size, target.max_context)
     if max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     max_tokens = min(max_tokens, target.max_context - len(prompt))
     return Request(prompt, max_tokens, params, target.eos_ids | stops, logprobs, prompt_logprobs)
+
+
+def prompt_ids(token_ids: Sequence[int]) -> Sequence[int]:
+    """The prompt's ids as given, an iterator's as a list; InputError for a bool among them (`token_id_list` takes
+    True as 1)."""
+    if isinstance(token_ids, str | bytes):
+        return token_ids
+    try:
+        ids = list(token_ids)
+    except TypeError:
+        raise InputError("token ids must be integers") from None
+    if any(isinstance(t, bool) for t in ids):
+        raise InputError(f"token ids must be integers, not bools: {[t for t in ids if isinstance(t, bool)][:3]}")
+    return ids
 
 
 def submit_kwargs(params: SamplingParams) -> dict[str, Any]:
