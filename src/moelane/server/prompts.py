@@ -61,13 +61,14 @@ class Prompts:
 
     def tool_use(self, body: ChatCompletionRequest) -> ToolUse | None:
         """How a chat request's replies are read for calls; None: they are not (no tools, or tool_choice "none").
-        A 400 for tools this model cannot use, and for a `tool_choice` that forces a call of no tool given."""
+        A 400 for tools this model cannot use, and for a `tool_choice` other than "none" without tools."""
         forced, syntax = body.forced(), self.tools.syntax if body.tools else None
         if body.tools and syntax is None:  # (with tool_choice "none" too: the schema says no tools)
             raise bad_request(f"tools cannot be used with this model: {self.tools.why_not}", "tools")
         names = [tool.function.name for tool in body.tools or ()]
-        if forced is not None and not names:
-            raise bad_request("tool_choice forces a tool call, but the request gives no tools", "tool_choice")
+        if body.tool_choice not in (None, "none") and not names:  # ("auto" too, as OpenAI's and vLLM's refuse it)
+            raise bad_request("'tool_choice' is only allowed when 'tools' are specified: the request gives no tools",
+                              "tool_choice")  # fmt: skip
         if forced and forced not in names:
             message = f"tool_choice names {forced!r}, which is not among the tools given ({', '.join(names)})"
             raise bad_request(message, "tool_choice")
