@@ -208,6 +208,8 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
             "invalid_value",
         ),
         ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature", "invalid_value"),
+        ("/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, "logit_bias", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(10**40): 1}}, "logit_bias", "invalid_value"),
     ],
 )
 def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str, code: str) -> None:

@@ -120,13 +120,13 @@ class ServerState:
         for tool calls; `grammar`: what the replies are held to (each choice gets its own copy); `primer`: the
         prompt's last tokens that the reply's channel splitter reads first (`Prompts.chat_prompt`)."""
         endpoint = "chat" if chat else "completions"
-        top_logprobs = body.top_logprobs_asked()
+        top_logprobs, bias = body.top_logprobs_asked(), tuple(self.prompts.logit_bias(body).items())
         per_prompt = [
             GenerationParams(
                 tuple(ids), self.prompts.budget(len(ids), limit, default, "messages" if chat else "prompt"),
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
-                logit_bias=tuple(body.bias_map().items()), presence_penalty=body.presence_penalty,
+                logit_bias=bias, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, logprobs=top_logprobs,
                 prompt_logprobs=bool(echo) and top_logprobs is not None, reasoning=chat,
                 tool_calls=tools is not None and tools.syntax == HARMONY,

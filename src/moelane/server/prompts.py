@@ -110,6 +110,14 @@ class Prompts:
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompt
 
+    def logit_bias(self, body: SamplingFields) -> dict[int, float]:
+        """The request's logit bias by token id; a 400 naming `logit_bias` for an id past the vocabulary."""
+        bias, vocab = body.bias_map(), int(self.lm.vocab_size)
+        if past := [token for token in bias if token >= vocab]:
+            raise bad_request(f"logit_bias token id {past[0]} is out of range: ids must be in [0, {vocab})",
+                              "logit_bias")  # fmt: skip
+        return bias
+
     def grammar(self, body: SamplingFields) -> Grammar | None:
         """What `response_format` holds the replies to (None: nothing). A 400 naming `response_format` for a schema
         that cannot be used. Runs off the event loop: a large schema takes a while to compile, and so does the
