@@ -194,6 +194,18 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
     [
         ("/v1/completions", {**GOOD, "max_tokens": 10**12}, "max_tokens", "context_length_exceeded"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": 1 << 40}, "max_tokens", "context_length_exceeded"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": None, "max_completion_tokens": 1 << 40},
+            "max_completion_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 1 << 40, "max_completion_tokens": 2},
+            "max_tokens",
+            "context_length_exceeded",
+        ),
         ("/v1/completions", {**GOOD, "prompt": [5] * 600}, "prompt", "context_length_exceeded"),
         ("/v1/completions", {**GOOD, "prompt": "To be, or not " * 4000}, "prompt", "context_length_exceeded"),
         ("/v1/completions", {**GOOD, "prompt": ""}, "prompt", "invalid_value"),

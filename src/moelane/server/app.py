@@ -123,7 +123,8 @@ class ServerState:
         top_logprobs, bias = body.top_logprobs_asked(), tuple(self.prompts.logit_bias(body).items())
         per_prompt = [
             GenerationParams(
-                tuple(ids), self.prompts.budget(len(ids), limit, default, "messages" if chat else "prompt"),
+                tuple(ids), self.prompts.budget(len(ids), limit, default, "messages" if chat else "prompt",
+                                                body.limit_field()),
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stops=tuple(body.stop_list()),
                 logit_bias=bias, presence_penalty=body.presence_penalty,

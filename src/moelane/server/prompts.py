@@ -182,9 +182,10 @@ class Prompts:
         harmony = bool(opening) and Channels.for_tokenizer(tokenizer) is not None
         return self.encode(text + opening, "messages"), tuple(tokenizer.encode(opening)) if harmony else ()
 
-    def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
+    def budget(self, n_prompt: int, requested: int | None, default: int | None, param: str = "prompt",
+               limit_field: str = "max_tokens") -> int:  # fmt: skip
         """max_tokens for the engine: the request's, checked against the context, or the endpoint's default.
-        `param`: the field the prompt came from (`messages` for chat)."""
+        `param`: the field the prompt came from (`messages` for chat); `limit_field`: the one `requested` came from."""
         context = int(self.lm.max_context)
         if n_prompt == 0:
             raise bad_request("the prompt is empty", param)
@@ -195,9 +196,9 @@ class Prompts:
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
-            message = (f"max_tokens is too large: the prompt has {n_prompt} tokens and this model's context length "
+            message = (f"{limit_field} is too large: the prompt has {n_prompt} tokens and this model's context length "
                        f"is {context}, so at most {room} completion tokens fit")  # fmt: skip
-            raise bad_request(message, "max_tokens", OVER_CONTEXT)
+            raise bad_request(message, limit_field, OVER_CONTEXT)
         return requested
 
 

@@ -141,6 +141,10 @@ class SamplingFields(Body):
             raise ValueError("functions (the deprecated form of tools) are not supported by this server; send tools")
         return v
 
+    def limit_field(self) -> str:
+        """The field that sets the reply's token limit (what a limit that does not fit is said of)."""
+        return "max_tokens"
+
     def bias_map(self) -> dict[int, float]:
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
@@ -355,3 +359,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
