@@ -221,6 +221,16 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
         ),
         ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature", "invalid_value"),
         ("/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, "logit_bias", "invalid_value"),
+        # what a check across fields finds is said of the field at fault, not of the whole body
+        ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages.0.content", "invalid_value"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "invalid_value",
+        ),
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(10**40): 1}}, "logit_bias", "invalid_value"),
     ],
 )

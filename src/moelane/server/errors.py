@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from moelane.errors import InputError, MoelaneError
 from moelane.server.generation import EngineError, RequestTimeout
+from moelane.server.protocol import FieldError
 from moelane.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
     # the deepest: of a union's members' errors, that of the member the value was meant as ([1] for list[str])
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
+    if isinstance(found := (first.get("ctx") or {}).get("error"), FieldError):  # a model validator's, of one field
+        loc.append(found.field)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

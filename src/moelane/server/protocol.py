@@ -37,6 +37,15 @@ MAX_MESSAGES = 2048
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
+class FieldError(ValueError):
+    """A model validator's finding about one of the model's fields (`field`), which the error body's `param` names:
+    a plain ValueError there would be said of the whole model (param null at the top)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Body(BaseModel):
     """A request body (or part of one). OpenAI's schema makes most optional fields nullable, and clients that
     serialise every field send `null` for those they leave unset: null in an optional field means its default."""
@@ -76,7 +85,9 @@ class ResponseFormat(Body):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs json_schema (with the schema in json_schema.schema)")
+            raise FieldError(
+                "type 'json_schema' needs json_schema (with the schema in json_schema.schema)", "json_schema"
+            )
         return self
 
     def json_wanted(self) -> tuple[bool, dict[str, object] | bool | None, bool]:
@@ -180,7 +191,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _zero_needs_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 needs echo: true (only the prompt would be returned)")
+            raise FieldError("max_tokens 0 needs echo: true (only the prompt would be returned)", "max_tokens")
         return self
 
     def top_logprobs_asked(self) -> int | None:
@@ -281,7 +292,7 @@ class ChatMessage(Body):
     def _content_unless_assistant(self) -> ChatMessage:
         # as OpenAI: only an assistant message (one that made tool calls) may come without content
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
+            raise FieldError(f"a {self.role} message needs content", "content")
         return self
 
     def text(self) -> str:
@@ -351,7 +362,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs needs logprobs: true", "top_logprobs")
         return self
 
     def top_logprobs_asked(self) -> int | None:
