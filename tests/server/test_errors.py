@@ -155,6 +155,8 @@ CASES = [
     ("penalty -Infinity", "/v1/completions", b'{"prompt": "a", "presence_penalty": -Infinity}', 400, "finite"),
     ("bias NaN", "/v1/completions", b'{"prompt": "a", "logit_bias": {"5": NaN}}', 400, "finite number"),
     ("too many messages", "/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 2049}, 400, "at most 2048"),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "caf\xe9"}', 400, "not valid JSON (not UTF-8"),
+    ("body nested too deeply", "/v1/completions", b'{"x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}", 400, "too deeply"),
 ]
 
 
@@ -220,6 +222,7 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
             "invalid_value",
         ),
         ("/v1/completions", b'{"prompt": "a", "temperature": NaN}', "temperature", "invalid_value"),
+        ("/v1/completions", b'{"prompt": "\xff"}', None, "invalid_value"),
         ("/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, "logit_bias", "invalid_value"),
         # what a check across fields finds is said of the field at fault, not of the whole body
         ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens", "invalid_value"),
@@ -234,7 +237,7 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(10**40): 1}}, "logit_bias", "invalid_value"),
     ],
 )
-def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str, code: str) -> None:
+def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str | None, code: str) -> None:
     """Stable `code`s as OpenAI gives them: context_length_exceeded for what does not fit the context,
     invalid_value for other bad values."""
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}

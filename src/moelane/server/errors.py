@@ -20,6 +20,7 @@ from moelane.server.protocol import FieldError
 from moelane.server.responses import ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
+INVALID = "invalid_value"  # the error code of a bad value, as OpenAI's
 
 
 class ModelNotFound(MoelaneError):
@@ -108,6 +109,16 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
 
+def unreadable_json(cause: BaseException | None) -> str | None:
+    """Why a body that is not JSON by the letter failed to parse (FastAPI answers those with a bare "There was an
+    error parsing the body"): bytes that are not UTF-8, nesting deeper than Python's reader goes."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"not UTF-8: {cause.reason} at byte {cause.start}"
+    if isinstance(cause, RecursionError):
+        return "nested too deeply"
+    return None
+
+
 MAX_BODY_BYTES = 64 << 20  # room for 128 prompts each filling a long context; a bigger body is refused unread
 
 
@@ -154,10 +165,13 @@ def install(app: FastAPI, max_body_bytes: int = MAX_BODY_BYTES) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc, request.headers.get("content-type", ""))
-        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+        return JSONResponse(error_body(message, "invalid_request_error", param, INVALID), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and (why := unreadable_json(exc.__cause__)):  # FastAPI's "error parsing the body"
+            body = error_body(f"the request body is not valid JSON ({why})", "invalid_request_error", None, INVALID)
+            return JSONResponse(body, status_code=400)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None  # (BodyLimit's, for a body sent in chunks)
         return JSONResponse(error_body(str(exc.detail), type_, None, code), status_code=exc.status_code,
