@@ -1,19 +1,27 @@
-"""`moelane serve`'s flags (when the decode step is compiled), Ctrl-C while it loads, and its shutdown log."""
+"""`moelane serve`'s flags (when the decode step is compiled), Ctrl-C while it loads, its shutdown log, and the
+requests its shutdown ends."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 
 from moelane.cli import build_parser, main
-from moelane.server.commands import CUT_OFF, QuietCancels, off_main_thread, wants_compile
+from moelane.server.app import create_app
+from moelane.server.commands import CUT_OFF, ENDING_S, QuietCancels, ending_server, off_main_thread, wants_compile
+from tests.server.conftest import MODEL, make_engine, wait_until
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -109,3 +117,32 @@ def test_a_request_cancelled_at_shutdown_is_logged_in_one_line_not_a_traceback()
     assert quiet.filter(failed) and failed.exc_info is not None and failed.levelname == "ERROR"
     other = record("Traceback (most recent call last):\n  ...\nValueError: a real fault\n")
     assert quiet.filter(other)
+
+
+def test_requests_still_running_when_the_grace_ends_are_told_the_server_stops(tiny_lm: Any) -> None:
+    """Past the grace, a whole reply's request gets a 503 `server_stopping` body and a stream that error as its last
+    event before [DONE]; neither a bare "Internal Server Error" text nor a stream cut mid-body (what uvicorn's own
+    cancelling gives), and their engine streams are freed."""
+    engine = make_engine(tiny_lm, delay=0.1)  # (a reply of 40 tokens takes 4 s)
+    app = create_app(engine, tiny_lm, model_name=MODEL)
+    grace = 0.5
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=grace + ENDING_S)  # fmt: skip
+    server = ending_server(config, grace)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, 30)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40}
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(httpx.post, url, json=body, timeout=30)
+        streamed = pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=30)
+        assert wait_until(lambda: engine.n_active == 2)
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+        r, s = whole.result(), streamed.result()
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_stopping", r.text
+    *_, error, done = [e for e in s.text.split("\n\n") if e]
+    assert json.loads(error.removeprefix("data: "))["error"]["code"] == "server_stopping" and done == "data: [DONE]"
+    assert engine.n_active == 0 and app.state.moelane.in_flight == 0

@@ -28,9 +28,9 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.model.grammar import Grammar
 from moelane.server import errors
-from moelane.server.errors import ClientGone, Overloaded, ServerStopping, sse_event
+from moelane.server.errors import ClientGone, Overloaded, sse_event
 from moelane.server.events import Collected, EventStream, merged, whole_replies
-from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning
+from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning, ServerStopping
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.openapi import openapi_schema
 from moelane.server.prompts import Prompts, bad_request, check_chat_template

@@ -1,8 +1,9 @@
 """`moelane serve`: load a model, start the lanes engine on its own thread, serve the OpenAI API with uvicorn.
 
 Binds loopback unless told otherwise. On SIGINT/SIGTERM uvicorn stops accepting connections and waits up to
-`--grace` seconds for running requests to finish; whatever still runs then is cancelled (its engine stream freed,
-one line in the log), and the engine thread stops. A Ctrl-C while the model loads exits at once.
+`--grace` seconds for running requests to finish; whatever still runs then is ended (its engine stream freed, the
+client told `server_stopping`: a 503, or a stream's last event), and the engine thread stops. A Ctrl-C while the
+model loads exits at once.
 Also runnable alone: `python -m moelane.server.commands serve ...`.
 """
 
@@ -205,6 +206,27 @@ class QuietCancels(logging.Filter):
 
 
 CUT_OFF = "a request still running at shutdown was cut off"
+ENDING_S = 2.0  # after the grace, how long requests have to send the error that ends them before uvicorn cuts them
+
+
+def ending_server(config: Any, grace: float) -> Any:
+    """A uvicorn server that, when `grace` seconds of its shutdown have passed, ends the requests still running
+    itself (`ServerState.shutdown`): a whole reply's request gets a 503 `server_stopping` body, a stream that error
+    as its last event before [DONE]. uvicorn alone would cancel them, which cuts a stream mid-body and answers the
+    other requests with a bare `Internal Server Error` text; it still does, ENDING_S later, for any that has not
+    ended by then. `config.app` is the app of `create_app`."""
+    import uvicorn
+
+    class EndingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            state = self.config.app.state.moelane
+            timer = asyncio.get_running_loop().call_later(grace, state.shutdown)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return EndingServer(config)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -217,14 +239,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with bind(args.host, args.port) as sock:
         app = build(args)
         try:
-            config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace)
+            config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace + ENDING_S)
             logging.getLogger("uvicorn.error").addFilter(QuietCancels())  # (after Config, which sets logging up)
             try:  # (connections wait in the backlog until uvicorn's loop takes them)
                 sock.listen(config.backlog)
             except OSError as e:  # another server (with SO_REUSEADDR) listened on the port while the model loaded
                 raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
             say(f"serving {app.state.moelane.model_name} on http://{where}:{sock.getsockname()[1]}/v1")
-            uvicorn.Server(config).run(sockets=[sock])
+            ending_server(config, args.grace).run(sockets=[sock])
         finally:
             app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
     return 0

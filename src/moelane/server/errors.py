@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from moelane.errors import InputError, MoelaneError
-from moelane.server.generation import EngineError, RequestTimeout
+from moelane.server.generation import EngineError, RequestTimeout, ServerStopping
 from moelane.server.protocol import FieldError
 from moelane.server.responses import ErrorDetail, ErrorResponse
 
@@ -33,10 +33,6 @@ class Overloaded(MoelaneError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class ServerStopping(MoelaneError):
-    """The server is shutting down and takes no new requests."""
 
 
 class ClientGone(MoelaneError):

@@ -48,6 +48,11 @@ class RequestTimeout(MoelaneError):
     """The request ran past its time limit or produced nothing for too long."""
 
 
+class ServerStopping(MoelaneError):
+    """The server is shutting down: it takes no new requests, and ends those still running when its grace is over
+    (their engine streams are cancelled)."""
+
+
 class StreamLike(Protocol):
     @property
     def finish_reason(self) -> str | None: ...
@@ -322,4 +327,6 @@ def _finish(engine_reason: str | None, error: BaseException | None = None) -> st
     if engine_reason == "error":  # a failure of ours (a truncated shard, say) says what it was; a bug does not
         said = f": {error}" if isinstance(error, MoelaneError) else ""
         raise EngineError(f"the engine failed while generating this request{said}")
+    if engine_reason == "cancelled":  # (by none but the server's shutdown while the request runs: `ServerState`)
+        raise ServerStopping("the server is shutting down; the request was ended before its reply was complete")
     raise EngineError(f"the request was ended by the engine ({engine_reason})")
