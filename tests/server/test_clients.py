@@ -75,9 +75,11 @@ def test_with_include_usage_every_other_chunk_says_usage_null(url: str, path: st
         ("tool_choice", {"type": "function", "function": {"name": "f"}}, "gives no tools"),
         ("functions", [{"name": "f", "parameters": {}}], "not supported"),
         ("function_call", {"name": "f"}, "not supported"),
+        ("modalities", ["text", "audio"], "not supported"),  # (an audio reply: this server writes text only)
+        ("audio", {"voice": "alloy", "format": "wav"}, "not supported"),
     ],
 )
-def test_asking_for_a_tool_call_gets_400(url: str, field: str, value: Any, needle: str) -> None:
+def test_asking_for_a_tool_call_or_audio_gets_400(url: str, field: str, value: Any, needle: str) -> None:
     r = post(url, "/v1/chat/completions", {**CHAT, field: value})
     assert r.status_code == 400, r.text
     error = r.json()["error"]

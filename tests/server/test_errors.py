@@ -179,7 +179,8 @@ def test_off_states_of_unsupported_fields_are_accepted(url: str) -> None:
     r = httpx.post(f"{url}/v1/completions", json={**GOOD, **off, "best_of": 1, "logprobs": None, "suffix": ""},
                    timeout=30)  # fmt: skip
     assert r.status_code == 200, r.text
-    chat = {**CHAT, **off, "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"}}
+    chat = {**CHAT, **off, "logprobs": False, "top_logprobs": 0, "tools": [], "response_format": {"type": "text"},
+            "modalities": ["text"], "audio": None}  # fmt: skip
     r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
     assert r.status_code == 200, r.text
 

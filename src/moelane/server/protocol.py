@@ -3,8 +3,8 @@ response bodies are in `responses.py`).
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
 with a 400, and so do known OpenAI fields that ask for what the server does not do (best_of, suffix, non-text
-content parts, tools in a completion) unless they are in their off state; `null` in an optional field means its
-default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls);
+content parts, audio replies, tools in a completion) unless they are in their off state; `null` in an optional
+field means its default, as OpenAI's schema allows. `tools` are taken by chat requests (`tools.py` reads the calls);
 `response_format` holds a reply to JSON (`moelane.model.grammar`).
 """
 
@@ -331,6 +331,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None  # false: a reply's first call only
+    # OpenAI's audio replies: a reply of text only is all this server writes
+    modalities: Annotated[list[object] | None, AfterValidator(_unsupported("modalities other than ['text']",
+                                                                            ["text"], []))] = None  # fmt: skip
+    audio: Annotated[object, AfterValidator(_unsupported("audio output"))] = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
