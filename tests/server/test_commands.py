@@ -128,7 +128,7 @@ def test_requests_still_running_when_the_grace_ends_are_told_the_server_stops(ti
     grace = 0.5
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                             timeout_graceful_shutdown=grace + ENDING_S)  # fmt: skip
-    server = ending_server(config, grace)
+    server = ending_server(config, grace, app.state.moelane.shutdown)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     assert wait_until(lambda: server.started, 30)

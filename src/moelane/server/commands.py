@@ -209,18 +209,17 @@ CUT_OFF = "a request still running at shutdown was cut off"
 ENDING_S = 2.0  # after the grace, how long requests have to send the error that ends them before uvicorn cuts them
 
 
-def ending_server(config: Any, grace: float) -> Any:
+def ending_server(config: Any, grace: float, end_requests: Callable[[], None]) -> Any:
     """A uvicorn server that, when `grace` seconds of its shutdown have passed, ends the requests still running
-    itself (`ServerState.shutdown`): a whole reply's request gets a 503 `server_stopping` body, a stream that error
-    as its last event before [DONE]. uvicorn alone would cancel them, which cuts a stream mid-body and answers the
-    other requests with a bare `Internal Server Error` text; it still does, ENDING_S later, for any that has not
-    ended by then. `config.app` is the app of `create_app`."""
+    itself (`end_requests`: the app's `ServerState.shutdown`): a whole reply's request gets a 503 `server_stopping`
+    body, a stream that error as its last event before [DONE]. uvicorn alone would cancel them, which cuts a stream
+    mid-body and answers the other requests with a bare `Internal Server Error` text; it still does, ENDING_S
+    later, for any that has not ended by then."""
     import uvicorn
 
     class EndingServer(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            state = self.config.app.state.moelane
-            timer = asyncio.get_running_loop().call_later(grace, state.shutdown)
+            timer = asyncio.get_running_loop().call_later(grace, end_requests)
             try:
                 await super().shutdown(sockets)
             finally:
@@ -246,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except OSError as e:  # another server (with SO_REUSEADDR) listened on the port while the model loaded
                 raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
             say(f"serving {app.state.moelane.model_name} on http://{where}:{sock.getsockname()[1]}/v1")
-            ending_server(config, args.grace).run(sockets=[sock])
+            ending_server(config, args.grace, app.state.moelane.shutdown).run(sockets=[sock])
         finally:
             app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
     return 0
