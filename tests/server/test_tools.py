@@ -185,6 +185,7 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer
             "get_weather, get_time",
         ),
         ({"tool_choice": "any"}, "tool_choice", "'required'"),
+        ({"tools": [*TOOLS, TOOLS[1]]}, "tools", "given more than once: get_time"),
     ],
 )
 def test_bad_tools_get_400(tokenizer: Tokenizer, change: dict[str, Any], param: str, needle: str) -> None:

@@ -336,6 +336,16 @@ class ChatCompletionRequest(SamplingFields):
                                                                             ["text"], []))] = None  # fmt: skip
     audio: Annotated[object, AfterValidator(_unsupported("audio output"))] = None
 
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        # (a call names its function: of two of one name, which one it called, and which schema a forced call is held
+        # to, could not be said)
+        names = [tool.function.name for tool in v or ()]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"function names must be unique; given more than once: {', '.join(twice)}")
+        return v
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_variables(cls, v: dict[str, object] | None) -> dict[str, object] | None:
