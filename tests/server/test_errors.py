@@ -214,6 +214,7 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
         ("/v1/completions", {**GOOD, "prompt": ""}, "prompt", "invalid_value"),
         ("/v1/completions", {**GOOD, "prompt": [1, 10**6]}, "prompt", "invalid_value"),
         ("/v1/completions", {**GOOD, "prompt": ["a", "b"], "n": 41}, "n", "invalid_value"),
+        ("/v1/completions", {**GOOD, "prompt": ["a"] * 81}, "prompt", "invalid_value"),  # (n 1: the prompts ask)
         ("/v1/completions", b'{"prompt": "a", "stop": "\\udc00"}', "stop", "invalid_value"),
         ("/v1/completions", b'{"prompt": "a\\ud800"}', "prompt", "invalid_value"),
         (

@@ -84,13 +84,14 @@ class ServerState:
 
     # ---- admission ----------------------------------------------------------------------------------------------
 
-    def admit(self, n: int = 1) -> None:
-        """Take `n` admission slots (one per choice: each is a stream of its own), or refuse."""
+    def admit(self, n: int = 1, param: str = "n") -> None:
+        """Take `n` admission slots (one per choice: each is a stream of its own), or refuse; `param`: the field
+        that asked for so many (`n`, or `prompt` for a list of prompts)."""
         if self.stopping:
             raise ServerStopping("the server is shutting down")
         if n > self.capacity:
             raise bad_request(f"the request asks for {n} choices (n times the prompts); this server holds at most "
-                              f"{self.capacity} at once", "n")  # fmt: skip
+                              f"{self.capacity} at once", param)  # fmt: skip
         if self.in_flight + n > self.capacity:
             self.metrics.rejected.inc()
             waiting = max(1, self.in_flight - self.max_streams)
@@ -139,7 +140,7 @@ class ServerState:
         params = [p if p.seed is None else dataclasses.replace(p, seed=p.seed + j)
                   for p in per_prompt for j in range(body.n)]  # fmt: skip
         echoes = [echo for _, echo in prompts for _ in range(body.n)]
-        gens = self.start(params)
+        gens = self.start(params, "n" if body.n > 1 else "prompt")
         prefix = "chatcmpl" if chat else "cmpl"
         usage_chunk = bool(body.stream and body.stream_options and body.stream_options.include_usage)
         header = Header(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, chat, usage_chunk)
@@ -185,9 +186,9 @@ class ServerState:
             content = None  # no text beside the calls, as OpenAI's say it (and as the stream, which sends none)
         return Reply(content, finish_reason(gen, bool(calls), tools), logprobs, reasoning, tuple(calls))
 
-    def start(self, params: list[GenerationParams]) -> list[Generation]:
-        """Admit and submit one generation per choice (all or none)."""
-        self.admit(len(params))
+    def start(self, params: list[GenerationParams], param: str = "n") -> list[Generation]:
+        """Admit and submit one generation per choice (all or none); `param` as `admit` takes it."""
+        self.admit(len(params), param)
         gens: list[Generation] = []
         try:
             for p in params:
