@@ -50,6 +50,7 @@ CASES = [
     ("n over 128", "/v1/chat/completions", {**CHAT, "n": 129}, 400, "n"),
     ("stop wrong type", "/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
     ("too many stops", "/v1/completions", {**GOOD, "stop": list("abcde")}, 400, "stop"),
+    ("stop too long", "/v1/completions", {**GOOD, "stop": ["a", "x" * 1025]}, 400, "at most 1024"),
     ("seed wrong type", "/v1/completions", {**GOOD, "seed": "x"}, 400, "seed"),
     ("chat no messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("chat bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
@@ -256,3 +257,10 @@ def test_model_may_be_left_out(url: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT["messages"], "temperature": 5}, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "temperature" and "model" not in error["message"], r.text
+
+
+def test_stop_strings_up_to_the_bound_are_served(url: str) -> None:
+    """The bound on a stop string's length (its filter's work runs on the event loop, every token) admits any stop
+    string clients use."""
+    r = httpx.post(f"{url}/v1/completions", json={**GOOD, "stop": ["x" * 1024, "\nObservation:"]}, timeout=30)
+    assert r.status_code == 200, r.text
