@@ -12,6 +12,7 @@ from tests.server.conftest import MODEL
 
 GOOD = {"model": MODEL, "prompt": "def f", "max_tokens": 2, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BIAS_PAST = dict.fromkeys(map(str, range((1 << 18) + 1)), 1)  # more tokens than any vocabulary has
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ CASES = [
     ("bias key a unicode digit", "/v1/completions", {**GOOD, "logit_bias": {"\u00b2": 1}}, 400, "token ids"),
     ("bias value too big", "/v1/completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("bias id out of range", "/v1/completions", {**GOOD, "logit_bias": {"99999999": 1}}, 400, "out of range"),
+    ("bias of more tokens than any vocabulary", "/v1/completions", {**GOOD, "logit_bias": BIAS_PAST}, 400, "262144"),
     ("logprobs over 5", "/v1/completions", {**GOOD, "logprobs": 6}, 400, "logprobs"),
     ("best_of", "/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
     ("suffix", "/v1/completions", {**GOOD, "suffix": "}"}, 400, "suffix is not supported"),

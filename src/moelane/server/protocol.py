@@ -37,6 +37,9 @@ MAX_MESSAGES = 2048
 # Longest stop string: the stop filter's work per token grows with a stop string's length and runs on the event loop
 # (4 stop strings of 300K characters held every other request for 4 s a token; of 1K, 0.6 ms).
 MAX_STOP_CHARS = 1024
+# Most logit_bias entries: as many as the largest vocabularies have tokens (Gemma 3's 262,144), counted before any is
+# validated (validation runs on the event loop: 4M entries held it, every stream with it, for 2 s more than parsing).
+MAX_BIAS_TOKENS = 1 << 18
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -129,7 +132,10 @@ class SamplingFields(Body):
     user: str | None = None
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    logit_bias: Annotated[
+        dict[str, Annotated[StrictFloat, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None,
+        Field(max_length=MAX_BIAS_TOKENS),
+    ] = None
     # Accepted in their off state only, so that a client asking for them gets a clear 400 rather than a reply
     # that silently lacks them.
     response_format: ResponseFormat | None = None
