@@ -25,7 +25,10 @@ def url(tiny_lm: Any) -> Any:
 
 CASES = [
     ("bad json", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
-    ("not an object", "/v1/completions", [1, 2], 400, "valid dictionary"),
+    ("not an object", "/v1/completions", [1, 2], 400, "must be a JSON object, not an array"),
+    ("a string, not an object", "/v1/chat/completions", b'"hi"', 400, "must be a JSON object, not a string"),
+    ("a number, not an object", "/v1/completions", b"5", 400, "must be a JSON object, not a number"),
+    ("null, not an object", "/v1/completions", b"null", 400, "must be a JSON object, not null"),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
     ("prompt wrong type", "/v1/completions", {**GOOD, "prompt": 3}, 400, "prompt"),
     ("max_tokens wrong type", "/v1/completions", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),

@@ -100,6 +100,8 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
         return f"the request body must be JSON sent as Content-Type: application/json (got {content_type!r})", None
     if param is None and first.get("type") == "missing":
         return "the request body is empty; it must be a JSON object", None
+    if param is None and first.get("type") == "model_attributes_type":  # (valid JSON, but not an object)
+        return f"the request body must be a JSON object, not {json_kind(first.get('input'))}", None
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
@@ -113,6 +115,12 @@ def unreadable_json(cause: BaseException | None) -> str | None:
     if isinstance(cause, RecursionError):
         return "nested too deeply"
     return None
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words ("an array", "a string", ...)."""
+    kinds = ((bool, "a boolean"), (int | float, "a number"), (str, "a string"), (list, "an array"))
+    return next((kind for cls, kind in kinds if isinstance(value, cls)), "null" if value is None else "that")
 
 
 MAX_BODY_BYTES = 64 << 20  # room for 128 prompts each filling a long context; a bigger body is refused unread
