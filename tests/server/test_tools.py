@@ -186,6 +186,11 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer
         ),
         ({"tool_choice": "any"}, "tool_choice", "'required'"),
         ({"tools": [*TOOLS, TOOLS[1]]}, "tools", "given more than once: get_time"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+            "of type 'object'",
+        ),
     ],
 )
 def test_bad_tools_get_400(tokenizer: Tokenizer, change: dict[str, Any], param: str, needle: str) -> None:

@@ -260,6 +260,15 @@ class FunctionDefinition(Body):
     parameters: dict[str, object] | None = None  # a JSON schema
     strict: StrictBool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _of_an_object(cls, v: dict[str, object] | None) -> dict[str, object] | None:
+        # (as OpenAI's: a call's arguments are an object; a forced call held to another type could never be one)
+        if v and "type" in v and v["type"] != "object":
+            raise ValueError(f"must be a JSON schema of type 'object' (a call's arguments are an object), got "
+                             f"type {json.dumps(v['type'])}")  # fmt: skip
+        return v
+
 
 class NamedFunction(Body):
     name: str
