@@ -205,6 +205,10 @@ def test_template_variables_reach_the_template(thinker: Tokenizer) -> None:
         bad = httpx.post(f"{base}/v1/chat/completions", json={**request, "chat_template_kwargs": {"messages": []}},
                          timeout=30)  # fmt: skip
         assert bad.status_code == 400 and "may not set messages" in bad.json()["error"]["message"]
+        for effort in ("none", "xhigh"):  # (values OpenAI's API takes, which the openai client's types allow)
+            assert httpx.post(f"{base}/v1/chat/completions", json={**request, "reasoning_effort": effort},
+                              timeout=30).status_code == 200  # fmt: skip
+        assert "effort xhigh" in thinker.decode(engine.streams[-1].prompt_ids)
 
 
 def test_a_reply_without_reasoning_says_nothing_of_it(thinker: Tokenizer) -> None:

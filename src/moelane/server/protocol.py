@@ -345,7 +345,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     # OpenAI's, for reasoning models; given to the chat template as `reasoning_effort` (gpt-oss reads it)
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
     chat_template_kwargs: dict[str, object] | None = None
     tools: list[ToolDefinition] | None = None
