@@ -1,6 +1,7 @@
 """A/B protocol (SPEC 3.7) for any change that may move lanes speed: two git revisions, alternated rounds (ABBA, at
 least 4), a fresh process per cell, N streams each with a different prompt, greedy, 256 tokens each; aggregate
-tokens/s by round, replies compared token by token across builds, peak memory, revisions and settings recorded.
+tokens/s by round and the median stream's time to its first token, replies compared token by token across builds,
+peak memory, revisions and settings recorded.
 
 Each revision's `src/` is exported with `git archive` into a temporary folder (the working tree is not touched) and
 a cell runs this same file with `--cell` under that revision's code.
@@ -51,14 +52,18 @@ def cell(args: argparse.Namespace) -> None:
     batch = prompts(lm.tokenizer, args.workload, args.streams)
     config = EngineConfig(drafter=args.drafter, max_streams=args.streams, guard=args.guard)
     engine = Engine(lm, config, draft=draft)
+    first: dict[int, float] = {}  # each stream's first token: when its prompt was through
     t0 = time.perf_counter()
     streams = [engine.submit(p, max_tokens=args.tokens) for p in batch]
+    for i, s in enumerate(streams):
+        s.subscribe(lambda tokens, i=i: bool(tokens) and first.setdefault(i, time.perf_counter()))
     engine.run_until_idle()
     seconds = time.perf_counter() - t0
     n = sum(len(s.token_ids) for s in streams)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"tok_s": n / seconds, "seconds": seconds, "tokens": n, "peak_rss_bytes": peak, "moelane": moelane.__file__,
-           "replies": [s.token_ids for s in streams]}  # fmt: skip
+    ttft = statistics.median(t - t0 for t in first.values())
+    out = {"tok_s": n / seconds, "seconds": seconds, "ttft_s": ttft, "tokens": n, "peak_rss_bytes": peak,
+           "moelane": moelane.__file__, "replies": [s.token_ids for s in streams]}  # fmt: skip
     print("CELL " + json.dumps(out), flush=True)
 
 
@@ -112,6 +117,7 @@ def main() -> None:
         builds = [export(rev, Path(tmp) / name) for rev, name in zip(args.revs, "AB", strict=True)]
         print(json.dumps({"event": "setting", "A": builds[0][0], "B": builds[1][0], **settings}), flush=True)
         tok_s: dict[str, list[float]] = {"A": [], "B": []}
+        ttft: dict[str, list[float]] = {"A": [], "B": []}
         replies: dict[str, list[list[int]]] = {}
         peak: dict[str, int] = {"A": 0, "B": 0}
         mismatches = 0
@@ -120,17 +126,21 @@ def main() -> None:
             for name in order:
                 res = run_cell(builds["AB".index(name)][1], args)
                 tok_s[name].append(res["tok_s"])
+                ttft[name].append(res["ttft_s"])
                 peak[name] = max(peak[name], res["peak_rss_bytes"])
                 if name in replies and replies[name] != res["replies"]:
                     mismatches += 1
                 replies.setdefault(name, res["replies"])
                 print(json.dumps({"event": "cell", "round": r, "build": name, "tok_s": round(res["tok_s"], 2),
-                                  "seconds": round(res["seconds"], 3), "peak_rss_bytes": res["peak_rss_bytes"]}),
+                                  "ttft_s": round(res["ttft_s"], 4), "seconds": round(res["seconds"], 3),
+                                  "peak_rss_bytes": res["peak_rss_bytes"]}),
                       flush=True)  # fmt: skip
         same = replies["A"] == replies["B"]
         med = {k: statistics.median(v) for k, v in tok_s.items()}
+        first = {k: statistics.median(v) for k, v in ttft.items()}
         print(json.dumps({"event": "summary", "A": builds[0][0], "B": builds[1][0], "median_tok_s": med,
-                          "B_over_A": round(med["B"] / med["A"], 3), "replies_equal_across_builds": same,
+                          "B_over_A": round(med["B"] / med["A"], 3), "median_ttft_s": first,
+                          "ttft_A_over_B": round(first["A"] / first["B"], 3), "replies_equal_across_builds": same,
                           "replies_unstable_within_build": mismatches, "peak_rss_bytes": peak, **settings}),
               flush=True)  # fmt: skip
         if not same:
