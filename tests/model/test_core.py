@@ -567,6 +567,32 @@ def test_stop_filter_never_leaks_past_a_stop() -> None:
     assert "".join([g.push("a ST"), g.push("ar"), g.flush()]) == "a STar"
 
 
+def test_stop_filter_holds_back_what_brute_force_holds_back() -> None:
+    """Each push lets out what the plain rule does (hold the longest end of the text that begins a stop string), on
+    random pieces over a small alphabet, where partial matches overlap and restart all the time."""
+    import random
+
+    def brute(stops: list[str], pieces: list[str]) -> list[str]:
+        out, held = [], ""
+        for piece in pieces:
+            text = held + piece
+            cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                return [*out, text[:cut]]
+            keep = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            held = text[len(text) - keep :] if keep else ""
+            out.append(text[: len(text) - keep])
+        return out
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        pieces = ["".join(rng.choices("abc", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 8))]
+        f = StopFilter(stops)
+        want = brute(stops, pieces)
+        assert [f.push(p) for p in pieces[: len(want)]] == want, (stops, pieces)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pointwise_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype, threads: int) -> None:

@@ -271,10 +271,22 @@ class StopFilter:
         if cut >= 0:
             self.stopped, self._held = True, ""
             return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        keep = max((held_back(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def held_back(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` and is shorter than it (0: none). Only the places
+    where `stop`'s first character stands are tried, so a token's work stays about the length of the text held, not
+    its square (a stop string of a thousand characters)."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
