@@ -34,8 +34,8 @@ MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bou
 # Most messages per chat request, as OpenAI's bound: checked before any message is validated, so a body of a million
 # messages is refused at once instead of holding the event loop for seconds (validation runs on it).
 MAX_MESSAGES = 2048
-# Longest stop string: the stop filter's work per token grows with a stop string's length and runs on the event loop
-# (4 stop strings of 300K characters held every other request for 4 s a token; of 1K, 0.6 ms).
+# Longest stop string: the stop filter runs on the event loop at every token and reads back up to a stop string's
+# length of text (4 stop strings of 300K characters once held every other request for 4 s a token).
 MAX_STOP_CHARS = 1024
 # Most logit_bias entries: as many as the largest vocabularies have tokens (Gemma 3's 262,144), counted before any is
 # validated (validation runs on the event loop: 4M entries held it, every stream with it, for 2 s more than parsing).
