@@ -186,7 +186,8 @@ def off_main_thread(work: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=run, name="moelane-load", daemon=True)
     thread.start()
-    thread.join()
+    while thread.is_alive():  # (in steps: a Ctrl-C that another thread took, tqdm's monitor say, is raised here
+        thread.join(0.1)  # only when the wait wakes; a join without a timeout slept on until the load was done)
     if failed:
         raise failed[0]
     return done[0]
