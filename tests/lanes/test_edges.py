@@ -260,3 +260,38 @@ def test_a_prompt_from_an_iterator_is_taken() -> None:
     assert stream.prompt_ids == [1, 2, 3] and stream.token_ids == solo_decode(
         engine.target, [1, 2, 3], 4, SamplingParams()
     )
+
+
+class FailingDraft(FakeTarget):
+    """A draft model whose passes fail from its `after`-th on (a bug, a device gone)."""
+
+    def __init__(self, vocab_size: int, after: int, **kwargs: Any) -> None:
+        super().__init__(vocab_size, **kwargs)
+        self.after, self.passes = after, 0
+
+    def forward(self, rows: Any, last_only: bool = False) -> Any:
+        self.passes += 1
+        if self.passes > self.after:
+            raise RuntimeError("draft pass failed")
+        return super().forward(rows, last_only=last_only)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("after", [0, 6])
+def test_a_failing_drafter_costs_drafts_not_streams(
+    overlap: bool, after: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Drafts never change a reply, so a drafter that fails (at once, or after some drafting) leaves its streams
+    without drafts: every reply is the solo decode's and ends "length" (a failure in `propose` failed the round,
+    and, failing again in each stream's rerun, ended every stream "error"); its first failure is logged whole."""
+    target = FakeTarget(32, window=1)
+    draft = FailingDraft(32, after, window=1, error_rate=0.2)
+    engine = Engine(target, EngineConfig(drafter="model", timed=False, overlap=overlap, max_streams=2), draft=draft)
+    cases = [([1, 2, 3], 20), ([5, 6, 7, 8], 16), ([9, 8], 12)]
+    streams = [engine.submit(prompt, n) for prompt, n in cases]
+    engine.run_until_idle()
+    for stream, (prompt, n) in zip(streams, cases, strict=True):
+        assert (stream.finish_reason, stream.error) == ("length", None)
+        assert stream.token_ids == solo_decode(target, prompt, n, SamplingParams())
+    assert draft.passes > after
+    assert sum("drafter failed; the streams" in r.getMessage() for r in caplog.records) == 1

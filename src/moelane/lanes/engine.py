@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ class Engine:
         self._cv = threading.Condition()
         self._next_id = 0
         self._round = 0
+        self._draft_failures = 0
         self._counts = dict.fromkeys(("holds", "accepted", "committed", "prefill_tokens", "finished"), 0)
         self._span_start: float | None = None  # when the current round's host work (drafting) began
         self._drafted_for = PLAIN  # the mode the drafts for the next round were prepared in
@@ -247,7 +249,8 @@ class Engine:
             pending = self._pool.submit(self.target.forward, rows, last_only=last_only)
             joined = self._admit([w.lane for w in windows])  # host work that does not depend on this pass
             if joined and self.drafter is not None:
-                self.drafter.prepare(joined)  # index their prompts, prefill the draft model
+                with self._drafting(joined):  # (a failure here must not leave the pass running unawaited)
+                    self.drafter.prepare(joined)  # index their prompts, prefill the draft model
             logits = pending.result()
         else:
             logits = self.target.forward(rows, last_only=last_only)  # (keyword: LM's second is `phase`)
@@ -298,6 +301,11 @@ class Engine:
         lanes = [x for x in self._active if x.decoding and x.room > 0 and x.drafted_at != len(x.tokens)]
         if not lanes:
             return
+        with self._drafting(lanes):
+            self._propose(lanes)
+
+    def _propose(self, lanes: list[Lane]) -> None:
+        assert self.drafter is not None
         depths = [min(self.config.max_depth, x.room) for x in lanes]
         if self.drafter.costs_passes:
             seats = [Seat(min(x.n_pending, self.config.prefill_chunk), True, d, x.acceptance)
@@ -317,6 +325,24 @@ class Engine:
         for lane, drafts in zip(lanes, proposals, strict=True):
             lane.drafts = drafts[: lane.room]
             lane.drafted_at = len(lane.tokens)
+
+    @contextmanager
+    def _drafting(self, lanes: Sequence[Lane]) -> Iterator[None]:
+        """Drafter work for `lanes`: if it raises, they hold no drafts and the round goes on. Drafts never change a
+        reply, so a failing drafter costs speed, not streams (before, it failed the round and, failing again, ended
+        every stream "error"). Logged whole the first time, in a line at the 2nd, 4th, 8th ... after."""
+        try:
+            yield
+        except Exception as e:
+            self._draft_failures += 1
+            if self._draft_failures == 1:
+                log.exception(
+                    "the %s drafter failed; the streams it drafted for go on without drafts", self.config.drafter
+                )
+            elif self._draft_failures & (self._draft_failures - 1) == 0:  # (at 2, 4, 8, ... failures)
+                log.warning("the %s drafter failed again (%d times): %s", self.config.drafter, self._draft_failures, e)
+            for lane in lanes:
+                lane.drafts, lane.drafted_at = [], -1
 
     # ---- membership ---------------------------------------------------------------------------------------------
 
