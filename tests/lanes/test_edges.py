@@ -100,8 +100,10 @@ def test_a_stream_cancelled_while_it_waits_ends_at_the_next_round() -> None:
     engine.step()
     assert queued[1].finish_reason == "cancelled" and engine.n_waiting == 2
     assert running.finish_reason is None and not queued[0].done
+    assert engine.stats().finished == 1  # (counted as every stream that ended)
     engine.run_until_idle()
     assert [s.finish_reason for s in (running, queued[0], queued[2])] == ["length"] * 3
+    assert engine.stats().finished == 4
 
 
 class ShortDraft(FakeTarget):

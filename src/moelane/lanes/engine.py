@@ -356,11 +356,11 @@ class Engine:
                 self._retire(lane, "cancelled")
             for lane in [x for x in self._waiting if x.stream.cancel_requested]:  # (not left waiting for a seat)
                 self._waiting.remove(lane)
-                lane.stream._finish("cancelled")
+                self._end_unseated(lane)
             while self._waiting and len(self._active) < self.config.max_streams:
                 lane = self._waiting.popleft()
                 if lane.stream.cancel_requested:
-                    lane.stream._finish("cancelled")
+                    self._end_unseated(lane)
                     continue
                 try:
                     lane.cache = admit_cache(self.target, self.prefixes, lane, self._active)
@@ -371,6 +371,11 @@ class Engine:
                 self._active.append(lane)
                 joined.append(lane)
         return joined
+
+    def _end_unseated(self, lane: Lane) -> None:
+        """A waiting stream cancelled before it had a seat: it holds nothing yet."""
+        self._counts["finished"] += 1
+        lane.stream._finish("cancelled")
 
     def _retire(self, lane: Lane, reason: str, error: BaseException | None = None) -> None:
         if lane in self._active:
