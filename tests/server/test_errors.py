@@ -243,6 +243,14 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
             "invalid_value",
         ),
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 1, str(10**40): 1}}, "logit_bias", "invalid_value"),
+        # (as OpenAI: usage asked of a stream, for a reply that is not streamed)
+        (
+            "/v1/chat/completions",
+            {**CHAT, "stream_options": {"include_usage": True}},
+            "stream_options",
+            "invalid_value",
+        ),
+        ("/v1/completions", {**GOOD, "stream": False, "stream_options": {}}, "stream_options", "invalid_value"),
     ],
 )
 def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str | None, code: str) -> None:

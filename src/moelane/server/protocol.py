@@ -161,6 +161,12 @@ class SamplingFields(Body):
             raise ValueError("functions (the deprecated form of tools) are not supported by this server; send tools")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:  # (as OpenAI: they would be dropped unread)
+            raise FieldError("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
     def limit_field(self) -> str:
         """The field that sets the reply's token limit (what a limit that does not fit is said of)."""
         return "max_tokens"
