@@ -174,10 +174,54 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(tokenizer: Tokenizer
     assert "<tools>" not in tokenizer.decode(engine.streams[0].prompt_ids)
 
 
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_allowed_tools_are_the_tools_the_model_is_shown(tokenizer: Tokenizer, mode: str) -> None:
+    """OpenAI's `allowed_tools`: the prompt is the one for the allowed tools alone with its mode as tool_choice
+    (forced, for "required"), and the calls read back are those."""
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}}  # fmt: skip
+    prompts, messages = [], []
+    for change in ({"tool_choice": choice}, {"tools": TOOLS[1:], "tool_choice": mode}):
+        engine = FakeEngine(tokenizer.encode(REPLY))
+        with running(app_over(engine, tokenizer)) as base:
+            r = httpx.post(f"{base}/v1/chat/completions", json={**REQUEST, **change}, timeout=30)
+        assert r.status_code == 200, r.text
+        prompts.append(engine.streams[0].prompt_ids)
+        message = r.json()["choices"][0]["message"]
+        messages.append({**message, "tool_calls": [{**c, "id": None} for c in message.get("tool_calls") or ()]})
+    assert prompts[0] == prompts[1] and messages[0] == messages[1]
+    assert "get_time" in tokenizer.decode(prompts[0]) and "get_weather" not in tokenizer.decode(prompts[0])
+
+
 @pytest.mark.parametrize(
     ("change", "param", "needle"),
     [
         ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools.0.function.name", "pattern"),
+        (
+            {
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "allowed_tools": {
+                        "mode": "auto",
+                        "tools": [{"type": "function", "function": {"name": "get_date"}}],
+                    },
+                }
+            },
+            "tool_choice",
+            "'get_date', not among the tools given (get_time, get_weather)",
+        ),
+        (
+            {
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "allowed_tools": {"mode": "any", "tools": [{"type": "function", "function": {"name": "get_time"}}]},
+                }
+            },
+            "tool_choice.allowed_tools.mode",
+            "'auto' or 'required'",
+        ),
+        ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice.allowed_tools", "Field required"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "'function'"),
         (
             {"tool_choice": {"type": "function", "function": {"name": "get_date"}}},
@@ -541,6 +585,11 @@ def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() 
         "thinking": "hm",  # (gpt-oss's template reads this name)
         "tool_calls": calls,
     }
+
+
+def test_an_assistants_refusal_reaches_the_template_as_its_text() -> None:
+    refused = ChatMessage.model_validate({"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]})
+    assert refused.for_template() == {"role": "assistant", "content": "No."}
 
 
 def test_messagesarguments_that_are_not_an_object_reach_the_template_as_text() -> None:

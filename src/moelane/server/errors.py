@@ -90,7 +90,9 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
         return "invalid request", None
     # the deepest: of a union's members' errors, that of the member the value was meant as ([1] for list[str])
     first = max(errors, key=lambda e: len(e.get("loc", ())))
-    loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
+    parts = [str(p) for p in first.get("loc", ())]
+    # (a tagged union's member is named by its tag, after the union: `tool_choice.tagged-union[...].function`)
+    loc = [p for i, p in enumerate(parts) if _is_field(p) and not (i and parts[i - 1].startswith("tagged-union["))]
     if isinstance(found := (first.get("ctx") or {}).get("error"), FieldError):  # a model validator's, of one field
         loc.append(found.field)
     param = ".".join(loc) or None

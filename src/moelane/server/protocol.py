@@ -240,11 +240,16 @@ def _text_content(v: object) -> object:
         return v
     if not isinstance(v, list):
         raise ValueError("content must be a string or a list of content parts")
+    parts = []
     for part in v:
         kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind != "text":
-            raise ValueError(f"content parts of type {kind!r} are not supported by this server (only 'text')")
-    return v
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # (an assistant's refusal, in the history)
+            part = {"type": "text", "text": part["refusal"]}
+        elif isinstance(kind, str) and kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported by this server (only 'text' and "
+                             f"an assistant's 'refusal')")  # fmt: skip
+        parts.append(part)
+    return parts
 
 
 class FunctionCall(Body):
@@ -283,6 +288,19 @@ class NamedFunction(Body):
 class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+class AllowedTools(Body):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice], Field(min_length=1)]
+
+
+class AllowedToolsChoice(Body):
+    """OpenAI's `{"type": "allowed_tools", ...}`: of the tools given, the model may call these only (the tools list
+    stays whole, so that a prompt cache holds across turns; here the model is shown the allowed ones)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
 
 
 class ToolDefinition(Body):
@@ -355,7 +373,11 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
     chat_template_kwargs: dict[str, object] | None = None
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"]
+        | Annotated[NamedToolChoice | AllowedToolsChoice, Field(discriminator="type")]
+        | None
+    ) = None
     parallel_tool_calls: StrictBool | None = None  # false: a reply's first call only
     # OpenAI's audio replies: a reply of text only is all this server writes
     modalities: Annotated[list[object] | None, AfterValidator(_unsupported("modalities other than ['text']",
@@ -371,6 +393,19 @@ class ChatCompletionRequest(SamplingFields):
         if twice := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"function names must be unique; given more than once: {', '.join(twice)}")
         return v
+
+    @model_validator(mode="after")
+    def _allowed_tools_only(self) -> ChatCompletionRequest:
+        """`allowed_tools` as the tools it names, and its mode as the tool_choice."""
+        if isinstance(self.tool_choice, AllowedToolsChoice):
+            given = {tool.function.name for tool in self.tools or ()}
+            allowed = {tool.function.name for tool in self.tool_choice.allowed_tools.tools}
+            if unknown := sorted(allowed - given):
+                raise FieldError(f"allowed_tools names {', '.join(map(repr, unknown))}, not among the tools given "
+                                 f"({', '.join(sorted(given)) or 'none'})", "tool_choice")  # fmt: skip
+            self.tools = [tool for tool in self.tools or () if tool.function.name in allowed]
+            self.tool_choice = self.tool_choice.allowed_tools.mode
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod
