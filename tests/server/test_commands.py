@@ -82,11 +82,13 @@ def test_loading_off_the_main_thread_returns_or_raises_what_the_work_did() -> No
         off_main_thread(lambda: 1 / 0)
 
 
-# Run in a process of their own: a signal's fate depends on every thread a process holds and on its handlers, and
-# the test process holds what hundreds of tests left (both failed now and then in full runs, never alone).
+# Run in a process of their own, as a terminal starts it: SIGINT handled, as Python sets it up unless the process
+# started with SIGINT ignored, as a shell's background job does (these tests failed in CI runs started with `&`).
 PRESS_CTRL_C = """
 import os, signal, sys, threading, time
 from moelane.server.commands import off_main_thread
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 idle = threading.Event()
 taker = threading.Thread(target=idle.wait, daemon=True)  # a thread that takes signals, as tqdm's monitor does
