@@ -255,11 +255,12 @@ def test_wrong_method_and_good_request_still_served(url: str) -> None:
 )
 def test_errors_name_their_field_and_kind(url: str, path: str, body: Any, param: str | None, code: str) -> None:
     """Stable `code`s as OpenAI gives them: context_length_exceeded for what does not fit the context,
-    invalid_value for other bad values."""
+    invalid_value for other bad values; the message in our words (not pydantic's "Value error, " before them)."""
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{url}{path}", timeout=30, headers={"content-type": "application/json"}, **kwargs)  # type: ignore[arg-type]
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
+    assert "value error" not in r.json()["error"]["message"].lower(), r.text
 
 
 def test_model_may_be_left_out(url: str) -> None:

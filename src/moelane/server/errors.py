@@ -105,6 +105,8 @@ def validation_message(exc: RequestValidationError, content_type: str = "applica
     if param is None and first.get("type") == "model_attributes_type":  # (valid JSON, but not an object)
         return f"the request body must be a JSON object, not {json_kind(first.get('input'))}", None
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # (our validators' words, without pydantic's "Value error, ")
+        msg = msg.removeprefix("Value error, ")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
 
