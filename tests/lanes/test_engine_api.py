@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from moelane.errors import InputError, MoelaneError
 from moelane.lanes import Engine, EngineConfig
@@ -82,6 +83,10 @@ def test_a_stream_that_cannot_be_admitted_ends_alone(threaded: bool) -> None:
         (dict(temperature="0.5"), "temperature must be a number"),  # (TypeError from a comparison)
         (dict(stop_token_ids=5), "stop_token_ids must be a list"),
         (dict(stop_token_ids=[1.5]), "stop_token_ids must be an integer"),
+        (dict(stop_token_ids="12"), "stop_token_ids must be a list"),
+        (dict(stop_token_ids={1: 2}), "stop_token_ids must be a list"),
+        (dict(stop_token_ids=np.array([[1, 2]])), "stop_token_ids must be an integer"),
+        (dict(stop_token_ids=[True]), "stop_token_ids must be an integer"),
     ],
 )
 def test_submit_refuses_arguments_of_the_wrong_type(kwargs: dict[str, Any], message: str) -> None:
@@ -100,6 +105,23 @@ def test_numpy_integers_are_integers() -> None:
     engine.run_until_idle()
     assert numpy.token_ids == plain.token_ids and len(plain.token_ids) == 7
     assert [e.top for e in numpy.logprobs] == [e.top for e in plain.logprobs]
+
+
+@pytest.mark.parametrize("collection", [np.array, torch.tensor, tuple, set, iter])
+def test_stop_token_ids_may_be_any_collection_of_ids(collection: Any) -> None:
+    """A numpy array or a tensor of ids (what a tokenizer may give), as a list of them (an array was refused)."""
+    engine = engine_of()
+    reference = engine.submit([1, 2], max_tokens=20)
+    engine.run_until_idle()
+    stops = [reference.token_ids[6], reference.token_ids[4]]
+    as_list, as_other = (
+        engine.submit([1, 2], 20, stop_token_ids=stops),
+        engine.submit([1, 2], 20, stop_token_ids=collection(stops)),
+    )
+    engine.run_until_idle()
+    end = min(i for i, t in enumerate(reference.token_ids) if t in stops)
+    assert as_other.token_ids == as_list.token_ids == reference.token_ids[:end]
+    assert as_other.finish_reason == as_list.finish_reason == "stop"
 
 
 @pytest.mark.parametrize(

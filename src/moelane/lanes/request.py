@@ -9,7 +9,7 @@ a sampled request has a seed.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,9 +60,10 @@ def check_request(
         if not isinstance(logit_bias or {}, Mapping):
             raise ValueError(f"logit_bias must be a mapping of token id to bias, got {logit_bias!r}")
         bias = tuple(sorted((integer("logit_bias token id", t), b) for t, b in (logit_bias or {}).items()))
-        if not isinstance(stop_token_ids or (), Sequence | Set):
+        stop_ids = () if stop_token_ids is None else stop_token_ids  # (not `or`: a numpy array has no truth value)
+        if isinstance(stop_ids, str | bytes | Mapping) or not isinstance(stop_ids, Iterable):  # (numpy's, torch's too)
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
-        stops = frozenset(integer("stop_token_ids", t) for t in (stop_token_ids or ()))
+        stops = frozenset(integer("stop_token_ids", t) for t in stop_ids)
         params = SamplingParams(temperature, top_p, top_k, seed, bias, presence_penalty, frequency_penalty, grammar)
         params.check_vocab(target.vocab_size)
     except ValueError as e:
