@@ -17,8 +17,8 @@ import moelane
 from moelane.model.reasoning import FINAL_OPENING
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
+from moelane.server.chat_request import ChatCompletionRequest
 from moelane.server.prompts import Prompts
-from moelane.server.protocol import ChatCompletionRequest
 from tests.helpers import write_harmony_tokenizer, write_think_tokenizer
 from tests.server.conftest import make_engine, running
 from tests.server.fake_engine import FakeEngine, FakeLM

@@ -18,7 +18,7 @@ import pytest
 from moelane.model.tokenizer import Tokenizer
 from moelane.server.app import create_app
 from moelane.server.calls import read_function_call, read_invokes, read_keyed_call
-from moelane.server.protocol import ChatCompletionRequest, ChatMessage
+from moelane.server.chat_request import ChatCompletionRequest, ChatMessage
 from moelane.server.tools import ToolCallReader, ToolUse, call_opening, split_reply, tool_support
 from tests.helpers import write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running

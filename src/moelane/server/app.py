@@ -28,13 +28,14 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.model.grammar import Grammar
 from moelane.server import errors
+from moelane.server.chat_request import ChatCompletionRequest
 from moelane.server.errors import ClientGone, Overloaded, sse_event
 from moelane.server.events import Collected, EventStream, merged, whole_replies
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning, ServerStopping
 from moelane.server.metrics import PagerStats, ServerMetrics
 from moelane.server.openapi import openapi_schema
 from moelane.server.prompts import Prompts, bad_request, check_chat_template
-from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, ToolCall
+from moelane.server.protocol import CompletionRequest, SamplingFields, ToolCall
 from moelane.server.responses import (
     DONE,
     ChatCompletionResponse,

@@ -16,8 +16,9 @@ from typing import Any
 from moelane.errors import InputError, PromptTooLong
 from moelane.model.grammar import Grammar, json_grammar
 from moelane.model.reasoning import Channels, answer_opening
+from moelane.server.chat_request import ChatCompletionRequest
 from moelane.server.errors import ModelNotFound
-from moelane.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from moelane.server.protocol import CompletionRequest, SamplingFields
 from moelane.server.tools import (
     ARGUMENTS_AS_TEXT,
     HARMONY,

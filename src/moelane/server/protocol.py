@@ -1,5 +1,6 @@
-"""The OpenAI request bodies the server takes, validated here so that handlers see only well-typed values (the
-response bodies are in `responses.py`).
+"""The OpenAI request bodies the server takes, validated here so that handlers see only well-typed values: the
+sampling fields both endpoints share, the completion request, and the tool wire models (the chat request is in
+`chat_request.py`, the response bodies are in `responses.py`).
 
 Requests ignore unknown fields (clients send many we do not use) but reject wrong types and out-of-range values
 with a 400, and so do known OpenAI fields that ask for what the server does not do (best_of, suffix, non-text
@@ -17,7 +18,6 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -31,16 +31,12 @@ from moelane.model.tokenizer import lone_surrogate
 
 Stop = str | list[str] | None
 MAX_N = 128  # most choices per prompt, and prompts per request, as OpenAI's bound on n
-# Most messages per chat request, as OpenAI's bound: checked before any message is validated, so a body of a million
-# messages is refused at once instead of holding the event loop for seconds (validation runs on it).
-MAX_MESSAGES = 2048
 # Longest stop string: the stop filter runs on the event loop at every token and reads back up to a stop string's
 # length of text (4 stop strings of 300K characters once held every other request for 4 s a token).
 MAX_STOP_CHARS = 1024
 # Most logit_bias entries: as many as the largest vocabularies have tokens (Gemma 3's 262,144), counted before any is
 # validated (validation runs on the event loop: 4M entries held it, every stream with it, for 2 s more than parsing).
 MAX_BIAS_TOKENS = 1 << 18
-Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class FieldError(ValueError):
@@ -103,7 +99,7 @@ class ResponseFormat(Body):
         return self.type == "json_object", None, False
 
 
-def _unsupported(what: str, *off: object) -> Callable[[object], object]:
+def unsupported(what: str, *off: object) -> Callable[[object], object]:
     """A validator that accepts None and the `off` values only."""
 
     def check(v: object) -> object:
@@ -141,9 +137,9 @@ class SamplingFields(Body):
     response_format: ResponseFormat | None = None
     functions: list[dict[str, object]] | None = None  # the deprecated form of tools
     # (chat takes "required" and named functions: ChatCompletionRequest)
-    tool_choice: Annotated[object, AfterValidator(_unsupported("tool_choice other than 'none' or 'auto'", "none",
+    tool_choice: Annotated[object, AfterValidator(unsupported("tool_choice other than 'none' or 'auto'", "none",
                                                                "auto"))] = None  # fmt: skip
-    function_call: Annotated[object, AfterValidator(_unsupported("function_call other than 'none' or 'auto'", "none",
+    function_call: Annotated[object, AfterValidator(unsupported("function_call other than 'none' or 'auto'", "none",
                                                                  "auto"))] = None  # fmt: skip
 
     @field_validator("logit_bias")
@@ -201,9 +197,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(default=None, ge=0)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5, description="log-probabilities of the n most likely")
-    best_of: Annotated[StrictInt | None, AfterValidator(_unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
-    suffix: Annotated[str | None, AfterValidator(_unsupported("suffix", ""))] = None
-    tools: Annotated[list[object] | None, AfterValidator(_unsupported("tools (a chat field)", []))] = None
+    best_of: Annotated[StrictInt | None, AfterValidator(unsupported("best_of > 1", 1))] = Field(default=None, ge=1)
+    suffix: Annotated[str | None, AfterValidator(unsupported("suffix", ""))] = None
+    tools: Annotated[list[object] | None, AfterValidator(unsupported("tools (a chat field)", []))] = None
 
     @model_validator(mode="after")
     def _zero_needs_echo(self) -> CompletionRequest:
@@ -227,29 +223,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return [cast(str | list[int], p)]
         return cast(list[str | list[int]], p)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-def _text_content(v: object) -> object:
-    """A message's content as OpenAI takes it, with one clear message for what this server cannot read."""
-    if v is None or isinstance(v, str):
-        return v
-    if not isinstance(v, list):
-        raise ValueError("content must be a string or a list of content parts")
-    parts = []
-    for part in v:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and isinstance(part.get("refusal"), str):  # (an assistant's refusal, in the history)
-            part = {"type": "text", "text": part["refusal"]}
-        elif isinstance(kind, str) and kind != "text":
-            raise ValueError(f"content parts of type {kind!r} are not supported by this server (only 'text' and "
-                             f"an assistant's 'refusal')")  # fmt: skip
-        parts.append(part)
-    return parts
 
 
 class FunctionCall(Body):
@@ -322,129 +295,3 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
             function["arguments"] = arguments
         out.append({**call, "function": function})
     return out
-
-
-class ChatMessage(Body):
-    role: Role
-    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_content)] = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool message's: the call it answers
-    reasoning_content: str | None = None  # an assistant's thinking, which some templates keep (Qwen3's, mid-tools)
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        # as OpenAI: only an assistant message (one that made tool calls) may come without content
-        if self.content is None and self.role != "assistant":
-            raise FieldError(f"a {self.role} message needs content", "content")
-        return self
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-    def for_template(self, arguments_as_text: bool = False) -> dict[str, Any]:
-        """The message as chat templates read it (transformers' convention; with `arguments_as_text`, a call's
-        arguments as the JSON text sent, for templates that join them into a string, as DeepSeek's do)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls and self.role == "assistant":
-            calls = [c.model_dump() for c in self.tool_calls]
-            out["tool_calls"] = calls if arguments_as_text else template_tool_calls(calls)
-        if self.reasoning_content is not None and self.role == "assistant":  # (gpt-oss's template reads `thinking`)
-            out["reasoning_content"] = out["thinking"] = self.reasoning_content
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
-            out["name"] = self.name
-        return out
-
-
-TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")  # set by the server
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    # OpenAI's, for reasoning models; given to the chat template as `reasoning_effort` (gpt-oss reads it)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    # vLLM's and llama.cpp's: more variables for the chat template (Qwen3: {"enable_thinking": false})
-    chat_template_kwargs: dict[str, object] | None = None
-    tools: list[ToolDefinition] | None = None
-    tool_choice: (
-        Literal["none", "auto", "required"]
-        | Annotated[NamedToolChoice | AllowedToolsChoice, Field(discriminator="type")]
-        | None
-    ) = None
-    parallel_tool_calls: StrictBool | None = None  # false: a reply's first call only
-    # OpenAI's audio replies: a reply of text only is all this server writes
-    modalities: Annotated[list[object] | None, AfterValidator(_unsupported("modalities other than ['text']",
-                                                                            ["text"], []))] = None  # fmt: skip
-    audio: Annotated[object, AfterValidator(_unsupported("audio output"))] = None
-
-    @field_validator("tools")
-    @classmethod
-    def _distinct_names(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        # (a call names its function: of two of one name, which one it called, and which schema a forced call is held
-        # to, could not be said)
-        names = [tool.function.name for tool in v or ()]
-        if twice := sorted({name for name in names if names.count(name) > 1}):
-            raise ValueError(f"function names must be unique; given more than once: {', '.join(twice)}")
-        return v
-
-    @model_validator(mode="after")
-    def _allowed_tools_only(self) -> ChatCompletionRequest:
-        """`allowed_tools` as the tools it names, and its mode as the tool_choice."""
-        if isinstance(self.tool_choice, AllowedToolsChoice):
-            given = {tool.function.name for tool in self.tools or ()}
-            allowed = {tool.function.name for tool in self.tool_choice.allowed_tools.tools}
-            if unknown := sorted(allowed - given):
-                raise FieldError(f"allowed_tools names {', '.join(map(repr, unknown))}, not among the tools given "
-                                 f"({', '.join(sorted(given)) or 'none'})", "tool_choice")  # fmt: skip
-            self.tools = [tool for tool in self.tools or () if tool.function.name in allowed]
-            self.tool_choice = self.tool_choice.allowed_tools.mode
-        return self
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _own_variables(cls, v: dict[str, object] | None) -> dict[str, object] | None:
-        taken = sorted(set(v or {}) & set(TEMPLATE_OWN))
-        if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the server sets them)")
-        return v
-
-    def template_variables(self) -> dict[str, object]:
-        """What the chat template gets beside the messages."""
-        extra = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            extra.setdefault("reasoning_effort", self.reasoning_effort)
-        if self.tools_on():
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in self.tools or ()]
-        return extra
-
-    def tools_on(self) -> bool:
-        """The model is shown the tools, and its reply is read for calls (`tool_choice` "none": neither)."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    def forced(self) -> str | None:
-        """The function `tool_choice` forces a call of: "" for any ("required"), its name, or None."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
-        return "" if self.tool_choice == "required" else None
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise FieldError("top_logprobs needs logprobs: true", "top_logprobs")
-        return self
-
-    def top_logprobs_asked(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def limit_field(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
