@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server over the lanes engine (`create_app` in app.py, `moelane serve` in commands.py).
 
-Layers: protocol.py and chat_request.py (wire models) -> app.py (routes, admission) -> generation.py (one request on the engine: token
-bridge, text, stop strings) -> the engine; errors.py maps every failure to an OpenAI error body in one place;
-metrics.py and cost.py count what requests cost. docs/server.md describes the API and its extension field.
+Layers: protocol.py and chat_request.py (wire models) -> app.py (routes, admission) -> generation.py (one request on
+the engine: token bridge, text, stop strings) -> the engine; errors.py maps every failure to an OpenAI error body
+in one place; metrics.py and cost.py count what requests cost. docs/server.md describes the API and its extension field.
 """
