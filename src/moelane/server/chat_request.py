@@ -46,6 +46,8 @@ def _text_content(v: object) -> object:
         return v
     if not isinstance(v, list):
         raise ValueError("content must be a string or a list of content parts")
+    if not v:  # (as OpenAI: an empty list is a 400, not an empty message)
+        raise ValueError("content must not be an empty list: give a string, or at least one content part")
     parts = []
     for part in v:
         kind = part.get("type") if isinstance(part, dict) else None
