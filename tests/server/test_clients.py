@@ -98,7 +98,7 @@ def test_tool_fields_off_are_served(url: str) -> None:
         ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}], "'image_url' are not"),
         ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "'input_audio' are not"),
         (5, "a string or a list of content parts"),
-        ([], "must not be an empty list"),
+        ([], "content must not be an empty list"),
         ({"type": "text", "text": "hi"}, "a string or a list of content parts"),
     ],
 )

@@ -587,6 +587,17 @@ def test_only_an_assistant_message_passes_calls_and_reasoning_to_the_template() 
     }
 
 
+def test_an_assistant_turn_of_calls_with_an_empty_content_list_reads_as_no_content() -> None:
+    """Some clients write a turn of tool calls only with `content: []`: it is the turn with null content, where a
+    user's empty list is refused."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    empty = ChatMessage.model_validate({"role": "assistant", "content": [], "tool_calls": [call]})
+    null = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert empty.for_template() == null.for_template()
+    with pytest.raises(ValueError, match="must not be an empty list"):
+        ChatMessage.model_validate({"role": "user", "content": []})
+
+
 def test_an_assistants_refusal_reaches_the_template_as_its_text() -> None:
     refused = ChatMessage.model_validate({"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]})
     assert refused.for_template() == {"role": "assistant", "content": "No."}

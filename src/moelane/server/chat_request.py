@@ -46,8 +46,6 @@ def _text_content(v: object) -> object:
         return v
     if not isinstance(v, list):
         raise ValueError("content must be a string or a list of content parts")
-    if not v:  # (as OpenAI: an empty list is a 400, not an empty message)
-        raise ValueError("content must not be an empty list: give a string, or at least one content part")
     parts = []
     for part in v:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -73,6 +71,11 @@ class ChatMessage(Body):
         # as OpenAI: only an assistant message (one that made tool calls) may come without content
         if self.content is None and self.role != "assistant":
             raise FieldError(f"a {self.role} message needs content", "content")
+        # an empty list too, as OpenAI answers it; an assistant's (a turn of tool calls only, as some clients write
+        # it) is read as no content, so that a conversation's history is never refused for it
+        if self.content == [] and self.role != "assistant":
+            raise FieldError(f"a {self.role} message's content must not be an empty list: give a string, or at "
+                             "least one content part", "content")  # fmt: skip
         return self
 
     def text(self) -> str:
