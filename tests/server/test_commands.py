@@ -18,8 +18,17 @@ import pytest
 import uvicorn
 
 from moelane.cli import build_parser, main
+from moelane.errors import InputError
 from moelane.server.app import create_app
-from moelane.server.commands import CUT_OFF, ENDING_S, QuietCancels, ending_server, off_main_thread, wants_compile
+from moelane.server.commands import (
+    CUT_OFF,
+    ENDING_S,
+    QuietCancels,
+    bind,
+    ending_server,
+    off_main_thread,
+    wants_compile,
+)
 from tests.server.conftest import MODEL, make_engine, wait_until
 
 
@@ -74,6 +83,73 @@ def test_bad_serve_settings_are_one_line_errors_before_loading(
         assert main(["serve", "--model", "/nonexistent", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moelane: error:") and needle in err[0], err
+
+
+def names(*addresses: str):  # type: ignore[no-untyped-def]
+    """A getaddrinfo that gives `addresses`, in order, for any host (as a system whose localhost is two)."""
+
+    def getaddrinfo(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (a, port, 0, 0) if ":" in a else (a, port)) for a in addresses]  # fmt: skip
+
+    return getaddrinfo
+
+
+def ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def answers(address: str, port: int) -> bool:
+    with socket.create_connection((address, port), timeout=5):
+        return True
+
+
+@pytest.mark.skipif(not ipv6(), reason="this machine cannot bind ::1")
+@pytest.mark.parametrize("first", ["127.0.0.1", "::1"])
+def test_a_host_of_two_addresses_is_served_on_both(monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    """`--host localhost` where localhost is 127.0.0.1 and ::1: a client may connect to either (only the first
+    was bound)."""
+    other = "::1" if first == "127.0.0.1" else "127.0.0.1"
+    monkeypatch.setattr(socket, "getaddrinfo", names(first, other))
+    sockets = bind("localhost", 0)
+    try:
+        assert [s.getsockname()[0] for s in sockets] == [first, other]
+        port = sockets[0].getsockname()[1]
+        assert {s.getsockname()[1] for s in sockets} == {port}  # (--port 0: the port the system chose, on both)
+        for s in sockets:
+            s.listen()
+        assert answers("127.0.0.1", port) and answers("::1", port)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_an_address_the_machine_lacks_is_left_out_unless_it_is_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    lacking = "192.0.2.1"  # (TEST-NET-1: no machine's address)
+    monkeypatch.setattr(socket, "getaddrinfo", names(lacking, "127.0.0.1"))
+    sockets = bind("localhost", 0)
+    assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1"]
+    sockets[0].close()
+    monkeypatch.setattr(socket, "getaddrinfo", names(lacking))
+    with pytest.raises(InputError, match="cannot listen on localhost:0"):
+        bind("localhost", 0)
+
+
+@pytest.mark.skipif(not ipv6(), reason="this machine cannot bind ::1")
+def test_a_port_in_use_on_any_address_of_the_host_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        busy.bind(("::1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(socket, "getaddrinfo", names("127.0.0.1", "::1"))
+        with pytest.raises(InputError, match="Address already in use"):
+            bind("localhost", port)
 
 
 def test_loading_off_the_main_thread_returns_or_raises_what_the_work_did() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                               "/metrics (Prometheus) over the lanes engine.")  # fmt: skip
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1", help="address or host name to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the folder's name)")
     p.add_argument("--drafter", choices=("auto", *DRAFTERS), default="auto",
@@ -150,23 +151,40 @@ def check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The socket serve will listen on, bound before the model loads: a port in use is said at once, and the port
-    is known (`--port 0`: the one the system chose)."""
+def bind(host: str, port: int) -> list[socket.socket]:
+    """The sockets serve will listen on, bound before the model loads: a port in use is said at once, and the port
+    is known (`--port 0`: the one the system chose). One per address the host names: `localhost` is both 127.0.0.1
+    and ::1 on many systems, and a client may connect to either (Node's takes the first the system lists, which is
+    ::1 on macOS). An address this machine cannot bind (::1 without IPv6) is left out while another one binds."""
     from moelane.errors import InputError
 
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            sock.bind(infos[0][4])
-        except BaseException:
-            sock.close()
-            raise
+        addresses = list(dict.fromkeys((info[0], info[4]) for info in
+                                       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))  # fmt: skip
     except OSError as e:
         raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+    sockets: list[socket.socket] = []
+    try:
+        for i, (family, address) in enumerate(addresses):
+            if sockets:  # every address on the port the first one got (--port 0: the system chose it)
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                if family == socket.AF_INET6 and len(addresses) > 1:  # (IPv6 only: the IPv4 address binds its own)
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError as e:
+                sock.close()
+                if e.errno == errno.EADDRINUSE or (i == len(addresses) - 1 and not sockets):
+                    raise
+                continue  # an address family or address this machine does not have
+            sockets.append(sock)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sockets
 
 
 def off_main_thread(work: Callable[[], T]) -> T:
@@ -236,19 +254,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     where = f"[{args.host}]" if ":" in args.host else args.host
-    with bind(args.host, args.port) as sock:
+    sockets = bind(args.host, args.port)
+    try:
         app = build(args)
         try:
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace + ENDING_S)
             logging.getLogger("uvicorn.error").addFilter(QuietCancels())  # (after Config, which sets logging up)
             try:  # (connections wait in the backlog until uvicorn's loop takes them)
-                sock.listen(config.backlog)
+                for sock in sockets:
+                    sock.listen(config.backlog)
             except OSError as e:  # another server (with SO_REUSEADDR) listened on the port while the model loaded
                 raise InputError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-            say(f"serving {app.state.moelane.model_name} on http://{where}:{sock.getsockname()[1]}/v1")
-            ending_server(config, args.grace, app.state.moelane.shutdown).run(sockets=[sock])
+            say(f"serving {app.state.moelane.model_name} on http://{where}:{sockets[0].getsockname()[1]}/v1")
+            ending_server(config, args.grace, app.state.moelane.shutdown).run(sockets=sockets)
         finally:
             app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 
