@@ -35,6 +35,33 @@ def test_record_two_requests_from_the_default_model(tmp_path: Path) -> None:
     assert np.allclose(t.weights.sum(axis=2), 1.0, atol=0.02)  # norm_topk_prob: gate weights sum to 1
 
 
+def test_a_recording_stopped_midway_keeps_its_requests_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C in the second request: the first one's segments stay, readable, and the user is told what was kept."""
+    from moelane.model.lm import LM
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": 3}) + "\n" for p in ("def a():", "def b():")))
+    generate, calls = LM.generate_ids, []
+
+    def pressed(self: LM, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LM, "generate_ids", pressed)
+    out = tmp_path / "t.trc"
+    args = argparse.Namespace(prompts=str(prompts), out=str(out), model=None, max_tokens=8, prefill_chunk=8)
+    with pytest.raises(KeyboardInterrupt):
+        cmd_record(args)
+    t = read_trace(out)
+    assert t.n_segments == 3 and set(t.stream_ids.tolist()) == {0}  # (a prefill and two decode steps)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == [f"recording stopped after 1 of 2 requests: {out} keeps the 3 segments recorded so far"]
+
+
 def test_recorded_lookahead_is_the_next_routers_top_k_as_transformers_computes_it(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"

@@ -139,7 +139,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     import moelane
     from moelane.model.sampling import SamplingParams
-    from moelane.pager.recorder import open_recorder
+    from moelane.pager.recorder import TraceRecorder, open_recorder
 
     temperature, seed = getattr(args, "temperature", 0.0), getattr(args, "seed", 0)
     defaults = {"max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "temperature": temperature}
@@ -149,13 +149,22 @@ def cmd_record(args: argparse.Namespace) -> int:
     set_threads(args)
     lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
     prompts = _encode_prompts(lm, args.prompts, requests)  # (every prompt fits, before anything is recorded)
-    with open_recorder(args.out, lm, model=args.model or "default") as recorder:
-        for i, ((_, req), ids) in enumerate(tqdm(list(zip(requests, prompts, strict=True)), desc="recording",
-                                                 unit="request", leave=False, delay=1.0)):  # fmt: skip
-            recorder.stream = i
-            n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
-            params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
-            sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
+    done = 0
+    recorder: TraceRecorder | None = None
+    try:
+        with open_recorder(args.out, lm, model=args.model or "default") as recorder:
+            for i, ((_, req), ids) in enumerate(tqdm(list(zip(requests, prompts, strict=True)), desc="recording",
+                                                     unit="request", leave=False, delay=1.0)):  # fmt: skip
+                recorder.stream = i
+                n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
+                params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
+                sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
+                done = i + 1
+    except BaseException:  # (Ctrl-C, or a failure: what was recorded stays, readable, and the user is told so)
+        if recorder is not None and recorder.n_segments:
+            log.warning("recording stopped after %d of %d requests: %s keeps the %d segments recorded so far",
+                        done, len(requests), args.out, recorder.n_segments)  # fmt: skip
+        raise
     log.info("recorded %d segments of %d requests to %s", recorder.n_segments, len(requests), args.out)
     return 0
 
