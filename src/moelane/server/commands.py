@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import logging
 import math
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                               "/metrics (Prometheus) over the lanes engine.")  # fmt: skip
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address or host name to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address or host name to bind (default 127.0.0.1: this machine)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients use (default: the folder's name)")
     p.add_argument("--drafter", choices=("auto", *DRAFTERS), default="auto",
@@ -254,8 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     where = f"[{args.host}]" if ":" in args.host else args.host
-    sockets = bind(args.host, args.port)
-    try:
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(sock) for sock in bind(args.host, args.port)]
         app = build(args)
         try:
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace + ENDING_S)
@@ -269,9 +270,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ending_server(config, args.grace, app.state.moelane.shutdown).run(sockets=sockets)
         finally:
             app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
-    finally:
-        for sock in sockets:
-            sock.close()
     return 0
 
 
