@@ -25,6 +25,7 @@ from moelane.model.layers import TILE, RMSNorm, apply_rope, linear, pad_rows
 
 # Attention reads a cache only up to `reach`: the rows' last position rounded up to a multiple of REACH.
 REACH = 512
+KEY_BLOCK = 256  # attention weighs values in blocks of this many keys (`weigh_values`)
 
 
 def reach(end: int, capacity: int) -> int:
@@ -143,8 +144,28 @@ def attend_tiles(
         probs = with_sinks(scores.masked_fill(~mask[:, None], float("-inf")), sink_rows).to(v.dtype)
     if real < m:
         probs = F.pad(probs, (0, 0, 0, m - real))  # [B, Hkv, M, L]
-    out = torch.matmul(probs.reshape(b * n_kv, m, length), v.reshape(b * n_kv, length, -1))
-    return out.view(b, n_kv, m, -1)
+    return weigh_values(probs.reshape(b * n_kv, m, length), v.reshape(b * n_kv, length, -1)).view(b, n_kv, m, -1)
+
+
+def weigh_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [G, M, L] x values [G, L, Dv] -> [G, M, Dv], reduced over the keys in blocks of KEY_BLOCK: one product
+    of a fixed shape per block, the blocks then summed in order. A product over all L keys at once takes other
+    kernels (other partial sums) for other lengths on some CPUs (measured on an AVX-512/AMX Xeon: L = 512 against
+    768 or more differed with every key past 300 masked), so a row's bits would depend on how far its call reads;
+    blocks of one shape meet one kernel, and the blocks past a row's position are exact zeros added last."""
+    g, m, length = probs.shape
+    extra = -length % KEY_BLOCK
+    if extra:  # (a cache whose capacity is not a whole number of blocks: the context cap of a small model)
+        probs, values = F.pad(probs, (0, extra)), F.pad(values, (0, 0, 0, extra))
+    n_blocks = (length + extra) // KEY_BLOCK
+    if n_blocks == 1:
+        return torch.bmm(probs, values)
+    # (in fp32, so a half-precision product is rounded once, as one product over all keys rounds it)
+    blocks = torch.matmul(
+        probs.float().view(g, m, n_blocks, KEY_BLOCK).transpose(1, 2),
+        values.float().reshape(g, n_blocks, KEY_BLOCK, -1),
+    )  # [G, blocks, M, Dv]
+    return blocks.sum(dim=1).to(values.dtype)
 
 
 class Attention(nn.Module):

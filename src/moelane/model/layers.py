@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TILE = 8
+TILE = 16
 # PyTorch's CPU elementwise kernels run two vectors at a time and finish the last `numel % (2 x lanes)` elements with
 # scalar code, whose exp (silu, sigmoid) can differ from the vectorised one in the last bit; above GRAIN elements the
 # range is split evenly across threads, each part with its own tail. 64 elements are two AVX-512 vectors of bf16 (and
