@@ -46,7 +46,7 @@ def git_rev() -> str:
 
 
 def record(model: str | None, out: Path) -> None:
-    from moelane.pager.commands import cmd_record
+    from moelane.commands.trace import cmd_record
 
     args = argparse.Namespace(prompts=str(FIXTURES / "prompts.jsonl"), out=str(out), model=model, max_tokens=96,
                               prefill_chunk=64, temperature=0.8, seed=0)  # fmt: skip

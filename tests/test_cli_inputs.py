@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from moelane.assets import default_model_path
-from moelane.cli import build_parser, main
+from moelane.commands import build_parser, main
+from moelane.commands.run import read_prompt
 from moelane.pager.trace import TraceWriter, read_trace, write_trace
-from moelane.run import read_prompt
 
 from .pager.helpers import small_trace
 
@@ -285,12 +285,12 @@ def test_run_drafts_by_default_and_replies_the_same(
 ) -> None:
     """`run` drafts with copy unless told otherwise (none with --trace, which records one token a step); the reply
     is the one-token decode's, greedy and seeded."""
-    import moelane.run
+    import moelane.commands.run
 
     used: list[str] = []
-    real = moelane.run.generate
-    monkeypatch.setattr(moelane.run, "generate", lambda lm, ids, args, params: used.append(args.drafter) or real(
-        lm, ids, args, params))  # fmt: skip
+    real = moelane.commands.run.generate
+    monkeypatch.setattr(moelane.commands.run, "generate", lambda lm, ids, args, params: used.append(args.drafter)
+                        or real(lm, ids, args, params))  # fmt: skip
     for extra in ([], ["--temperature", "0.8", "--seed", "5"]):
         args = ["run", "--max-tokens", "40", *extra, "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
         assert main(args) == 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moelane
-from moelane.cli import build_parser, main
+from moelane.commands import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.lanes.drafters import CopyDrafter, ModelDrafter
 from moelane.model.attention import reach

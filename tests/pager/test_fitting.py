@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import moelane
-from moelane.cli import main
+from moelane.commands import main
 from moelane.model.provider import ResidentProvider
 from moelane.pager import build as build_module
 from moelane.pager.build import HEADROOM, fitting_factory

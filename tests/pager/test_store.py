@@ -398,7 +398,7 @@ def test_non_finite_expert_weights_are_rejected(wide: Path, tmp_path: Path) -> N
 def test_cli_reports_a_corrupt_expert_in_one_line(
     wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from moelane.cli import main
+    from moelane.commands import main
 
     folder = copy_model(wide, tmp_path / "m")
     lm = moelane.load(folder)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from moelane.cli import add_model_args, check_output, in_flags, load_model, paged
+from moelane.commands.common import add_model_args, check_output, in_flags, load_model, paged
 from moelane.errors import InputError, MoelaneError
 
 log = logging.getLogger("moelane")

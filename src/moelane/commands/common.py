@@ -1,30 +1,20 @@
-"""The `moelane` command line: run, serve, bench, trace.
-
-This is the one place that configures logging and turns a `MoelaneError` into one line on stderr and exit code 2.
-Each command registers its own parser (`add_parser(subparsers)`): `run` in `moelane.run`, `serve` in
-`moelane.server.commands`, `trace` in `moelane.pager.commands`, `bench` in `moelane.benchmark`. What they share
-lives here: the model's flags and its loading, threads, output checks.
-"""
+"""What the commands share: the parser class, the model's flags and its loading, compute threads, output checks."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from moelane.errors import InputError, MoelaneError
+from moelane.errors import InputError
 
 log = logging.getLogger("moelane")
 
 MAX_THREADS = 256  # (OpenMP crashes on tens of thousands)
-# The subcommands, each registered by its own module: module path of an `add_parser(subparsers)` function.
-SUBCOMMANDS = ("moelane.run", "moelane.server.commands", "moelane.pager.commands", "moelane.benchmark")
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,55 +22,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="moelane",
-        description="Run Mixture-of-Experts language models that do not fit in fast memory, and serve them. "
-        "With no --model, commands use the small MoE model shipped inside the package.",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
-    parser.add_argument("--version", action="version", version=f"moelane {version()}",
-                        help="print moelane's version and exit")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for module in SUBCOMMANDS:
-        importlib.import_module(module).add_parser(sub)
-    for command in leaf_parsers(parser):  # -v after the command too (`moelane run -v hi`)
-        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                             help="log debug messages")  # fmt: skip
-    return parser
-
-
-def leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
-    """The parsers of the commands that run (`run`, `trace replay`, ...), not of those that only group others."""
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subs:
-        yield parser
-    for sub in subs:
-        for child in dict.fromkeys(sub.choices.values()):  # (aliases map to the same parser)
-            yield from leaf_parsers(child)
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("moelane")
-    except PackageNotFoundError:  # (run from a source tree that was not installed)
-        return "unknown"
-
-
-def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
-    """The parser of the (sub)command `args` were parsed for, so that its errors point at its own --help."""
-    for name in ("command", "trace_command"):
-        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if sub is None or getattr(args, name, None) not in sub.choices:
-            break
-        parser = sub.choices[getattr(args, name)]
-    return parser
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -188,45 +129,3 @@ def check_output(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: no such folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: cannot write in {folder} (permission denied)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        words = args.command == "run" and not any(e.startswith("-") for e in extra)
-        hint = " (a prompt of several words goes in quotes)" if words else ""
-        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    if sys.stdout is None:  # (started with standard output closed: `moelane run hi >&-`)
-        return say_error("standard output is closed; redirect it to a file or /dev/null")
-    # Denormal floats (tiny attention probabilities, tiny weights) are ~100x slower on x86 and change no token.
-    torch.set_flush_denormal(True)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return int(args.func(args))
-    except MoelaneError as e:
-        return say_error(str(e))
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return 0
-    except OSError as e:
-        if e.filename is not None:  # (a file's error that its command did not say in its own words)
-            return say_error(f"{e.filename}: {e.strerror or e}")
-        # most likely writing the output failed (`moelane run hi > /dev/full`: the disk is full)
-        return say_error(f"cannot write the output: {e.strerror or e}")
-
-
-def say_error(message: str) -> int:
-    """One line on stderr, exit code 2 (stderr itself may be closed or full: the exit code still says it)."""
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        print(f"moelane: error: {message}", file=sys.stderr, flush=True)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The `trace` subcommand: `moelane trace record | analyze | replay | synth`.
 
-`add_parser(subparsers)` registers it (cli.py calls it); every handler takes the parsed args and returns an exit
-code; bad input raises `MoelaneError`. `moelane run --trace FILE` uses `recorder.open_recorder(path, lm)`.
+`add_parser(subparsers)` registers it; every handler takes the parsed args and returns an exit code; bad input
+raises `MoelaneError`. `moelane run --trace FILE` uses `recorder.open_recorder(path, lm)`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.cli import check_output, in_flags, set_threads
+from moelane.commands.common import check_output, in_flags, set_threads
 from moelane.errors import InputError
 from moelane.pager.analyze import analyze
 from moelane.pager.memory import parse_memory
