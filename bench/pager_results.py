@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from moelane.pager.analyze import analyze
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import CostModel, ReplayResult, replay
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import CostModel, ReplayResult, replay
+from moelane.pager.lab.sweep import lru_sweep, max_step_size
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.scoreboard import ARMS, DecayBandit
-from moelane.pager.sweep import lru_sweep, max_step_size
-from moelane.pager.synth import SynthConfig, synth_trace
 from moelane.pager.trace import Trace, read_trace, token_flat_ids
 
 ROOT = Path(__file__).resolve().parent.parent

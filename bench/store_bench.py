@@ -39,12 +39,12 @@ from tests.helpers import write_tokenizer
 
 import moelane
 from moelane.model.provider import RoutingRecord
-from moelane.pager.build import format_stats, store_factory
-from moelane.pager.policies import make_policy
-from moelane.pager.recorder import header_from_lm
-from moelane.pager.replay import CostModel, replay
-from moelane.pager.storage import ShardFiles, read_native
-from moelane.pager.store import ExpertStore
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import CostModel, replay
+from moelane.pager.live.build import format_stats, store_factory
+from moelane.pager.live.recorder import header_from_lm
+from moelane.pager.live.storage import ShardFiles, read_native
+from moelane.pager.live.store import ExpertStore
 from moelane.pager.trace import Segment, trace_from_segments
 
 

@@ -147,8 +147,8 @@ def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12)
     """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's; the
     look-ahead predicted experts on the way (a model of two MoE layers or more)."""
     import moelane
-    from moelane.pager.build import store_factory
-    from moelane.pager.store import ExpertStore
+    from moelane.pager.live.build import store_factory
+    from moelane.pager.live.store import ExpertStore
 
     want = list(moelane.load(folder).generate_ids(prompt, n_tokens))
     lm = moelane.load(folder, provider=store_factory("50%", None, "planner", "native"))

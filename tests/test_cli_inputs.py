@@ -362,11 +362,11 @@ def test_traces_of_more_experts_than_their_ids_hold_are_refused(
 def test_analyze_leaves_out_a_predictor_too_big_for_memory(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moelane.pager.analyze
+    import moelane.pager.lab.analyze
 
     assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
     assert json.loads(capsys.readouterr().out)["overall"]["predictors"] is not None
-    monkeypatch.setattr(moelane.pager.analyze, "COOCCURRENCE_BYTES", 1000)  # (70,000 experts would want 292 GiB)
+    monkeypatch.setattr(moelane.pager.lab.analyze, "COOCCURRENCE_BYTES", 1000)  # (70,000 experts would want 292 GiB)
     assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["overall"]["predictors"] is None and all(r["predictors"] is None for r in report["requests"])

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import moelane
-import moelane.pager.store as store_module
+import moelane.pager.live.store as store_module
 from moelane.model import moe
 from moelane.model.provider import ResidentProvider
-from moelane.pager.build import format_stats, store_factory
-from moelane.pager.memory import MemorySpec, parse_memory
+from moelane.pager.live.build import format_stats, store_factory
+from moelane.pager.live.memory import MemorySpec, parse_memory
+from moelane.pager.live.storage import ExpertReadError
+from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
+from moelane.pager.live.tiers import ExpertCodec
 from moelane.pager.plan import Plan
-from moelane.pager.storage import ExpertReadError
-from moelane.pager.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.tiers import ExpertCodec
 from tests.helpers import random_model
 
 PROMPT = list(range(3, 40))
@@ -155,7 +155,7 @@ def test_every_read_path_fills_the_slots_exactly(
 ) -> None:
     """fp32 over this fp32 checkpoint reads straight into the slots; bf16 converts through a reused per-thread
     buffer; with a host cache, the stored forms are kept (and read back) as copies of their own."""
-    import moelane.pager.storage as storage_module
+    import moelane.pager.live.storage as storage_module
 
     in_place: list[bool] = []
     plain = storage_module.read_in_place

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import moelane
-import moelane.pager.store as store_module
-from moelane.pager.build import store_factory
-from moelane.pager.store import ExpertStore
+import moelane.pager.live.store as store_module
+from moelane.pager.live.build import store_factory
+from moelane.pager.live.store import ExpertStore
 from tests.helpers import random_model
 
 N_STREAMS = 8

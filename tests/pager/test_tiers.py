@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import moelane
-from moelane.pager.build import store_factory
-from moelane.pager.storage import (
+from moelane.pager.live.build import store_factory
+from moelane.pager.live.storage import (
     ExpertReadError,
     ShardFiles,
     TierFile,
@@ -21,8 +21,8 @@ from moelane.pager.storage import (
     read_native,
     tier_dir,
 )
-from moelane.pager.store import ExpertStore
-from moelane.pager.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
+from moelane.pager.live.store import ExpertStore
+from moelane.pager.live.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
 
 

@@ -48,13 +48,13 @@ def all_resident(args: argparse.Namespace) -> bool:
 
 def paged(lm) -> bool:  # type: ignore[no-untyped-def]
     """Whether a loaded model's experts are in an expert store (asked for, or because they did not fit)."""
-    from moelane.pager.store import ExpertStore
+    from moelane.pager.live.store import ExpertStore
 
     return isinstance(lm.provider, ExpertStore)
 
 
 def provider_factory(args: argparse.Namespace) -> Callable[..., object]:
-    from moelane.pager.build import fitting_factory, store_factory
+    from moelane.pager.live.build import fitting_factory, store_factory
 
     policy = args.pager_policy or "planner"
     if all_resident(args):  # all resident if they fit in memory, else paged within what is free
@@ -88,7 +88,7 @@ def load_model(args: argparse.Namespace, compile: bool = False):  # type: ignore
     import moelane
 
     set_threads(args)
-    from moelane.pager.memory import parse_memory
+    from moelane.pager.live.memory import parse_memory
 
     for flag, value in (("--expert-memory", args.expert_memory), ("--host-memory", args.host_memory)):
         try:

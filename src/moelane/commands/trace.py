@@ -18,11 +18,11 @@ from typing import Any
 
 from moelane.commands.common import check_output, in_flags, set_threads
 from moelane.errors import InputError
-from moelane.pager.analyze import analyze
-from moelane.pager.memory import parse_memory
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
-from moelane.pager.sweep import default_capacities, sweep
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
+from moelane.pager.lab.sweep import default_capacities, sweep
+from moelane.pager.live.memory import parse_memory
 from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _load(path: str) -> Trace:
 def _check_plot(path: str | None) -> None:
     """Before any work: --plot needs matplotlib and a place to write."""
     if path is not None:
-        from moelane.pager.plots import _pyplot
+        from moelane.pager.lab.plots import _pyplot
 
         check_output(path, "--plot")
         _pyplot()
@@ -139,7 +139,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     import moelane
     from moelane.model.sampling import SamplingParams
-    from moelane.pager.recorder import TraceRecorder, open_recorder
+    from moelane.pager.live.recorder import TraceRecorder, open_recorder
 
     temperature, seed = getattr(args, "temperature", 0.0), getattr(args, "seed", 0)
     defaults = {"max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "temperature": temperature}
@@ -228,7 +228,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     _check_plot(args.plot)
     report = analyze(_load(args.file))
     if args.plot:
-        from moelane.pager.plots import plot_analysis
+        from moelane.pager.lab.plots import plot_analysis
 
         plot_analysis(report, args.plot)
     if args.json:
@@ -301,7 +301,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         specs = args.policy or ["planner"]
         rows = [replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict() for p in specs]
     if args.plot:
-        from moelane.pager.plots import plot_sweep
+        from moelane.pager.lab.plots import plot_sweep
 
         plot_sweep(rows, args.plot)
     if args.json:
@@ -331,7 +331,7 @@ def rate(phase: dict[str, Any]) -> str:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moelane.pager.synth import SynthConfig, synth_trace
+    from moelane.pager.lab.synth import SynthConfig, synth_trace
     from moelane.pager.trace import write_trace
 
     for name, _, least, _ in SYNTH_INTS:

@@ -17,10 +17,10 @@ import torch
 
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider
-from moelane.pager.memory import available_memory, format_bytes, parse_memory
-from moelane.pager.stats import format_counts
-from moelane.pager.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.tiers import TIER_NAMES, parse_tier
+from moelane.pager.live.memory import available_memory, format_bytes, parse_memory
+from moelane.pager.live.stats import format_counts
+from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
+from moelane.pager.live.tiers import TIER_NAMES, parse_tier
 
 log = logging.getLogger(__name__)
 
