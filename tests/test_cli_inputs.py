@@ -348,6 +348,17 @@ def test_run_says_when_the_context_cuts_the_reply(
     assert "--host-memory: not a memory size: '1X'" in cli_error(["run", "--host-memory", "1X", "hi"], capsys)
 
 
+def test_a_memory_size_is_refused_in_one_line_however_it_is_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """A size that starts with a minus is its flag's value, refused as such (argparse alone took it for an option and
+    said the flag had no value); before the model loads."""
+    want = "moelane: error: --expert-memory: not a memory size: '-5%' (use e.g. 512MiB, 2GiB, 1.5GB, 300000000 or 25%)"
+    assert cli_error(["run", "--expert-memory", "-5%", "hi"], capsys) == want
+    assert cli_error(["run", "--expert-memory=-5%", "hi"], capsys) == want
+    assert "--host-memory: not a memory size: '-1GiB'" in cli_error(["bench", "--host-memory", "-1GiB"], capsys)
+    assert "--budget: not a memory size: '-5%'" in cli_error(["trace", "replay", str(TRACE), "--budget", "-5%"], capsys)
+    assert "--expert-memory: expected one argument" in cli_error(["run", "--expert-memory", "-v", "hi"], capsys)
+
+
 def test_traces_of_more_experts_than_their_ids_hold_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

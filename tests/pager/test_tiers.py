@@ -12,6 +12,7 @@ import torch
 
 import moelane
 from moelane.pager.live.build import store_factory
+from moelane.pager.live.memory import parse_memory
 from moelane.pager.live.storage import (
     ExpertReadError,
     ShardFiles,
@@ -139,7 +140,7 @@ def test_store_serves_every_expert_at_a_lower_tier(folder: Path, tmp_path: Path,
     shutil.copytree(folder, model)
     ids = list(range(3, 60))
     want = moelane.load(model).logits(ids)
-    lm = moelane.load(model, provider=store_factory("100%", None, "planner", tier))
+    lm = moelane.load(model, provider=store_factory(parse_memory("100%"), None, "planner", tier))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     got = lm.logits(ids)

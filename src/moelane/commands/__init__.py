@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except MoelaneError as e:  # a value its flag's type refused (`--expert-memory lots`)
+        return say_error(str(e))
     if extra:
         words = args.command == "run" and not any(e.startswith("-") for e in extra)
         hint = " (a prompt of several words goes in quotes)" if words else ""

@@ -118,7 +118,7 @@ def bench_loaded(lm, args: argparse.Namespace, config: Any) -> int:  # type: ign
     summary = {k: round(statistics.median(r[k] for r in results), 1) for k in results[0]}
     config = {"model": str(lm.folder), "dtype": str(lm.dtype).removeprefix("torch."), "streams": args.streams,
               "tokens": args.tokens, "drafter": args.drafter, "compile": lm.compile_enabled,
-              "expert_memory": args.expert_memory}  # fmt: skip
+              "expert_memory": None if args.expert_memory is None else str(args.expert_memory)}  # fmt: skip
     print(json.dumps({"summary": True, **config, "median": summary}), flush=True)
     sys.stdout.flush()
     return 0

@@ -16,13 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.commands.common import check_output, in_flags, set_threads
+from moelane.commands.common import MemoryFlag, check_output, in_flags, set_threads
 from moelane.errors import InputError
 from moelane.pager.lab.analyze import analyze
 from moelane.pager.lab.policies import make_policy
 from moelane.pager.lab.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
 from moelane.pager.lab.sweep import default_capacities, sweep
-from moelane.pager.live.memory import parse_memory
 from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
@@ -73,8 +72,8 @@ def add_parser(subparsers: Any) -> None:
     )
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="pool size in experts")
-    size.add_argument("--budget", metavar="X", help="pool size in bytes (512MiB, 2GiB) or a share of all expert "
-                      "bytes (25%%), experts at their tier's size")  # fmt: skip
+    size.add_argument("--budget", metavar="X", type=MemoryFlag("--budget"), help="pool size in bytes (512MiB, 2GiB) "
+                      "or a share of all expert bytes (25%%), experts at their tier's size")  # fmt: skip
     size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
     size.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
     rp.add_argument("--plan-out", metavar="FILE", help="planner: write each published plan to FILE (atomically)")
@@ -270,10 +269,7 @@ def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
             raise InputError(f"--slots must be from 1 to the trace's {h.n_total} experts, got {args.slots}")
         return args.slots, "slots"
     if args.budget is not None:
-        try:
-            budget = parse_memory(args.budget).resolve(h.n_total * h.expert_bytes)
-        except ValueError as e:
-            raise InputError(f"--budget: {e}") from None
+        budget = args.budget.resolve(h.n_total * h.expert_bytes)
         if budget < h.expert_bytes:
             raise InputError(f"--budget of {budget} bytes holds no expert ({h.expert_bytes} bytes each)")
         return budget, "bytes"
