@@ -13,6 +13,6 @@ lab reads) and `plan.py` (the plain-data plan a policy publishes and the store o
 `planner.py` with `scoreboard.py` and `segment.py` (the live store drives it from a model's routing, replay from a
 trace). It sits here, not in either side, so that each side imports it and neither imports the other.
 
-Imports: the top level imports neither side; `live` imports the top level and the model; `lab` imports the top level
-only; `live` never imports `lab`, nor `lab` `live` (tests/test_layers.py holds every package to its layer).
+Imports: the top level imports neither side; `live` imports the top level and the model, `lab` the top level alone
+(both `moelane.errors` too); `live` never imports `lab`, nor `lab` `live` (tests/test_layers.py checks it).
 """
