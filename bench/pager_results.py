@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from moelane.pager.analyze import analyze
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import CostModel, ReplayResult, replay
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import CostModel, ReplayResult, replay
+from moelane.pager.lab.sweep import lru_sweep, max_step_size
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.scoreboard import ARMS, DecayBandit
-from moelane.pager.sweep import lru_sweep, max_step_size
-from moelane.pager.synth import SynthConfig, synth_trace
 from moelane.pager.trace import Trace, read_trace, token_flat_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def git_rev() -> str:
 
 
 def record(model: str | None, out: Path) -> None:
-    from moelane.pager.commands import cmd_record
+    from moelane.commands.trace import cmd_record
 
     args = argparse.Namespace(prompts=str(FIXTURES / "prompts.jsonl"), out=str(out), model=model, max_tokens=96,
                               prefill_chunk=64, temperature=0.8, seed=0)  # fmt: skip

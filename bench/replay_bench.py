@@ -14,9 +14,9 @@ import subprocess
 import tempfile
 import time
 
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import replay
-from moelane.pager.synth import SynthConfig, synth_trace
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import replay
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.trace import read_trace, write_trace
 
 

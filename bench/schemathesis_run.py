@@ -62,7 +62,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else tiny_model(Path(tmp) / "model")
         url = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "moelane.cli", "serve", "--model", str(model), "--port", str(args.port),
+        cmd = [sys.executable, "-m", "moelane", "serve", "--model", str(model), "--port", str(args.port),
                "--served-model-name", "tiny", "--max-queue", "256", "--drafter", "recall",
                "--log-level", "info"]  # fmt: skip
         log = open(Path(tmp) / "server.log", "wb")  # noqa: SIM115 (closed below)

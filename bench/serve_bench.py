@@ -145,7 +145,7 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
 
 
 def moelane_command(args: argparse.Namespace, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "moelane.cli", "serve", "--port", str(port), "--served-model-name", MODEL_ID,
+    cmd = [sys.executable, "-m", "moelane", "serve", "--port", str(port), "--served-model-name", MODEL_ID,
            "--drafter", args.drafter, "--max-streams", "16", "--log-level", "warning"]  # fmt: skip
     return cmd + (["--model", args.model] if args.model else []) + args.moelane_arg
 

@@ -39,12 +39,13 @@ from tests.helpers import write_tokenizer
 
 import moelane
 from moelane.model.provider import RoutingRecord
-from moelane.pager.build import format_stats, store_factory
-from moelane.pager.policies import make_policy
-from moelane.pager.recorder import header_from_lm
-from moelane.pager.replay import CostModel, replay
-from moelane.pager.storage import ShardFiles, read_native
-from moelane.pager.store import ExpertStore
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import CostModel, replay
+from moelane.pager.live.build import format_stats, store_factory
+from moelane.pager.live.memory import parse_memory
+from moelane.pager.live.recorder import header_from_lm
+from moelane.pager.live.storage import ShardFiles, read_native
+from moelane.pager.live.store import ExpertStore
 from moelane.pager.trace import Segment, trace_from_segments
 
 
@@ -150,7 +151,7 @@ def run_speed(args: argparse.Namespace) -> None:
     gc.collect()
     # The store at 100% with every expert of the run already resident (a second identical generation): the
     # all-resident speed through the same provider code, and the baseline of the ratios below.
-    warm = moelane.load(folder, dtype, provider=store_factory("100%", None, args.policy, "native"))
+    warm = moelane.load(folder, dtype, provider=store_factory(parse_memory("100%"), None, args.policy, "native"))
     generate(warm, prompt, args.tokens, chunk)
     _, _, base_tps = generate(warm, prompt, args.tokens, chunk)
     emit({**base, "run": "store_100_warm", "decode_tok_s": base_tps})
@@ -160,7 +161,7 @@ def run_speed(args: argparse.Namespace) -> None:
     trace = trace_from_segments(header, recorder.segments)
     rows = []
     for share in args.shares:
-        lm = moelane.load(folder, dtype, provider=store_factory(f"{share}%", None, args.policy, "native"))
+        lm = moelane.load(folder, dtype, provider=store_factory(parse_memory(f"{share}%"), None, args.policy, "native"))
         store = lm.provider
         assert isinstance(store, ExpertStore)
         attached = store.attach(lm, lookahead=args.predictors, cooc=args.predictors)
@@ -235,7 +236,7 @@ def perplexity(lm: moelane.LM, windows: list[list[int]]) -> float:
 def run_perplexity(args: argparse.Namespace) -> None:
     windows = heldout_tokens(args.window)
     for tier in ("native", "int8", "int4"):
-        lm = moelane.load(args.model, provider=store_factory("100%", None, "planner", tier))
+        lm = moelane.load(args.model, provider=store_factory(parse_memory("100%"), None, "planner", tier))
         store = lm.provider
         assert isinstance(store, ExpertStore)
         ppl = perplexity(lm, windows)

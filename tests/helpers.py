@@ -147,21 +147,17 @@ def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12)
     """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's; the
     look-ahead predicted experts on the way (a model of two MoE layers or more)."""
     import moelane
-    from moelane.pager.build import store_factory
-    from moelane.pager.store import ExpertStore
+    from moelane.pager.live.store import ExpertStore
 
     want = list(moelane.load(folder).generate_ids(prompt, n_tokens))
-    lm = moelane.load(folder, provider=store_factory("50%", None, "planner", "native"))
+    lm = moelane.load(folder, expert_memory="50%")  # (its store attached, prefill chunks fitted to its pool)
     store = lm.provider
     assert isinstance(store, ExpertStore)
-    attached = store.attach(lm)
-    chunk = min(256, store.max_rows(lm.args.num_experts_per_tok))
-    assert list(lm.generate_ids(prompt, n_tokens, prefill_chunk=chunk)) == want
-    attached.detach()
+    assert list(lm.generate_ids(prompt, n_tokens)) == want
+    lm.close()
     store.check_invariants()
     assert store.stats.totals().misses > 0
     assert len(lm.moe_layers) < 2 or store.stats.source("lookahead").routed > 0
-    store.close()
 
 
 def drop_tensor(folder: Path, name: str) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from moelane.assets import default_model_path
-from moelane.cli import build_parser, main
+from moelane.commands import build_parser, main
+from moelane.commands.run import read_prompt
 from moelane.pager.trace import TraceWriter, read_trace, write_trace
-from moelane.run import read_prompt
 
 from .pager.helpers import small_trace
 
@@ -285,12 +285,12 @@ def test_run_drafts_by_default_and_replies_the_same(
 ) -> None:
     """`run` drafts with copy unless told otherwise (none with --trace, which records one token a step); the reply
     is the one-token decode's, greedy and seeded."""
-    import moelane.run
+    import moelane.commands.run
 
     used: list[str] = []
-    real = moelane.run.generate
-    monkeypatch.setattr(moelane.run, "generate", lambda lm, ids, args, params: used.append(args.drafter) or real(
-        lm, ids, args, params))  # fmt: skip
+    real = moelane.commands.run.generate
+    monkeypatch.setattr(moelane.commands.run, "generate", lambda lm, ids, args, params: used.append(args.drafter)
+                        or real(lm, ids, args, params))  # fmt: skip
     for extra in ([], ["--temperature", "0.8", "--seed", "5"]):
         args = ["run", "--max-tokens", "40", *extra, "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
         assert main(args) == 0
@@ -348,6 +348,17 @@ def test_run_says_when_the_context_cuts_the_reply(
     assert "--host-memory: not a memory size: '1X'" in cli_error(["run", "--host-memory", "1X", "hi"], capsys)
 
 
+def test_a_memory_size_is_refused_in_one_line_however_it_is_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """A size that starts with a minus is its flag's value, refused as such (argparse alone took it for an option and
+    said the flag had no value); before the model loads."""
+    want = "moelane: error: --expert-memory: not a memory size: '-5%' (use e.g. 512MiB, 2GiB, 1.5GB, 300000000 or 25%)"
+    assert cli_error(["run", "--expert-memory", "-5%", "hi"], capsys) == want
+    assert cli_error(["run", "--expert-memory=-5%", "hi"], capsys) == want
+    assert "--host-memory: not a memory size: '-1GiB'" in cli_error(["bench", "--host-memory", "-1GiB"], capsys)
+    assert "--budget: not a memory size: '-5%'" in cli_error(["trace", "replay", str(TRACE), "--budget", "-5%"], capsys)
+    assert "--expert-memory: expected one argument" in cli_error(["run", "--expert-memory", "-v", "hi"], capsys)
+
+
 def test_traces_of_more_experts_than_their_ids_hold_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -362,11 +373,11 @@ def test_traces_of_more_experts_than_their_ids_hold_are_refused(
 def test_analyze_leaves_out_a_predictor_too_big_for_memory(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moelane.pager.analyze
+    import moelane.pager.lab.analyze
 
     assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
     assert json.loads(capsys.readouterr().out)["overall"]["predictors"] is not None
-    monkeypatch.setattr(moelane.pager.analyze, "COOCCURRENCE_BYTES", 1000)  # (70,000 experts would want 292 GiB)
+    monkeypatch.setattr(moelane.pager.lab.analyze, "COOCCURRENCE_BYTES", 1000)  # (70,000 experts would want 292 GiB)
     assert main(["trace", "analyze", "--json", str(TRACE)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["overall"]["predictors"] is None and all(r["predictors"] is None for r in report["requests"])

@@ -206,9 +206,10 @@ def test_the_shipped_model_replies_as_alone_across_turns(shipped, params: Sampli
 def test_a_paged_target_reuses_caches(tiny) -> None:
     """With half the experts paged (an expert store evicting and loading as rounds route), turns still reuse the
     history and reply as an engine keeping nothing on the same store."""
-    from moelane.pager.build import store_factory
+    from moelane.pager.live.build import store_factory
+    from moelane.pager.live.memory import parse_memory
 
-    lm = moelane.load(tiny.folder, provider=store_factory("50%"))
+    lm = moelane.load(tiny.folder, provider=store_factory(parse_memory("50%")))
     config = config_of("copy")
     engine = Engine(lm, EngineConfig(**config))
     streams = conversation(engine, lm.vocab_size, 3, SAMPLED)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moelane
-from moelane.cli import build_parser, main
+from moelane.commands import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.lanes.drafters import CopyDrafter, ModelDrafter
 from moelane.model.attention import reach
@@ -778,9 +778,8 @@ def test_a_character_cut_off_by_max_tokens_ends_the_text_as_run_prints_it(lm: mo
 def test_a_closed_model_says_so(tmp_path: Path, folder: Path) -> None:
     """A paged LM used after close() waited forever on its store's stopped threads."""
     from moelane.errors import MoelaneError
-    from moelane.pager.build import store_factory
 
-    paged = moelane.load(folder, provider=store_factory("30%"))
+    paged = moelane.load(folder, expert_memory="30%")
     assert paged.generate("hi", max_tokens=2)
     paged.close()
     paged.close()

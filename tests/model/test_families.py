@@ -663,7 +663,7 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path: Path) -> None:
     """`dtype="auto"` (the command line's default) computes in bfloat16 for a checkpoint saved in bfloat16
     (config.json's `dtype`, or `torch_dtype` as transformers 4 wrote it) and in float32 otherwise, float16 included;
     `moelane_compute_dtype` overrides both, as the shipped models' configs do (stored in bf16, run in fp32)."""
-    from moelane.cli import build_parser
+    from moelane.commands import build_parser
 
     folder = random_model("qwen3_moe", tmp_path)
     for key, saved, want in [("dtype", "bfloat16", torch.bfloat16), ("torch_dtype", "bfloat16", torch.bfloat16),

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moelane.pager.replay import is_decode
-from moelane.pager.synth import SynthConfig, synth_trace
+from moelane.pager.lab.replay import is_decode
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.trace import Segment, Trace, TraceHeader, token_flat_ids, trace_from_segments
 
 

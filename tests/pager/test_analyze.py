@@ -3,8 +3,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from moelane.pager.analyze import analyze
-from moelane.pager.predict import CooccurrencePredictor
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.predict import CooccurrencePredictor
 from moelane.pager.trace import Segment, TraceHeader, trace_from_segments
 
 from .helpers import small_trace, with_lookahead

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from moelane.commands.trace import add_parser
 from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle, TensorRef
 from moelane.model.provider import RoutingRecord
-from moelane.pager.commands import add_parser
+from moelane.pager.live.recorder import open_recorder
 from moelane.pager.plan import Plan
-from moelane.pager.recorder import open_recorder
 from moelane.pager.trace import read_trace, write_trace
 
 from .helpers import small_trace

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 import moelane
-from moelane.cli import main
+from moelane.commands import main
 from moelane.model.provider import ResidentProvider
-from moelane.pager import build as build_module
-from moelane.pager.build import HEADROOM, fitting_factory
-from moelane.pager.store import ExpertStore, StoreError
+from moelane.pager.live import build as build_module
+from moelane.pager.live.build import HEADROOM, fitting_factory
+from moelane.pager.live.store import ExpertStore, StoreError
 
 EXPERT_BYTES = 6 * 32 * 3 * 192 * 96 * 4  # the shipped model's experts in float32 (6 MoE layers of 32)
 

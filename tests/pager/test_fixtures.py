@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moelane.pager.analyze import analyze
-from moelane.pager.belady import Belady
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import replay
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.belady import Belady
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import replay
 from moelane.pager.trace import read_trace
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "traces" / "default.trc"

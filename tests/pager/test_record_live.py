@@ -10,7 +10,7 @@ import torch
 
 import moelane
 from moelane.assets import default_model_path
-from moelane.pager.commands import cmd_record
+from moelane.commands.trace import cmd_record
 from moelane.pager.trace import read_trace
 
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from moelane.errors import MoelaneError
-from moelane.pager.belady import Belady
-from moelane.pager.policies import EMA, LFU, LRU, PlannerPolicy, RecentK, make_policy
-from moelane.pager.replay import CostModel, PhaseStats, Simulator, replay
-from moelane.pager.sweep import lru_sweep
-from moelane.pager.synth import SynthConfig
+from moelane.pager.lab.belady import Belady
+from moelane.pager.lab.policies import EMA, LFU, LRU, PlannerPolicy, RecentK, make_policy
+from moelane.pager.lab.replay import CostModel, PhaseStats, Simulator, replay
+from moelane.pager.lab.sweep import lru_sweep
+from moelane.pager.lab.synth import SynthConfig
 from moelane.pager.trace import Trace
 
 from .helpers import random_trace, reference_replay, small_trace, steps_of, with_lookahead

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import moelane
-import moelane.pager.store as store_module
+import moelane.pager.live.store as store_module
 from moelane.model import moe
 from moelane.model.provider import ResidentProvider
-from moelane.pager.build import format_stats, store_factory
-from moelane.pager.memory import MemorySpec, parse_memory
+from moelane.pager.live.build import format_stats, store_factory
+from moelane.pager.live.memory import MemorySpec, parse_memory
+from moelane.pager.live.storage import ExpertReadError
+from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
+from moelane.pager.live.tiers import ExpertCodec
 from moelane.pager.plan import Plan
-from moelane.pager.storage import ExpertReadError
-from moelane.pager.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.tiers import ExpertCodec
 from tests.helpers import random_model
 
 PROMPT = list(range(3, 40))
@@ -61,10 +61,9 @@ def test_greedy_tokens_identical_at_every_budget(
         monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
         plain = moe.dispatch_staged
         monkeypatch.setattr(moe, "dispatch_staged", lambda *a: n_staged.append(1) or plain(*a))
-    lm = moelane.load(wide, provider=store_factory(share, None, "planner", "native"))
+    lm = moelane.load(wide, expert_memory=share)  # (its store attached: predictors, the live planner)
     store = lm.provider
     assert isinstance(store, ExpertStore)
-    attached = store.attach(lm)
     try:
         assert list(lm.generate_ids(PROMPT, 24)) == reference[1]
         assert list(lm.generate_ids(PROMPT[5:], 12, prefill_chunk=3)) == list(reference[0].generate_ids(PROMPT[5:], 12))
@@ -83,17 +82,15 @@ def test_greedy_tokens_identical_at_every_budget(
                 assert torch.equal(store.w13[slot], resident.weights(layer)[0][expert])
                 assert torch.equal(store.w2[slot], resident.weights(layer)[1][expert])
     finally:
-        attached.detach()
-        store.close()
+        lm.close()
 
 
 def test_closing_the_lm_ends_its_stores_threads(wide: Path) -> None:
     """`LM.close()` (which `moelane run` and `serve` call before exiting) joins every thread of its store: fetches,
     predictors, the live planner. (One still in torch work at interpreter exit aborted ~1 run in 20.)"""
     before = set(threading.enumerate())
-    lm = moelane.load(wide, provider=store_factory("30%", None, "planner", "native"))
+    lm = moelane.load(wide, expert_memory="30%")
     assert isinstance(lm.provider, ExpertStore)
-    lm.provider.attach(lm)
     list(lm.generate_ids(PROMPT, 4))
     ours = [t for t in threading.enumerate() if t not in before and t.name.startswith("moelane-")]
     assert {t.name.rstrip("0123456789") for t in ours} >= {"moelane-fetch-", "moelane-cooc", "moelane-planner"}
@@ -106,7 +103,7 @@ def test_compiled_decode_through_a_store_equals_its_solo_decode(wide: Path, refe
     row a call, as a lone stream's) reply what the compiled solo decode does, and that is the resident model's."""
     from moelane.lanes import Engine, EngineConfig
 
-    lm = moelane.load(wide, provider=store_factory("50%", None, "lru", "native"), compile=True)
+    lm = moelane.load(wide, provider=store_factory(parse_memory("50%"), None, "lru", "native"), compile=True)
     try:
         prompts = [PROMPT, PROMPT[7:], PROMPT[::2]]
         solo = [list(lm.generate_ids(p, 12)) for p in prompts]
@@ -155,7 +152,7 @@ def test_every_read_path_fills_the_slots_exactly(
 ) -> None:
     """fp32 over this fp32 checkpoint reads straight into the slots; bf16 converts through a reused per-thread
     buffer; with a host cache, the stored forms are kept (and read back) as copies of their own."""
-    import moelane.pager.storage as storage_module
+    import moelane.pager.live.storage as storage_module
 
     in_place: list[bool] = []
     plain = storage_module.read_in_place
@@ -165,7 +162,8 @@ def test_every_read_path_fills_the_slots_exactly(
     monkeypatch.setattr(storage_module.Storage, "_scratch",
                         lambda self, n: buffers.append((b := scratch(self, n)).data_ptr()) or b)  # fmt: skip
     ref = moelane.load(wide, dtype)
-    lm = moelane.load(wide, dtype, provider=store_factory("20%", host, "planner", "native"))
+    factory = store_factory(parse_memory("20%"), host and parse_memory(host), "planner", "native")
+    lm = moelane.load(wide, dtype, provider=factory)
     store = lm.provider
     assert isinstance(store, ExpertStore)
     try:
@@ -187,7 +185,7 @@ def test_every_read_path_fills_the_slots_exactly(
 
 def test_lru_and_lfu_are_identical_too(wide: Path, reference: Reference) -> None:
     for policy in ("lru", "lfu"):
-        lm = moelane.load(wide, provider=store_factory("30%", "10%", policy, "0"))
+        lm = moelane.load(wide, provider=store_factory(parse_memory("30%"), parse_memory("10%"), policy, "0"))
         assert list(lm.generate_ids(PROMPT, 24)) == reference[1]
         lm.provider.close()  # type: ignore[attr-defined]
 
@@ -279,16 +277,16 @@ def test_memory_specs_and_factory_errors() -> None:
         with pytest.raises(ValueError):
             parse_memory(bad)
     with pytest.raises(StoreError, match="not a memory size"):
-        store_factory("lots", None, "planner", "0")
+        moelane.load(expert_memory="lots")  # (refused before anything loads)
     with pytest.raises(StoreError, match="precision tier"):
-        store_factory("50%", None, "planner", "int3")
+        store_factory(parse_memory("50%"), None, "planner", "int3")
     with pytest.raises(StoreError, match="policy"):
-        store_factory("50%", None, "fifo", "0")
+        store_factory(parse_memory("50%"), None, "fifo", "0")
     assert "not in use" in format_stats(object())
 
 
 def test_statistics_count_every_access_and_byte(wide: Path) -> None:
-    lm = moelane.load(wide, provider=store_factory("40%", "100%", "planner", "native"))
+    lm = moelane.load(wide, provider=store_factory(parse_memory("40%"), parse_memory("100%"), "planner", "native"))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     expert_bytes = lm.expert_handles[lm.moe_layers[0]][0].nbytes
@@ -316,7 +314,7 @@ def test_statistics_count_every_access_and_byte(wide: Path) -> None:
 
 
 def test_plan_tiers_decide_the_precision_of_each_fetch(wide: Path, reference: Reference) -> None:
-    lm = moelane.load(wide, provider=store_factory("100%", None, "planner", "native"))
+    lm = moelane.load(wide, provider=store_factory(parse_memory("100%"), None, "planner", "native"))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     first = lm.moe_layers[0]
@@ -339,7 +337,7 @@ def test_plan_tiers_decide_the_precision_of_each_fetch(wide: Path, reference: Re
 
 
 def test_warm_start_at_the_prefill_decode_boundary(wide: Path) -> None:
-    lm = moelane.load(wide, provider=store_factory("30%", None, "planner", "native"))
+    lm = moelane.load(wide, provider=store_factory(parse_memory("30%"), None, "planner", "native"))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     list(lm.generate_ids(PROMPT, 6, prefill_chunk=8))
@@ -361,7 +359,7 @@ def shard_of(folder: Path) -> Path:
 
 def test_truncated_shard_mid_run_names_file_and_expert(wide: Path, tmp_path: Path) -> None:
     folder = copy_model(wide, tmp_path / "m")
-    lm = moelane.load(folder, provider=store_factory("20%", None, "planner", "0"))
+    lm = moelane.load(folder, provider=store_factory(parse_memory("20%"), None, "planner", "0"))
     list(lm.generate_ids(PROMPT, 2))
     os.truncate(shard_of(folder), shard_of(folder).stat().st_size // 2)
     with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*model\.safetensors"):
@@ -371,7 +369,7 @@ def test_truncated_shard_mid_run_names_file_and_expert(wide: Path, tmp_path: Pat
 
 def test_rewritten_shard_mid_run_is_detected(wide: Path, tmp_path: Path) -> None:
     folder = copy_model(wide, tmp_path / "m")
-    lm = moelane.load(folder, provider=store_factory("20%", None, "planner", "0"))
+    lm = moelane.load(folder, provider=store_factory(parse_memory("20%"), None, "planner", "0"))
     list(lm.generate_ids(PROMPT, 2))
     shard = shard_of(folder)
     data = bytearray(shard.read_bytes())
@@ -389,7 +387,7 @@ def test_non_finite_expert_weights_are_rejected(wide: Path, tmp_path: Path) -> N
     with open(ref.path, "r+b") as f:
         f.seek(ref.offset)
         f.write(torch.full((4,), float("nan")).numpy().tobytes())
-    lm = moelane.load(folder, provider=store_factory("100%", None, "planner", "0"))
+    lm = moelane.load(folder, provider=store_factory(parse_memory("100%"), None, "planner", "0"))
     with pytest.raises(ExpertReadError, match=f"expert 5 of layer {lm.moe_layers[2]}: non-finite"):
         list(lm.generate_ids(list(range(3, 200)), 4))
     lm.provider.close()  # type: ignore[attr-defined]
@@ -398,7 +396,7 @@ def test_non_finite_expert_weights_are_rejected(wide: Path, tmp_path: Path) -> N
 def test_cli_reports_a_corrupt_expert_in_one_line(
     wide: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from moelane.cli import main
+    from moelane.commands import main
 
     folder = copy_model(wide, tmp_path / "m")
     lm = moelane.load(folder)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import moelane
-import moelane.pager.store as store_module
-from moelane.pager.build import store_factory
-from moelane.pager.store import ExpertStore
+import moelane.pager.live.store as store_module
+from moelane.pager.live.build import store_factory
+from moelane.pager.live.memory import parse_memory
+from moelane.pager.live.store import ExpertStore
 from tests.helpers import random_model
 
 N_STREAMS = 8
@@ -41,7 +42,7 @@ def test_eight_streams_at_ten_percent(
         monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
     resident = moelane.load(deep)
     want = [list(resident.generate_ids(p, 10)) for p in prompts()]
-    lm = moelane.load(deep, provider=store_factory("10%", None, "planner", "native"))
+    lm = moelane.load(deep, provider=store_factory(parse_memory("10%"), None, "planner", "native"))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     assert store.n_slots == int(0.1 * store.total_bytes) // store.slot_bytes < 2 * store.n_experts

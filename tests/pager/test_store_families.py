@@ -25,7 +25,7 @@ def test_the_look_ahead_routes_as_the_next_layer_does(family: str, tmp_path: Pat
     import torch
 
     import moelane
-    from moelane.pager.prefetch import next_gates
+    from moelane.pager.live.prefetch import next_gates
 
     lm = moelane.load(random_model(family, tmp_path / family))
     layers = list(lm.moe_layers)

@@ -1,7 +1,7 @@
 import numpy as np
 
-from moelane.pager.analyze import analyze
-from moelane.pager.synth import SynthConfig, synth_trace
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 
 
 def test_deterministic_shapes_and_distinct_experts() -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import moelane
-from moelane.pager.build import store_factory
-from moelane.pager.storage import (
+from moelane.pager.live.build import store_factory
+from moelane.pager.live.memory import parse_memory
+from moelane.pager.live.storage import (
     ExpertReadError,
     ShardFiles,
     TierFile,
@@ -21,8 +22,8 @@ from moelane.pager.storage import (
     read_native,
     tier_dir,
 )
-from moelane.pager.store import ExpertStore
-from moelane.pager.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
+from moelane.pager.live.store import ExpertStore
+from moelane.pager.live.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
 
 
@@ -139,7 +140,7 @@ def test_store_serves_every_expert_at_a_lower_tier(folder: Path, tmp_path: Path,
     shutil.copytree(folder, model)
     ids = list(range(3, 60))
     want = moelane.load(model).logits(ids)
-    lm = moelane.load(model, provider=store_factory("100%", None, "planner", tier))
+    lm = moelane.load(model, provider=store_factory(parse_memory("100%"), None, "planner", tier))
     store = lm.provider
     assert isinstance(store, ExpertStore)
     got = lm.logits(ids)

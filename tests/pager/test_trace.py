@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moelane.pager.synth import SynthConfig, synth_trace
+from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.trace import TraceError, TraceHeader, TraceWriter, read_trace, write_trace
 
 from .helpers import small_trace, with_lookahead

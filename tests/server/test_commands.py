@@ -17,10 +17,8 @@ import httpx
 import pytest
 import uvicorn
 
-from moelane.cli import build_parser, main
-from moelane.errors import InputError
-from moelane.server.app import create_app
-from moelane.server.commands import (
+from moelane.commands import build_parser, main
+from moelane.commands.serve import (
     CUT_OFF,
     ENDING_S,
     QuietCancels,
@@ -29,6 +27,8 @@ from moelane.server.commands import (
     off_main_thread,
     wants_compile,
 )
+from moelane.errors import InputError
+from moelane.server.app import create_app
 from tests.server.conftest import MODEL, make_engine, wait_until
 
 
@@ -162,7 +162,7 @@ def test_loading_off_the_main_thread_returns_or_raises_what_the_work_did() -> No
 # started with SIGINT ignored, as a shell's background job does (these tests failed in CI runs started with `&`).
 PRESS_CTRL_C = """
 import os, signal, sys, threading, time
-from moelane.server.commands import off_main_thread
+from moelane.commands.serve import off_main_thread
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from moelane.pager.stats import PagerStats
+from moelane.pager.live.stats import PagerStats
 from moelane.server.cost import PagerLedger
 from moelane.server.metrics import ServerMetrics
 

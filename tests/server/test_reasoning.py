@@ -127,12 +127,12 @@ def test_run_chat_prints_the_final_channel_and_reasoning_apart(
     tokenizer: Tokenizer, harmony_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`moelane run --chat`: the answer on stdout, the reasoning on stderr (the model's reply scripted)."""
-    import moelane.cli
-    import moelane.run
+    import moelane.commands
+    import moelane.commands.run
 
     reply = harmony_reply(tokenizer)
-    monkeypatch.setattr(moelane.run, "generate", lambda *args: iter(reply))
-    assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--compile", "off", "fib?"]) == 0
+    monkeypatch.setattr(moelane.commands.run, "generate", lambda *args: iter(reply))
+    assert moelane.commands.main(["run", "--model", str(harmony_model), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and THOUGHT in err and "final" not in err
 
@@ -142,14 +142,15 @@ def test_run_chat_json_answers_at_once(
 ) -> None:
     """`moelane run --chat --json` on gpt-oss: the prompt ends with the final channel's opening, which the reply's
     channels start from, so the (scripted) JSON is the answer on stdout; the reply is held to JSON."""
-    import moelane.cli
-    import moelane.run
+    import moelane.commands
+    import moelane.commands.run
     from moelane.model.reasoning import FINAL_OPENING
 
     reply, asked = tokenizer.encode('{"n": 1}'), []
-    monkeypatch.setattr(moelane.run, "generate", lambda lm, ids, args, params: asked.append((ids, params)) or iter(
-        reply))  # fmt: skip
-    assert moelane.cli.main(["run", "--model", str(harmony_model), "--chat", "--json", "--compile", "off", "fib?"]) == 0
+    monkeypatch.setattr(moelane.commands.run, "generate", lambda lm, ids, args, params: asked.append((ids, params))
+                        or iter(reply))  # fmt: skip
+    argv = ["run", "--model", str(harmony_model), "--chat", "--json", "--compile", "off", "fib?"]
+    assert moelane.commands.main(argv) == 0
     out = capsys.readouterr().out
     ids, params = asked[0]
     opening = tokenizer.encode(FINAL_OPENING)
@@ -226,8 +227,8 @@ def test_run_chat_drops_the_whitespace_that_opens_each_part(
     reasoning or the answer, as the server sends them."""
     from tokenizers import Tokenizer as HfTokenizer
 
-    import moelane.cli
-    import moelane.run
+    import moelane.commands
+    import moelane.commands.run
     from tests.helpers import random_model
 
     folder = random_model("qwen3_moe", tmp_path / "m", vocab_size=310)
@@ -235,8 +236,8 @@ def test_run_chat_drops_the_whitespace_that_opens_each_part(
     tok.add_tokens(["<think>", "</think>"])
     tok.save(str(folder / "tokenizer.json"))
     reply = think_reply(Tokenizer(folder, frozenset()))
-    monkeypatch.setattr(moelane.run, "generate", lambda *args: iter(reply))
+    monkeypatch.setattr(moelane.commands.run, "generate", lambda *args: iter(reply))
     capsys.readouterr()  # (what saving the model printed)
-    assert moelane.cli.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
+    assert moelane.commands.main(["run", "--model", str(folder), "--chat", "--compile", "off", "fib?"]) == 0
     out, err = capsys.readouterr()
     assert out == ANSWER + "\n" and err.startswith(THOUGHT + "\n\n")

@@ -16,10 +16,9 @@ import httpx
 import pytest
 import uvicorn
 
-from moelane.cli import build_parser, main
+from moelane.commands import build_parser, main, serve
 from moelane.errors import ModelLoadError
 from moelane.model.tokenizer import Tokenizer
-from moelane.server import commands
 from moelane.server.app import create_app
 from tests.helpers import write_tokenizer
 from tests.server.conftest import MODEL, make_engine, running, wait_until
@@ -40,7 +39,7 @@ def test_serve_on_port_0_says_the_port_it_listens_on(
 ) -> None:
     lm = SimpleNamespace(tokenizer=tiny_lm.tokenizer, max_context=tiny_lm.max_context, vocab_size=tiny_lm.vocab_size,
                          close=lambda: None)  # fmt: skip
-    monkeypatch.setattr(commands, "build", lambda args: create_app(make_engine(tiny_lm), lm, model_name=MODEL))
+    monkeypatch.setattr(serve, "build", lambda args: create_app(make_engine(tiny_lm), lm, model_name=MODEL))
     servers: list[uvicorn.Server] = []
 
     class Server(uvicorn.Server):  # (kept, to be stopped)
@@ -51,7 +50,7 @@ def test_serve_on_port_0_says_the_port_it_listens_on(
     monkeypatch.setattr(uvicorn, "Server", Server)
     args = build_parser().parse_args(["serve", "--port", "0", "--log-level", "warning"])
     exits: list[int] = []
-    thread = threading.Thread(target=lambda: exits.append(commands.cmd_serve(args)), daemon=True)
+    thread = threading.Thread(target=lambda: exits.append(serve.cmd_serve(args)), daemon=True)
     thread.start()
     try:
         err, deadline = "", time.monotonic() + 30
@@ -75,7 +74,7 @@ def test_a_chat_template_that_cannot_compile_refuses_the_start(
     lm = lm_with_template(tmp_path, "{% for m in messages %}{{ m.content }")
     with pytest.raises(ModelLoadError, match=r"chat template cannot be compiled: unexpected '}' \(line 1\)"):
         create_app(FakeEngine([1]), lm, model_name="m", manage_engine=False)
-    monkeypatch.setattr(commands, "build", lambda args: create_app(FakeEngine([1]), lm, model_name="m"))
+    monkeypatch.setattr(serve, "build", lambda args: create_app(FakeEngine([1]), lm, model_name="m"))
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["moelane: error: the model's chat template cannot be compiled: unexpected '}' (line 1)"], err

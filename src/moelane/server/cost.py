@@ -22,7 +22,7 @@ Snapshot = tuple[int, int, float]  # experts read, bytes read, stall seconds
 
 
 def snapshot(stats: Any) -> Snapshot:
-    """Totals of a `moelane.pager.stats.PagerStats` (copied with C-level dict copies, safe against its writers)."""
+    """Totals of a `moelane.pager.live.stats.PagerStats` (copied with C-level dict copies, safe against its writers)."""
     reads, bytes_read = dict(stats.reads), dict(stats.bytes_read)
     stall = sum(c.stall_s for c in list(stats.by_phase.values()))
     return sum(reads.values()), sum(bytes_read.values()), stall

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from moelane.commands.common import add_model_args, load_model
+
 PROMPTS = (
     'def parse_header(data):\n    """Parse a header block."""\n',
     "To be, or not to be, that is the question:\n",
@@ -23,8 +25,6 @@ PROMPTS = (
 
 
 def add_parser(sub: Any) -> None:
-    from moelane.cli import add_model_args
-
     p = sub.add_parser("bench", help="measure prefill/decode speed (one stream) or aggregate speed (--streams N)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_model_args(p)
@@ -86,8 +86,6 @@ def check_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from moelane.cli import load_model
-
     config = check_args(args)
     lm = load_model(args, compile=args.compile)
     try:
@@ -120,7 +118,7 @@ def bench_loaded(lm, args: argparse.Namespace, config: Any) -> int:  # type: ign
     summary = {k: round(statistics.median(r[k] for r in results), 1) for k in results[0]}
     config = {"model": str(lm.folder), "dtype": str(lm.dtype).removeprefix("torch."), "streams": args.streams,
               "tokens": args.tokens, "drafter": args.drafter, "compile": lm.compile_enabled,
-              "expert_memory": args.expert_memory}  # fmt: skip
+              "expert_memory": None if args.expert_memory is None else str(args.expert_memory)}  # fmt: skip
     print(json.dumps({"summary": True, **config, "median": summary}), flush=True)
     sys.stdout.flush()
     return 0

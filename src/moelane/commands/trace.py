@@ -1,7 +1,7 @@
 """The `trace` subcommand: `moelane trace record | analyze | replay | synth`.
 
-`add_parser(subparsers)` registers it (cli.py calls it); every handler takes the parsed args and returns an exit
-code; bad input raises `MoelaneError`. `moelane run --trace FILE` uses `recorder.open_recorder(path, lm)`.
+`add_parser(subparsers)` registers it; every handler takes the parsed args and returns an exit code; bad input
+raises `MoelaneError`. `moelane run --trace FILE` uses `recorder.open_recorder(path, lm)`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.cli import check_output, in_flags, set_threads
+from moelane.commands.common import MemoryFlag, check_output, in_flags, set_threads
 from moelane.errors import InputError
-from moelane.pager.analyze import analyze
-from moelane.pager.memory import parse_memory
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
-from moelane.pager.sweep import default_capacities, sweep
+from moelane.pager.lab.analyze import analyze
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
+from moelane.pager.lab.sweep import default_capacities, sweep
 from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
@@ -73,8 +72,8 @@ def add_parser(subparsers: Any) -> None:
     )
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="pool size in experts")
-    size.add_argument("--budget", metavar="X", help="pool size in bytes (512MiB, 2GiB) or a share of all expert "
-                      "bytes (25%%), experts at their tier's size")  # fmt: skip
+    size.add_argument("--budget", metavar="X", type=MemoryFlag("--budget"), help="pool size in bytes (512MiB, 2GiB) "
+                      "or a share of all expert bytes (25%%), experts at their tier's size")  # fmt: skip
     size.add_argument("--fraction", type=float, help="pool as a fraction of all experts")
     size.add_argument("--sweep", action="store_true", help="hit rate over pool sizes for every policy")
     rp.add_argument("--plan-out", metavar="FILE", help="planner: write each published plan to FILE (atomically)")
@@ -128,7 +127,7 @@ def _load(path: str) -> Trace:
 def _check_plot(path: str | None) -> None:
     """Before any work: --plot needs matplotlib and a place to write."""
     if path is not None:
-        from moelane.pager.plots import _pyplot
+        from moelane.pager.lab.plots import _pyplot
 
         check_output(path, "--plot")
         _pyplot()
@@ -139,7 +138,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     import moelane
     from moelane.model.sampling import SamplingParams
-    from moelane.pager.recorder import TraceRecorder, open_recorder
+    from moelane.pager.live.recorder import TraceRecorder, open_recorder
 
     temperature, seed = getattr(args, "temperature", 0.0), getattr(args, "seed", 0)
     defaults = {"max_tokens": args.max_tokens, "prefill_chunk": args.prefill_chunk, "temperature": temperature}
@@ -228,7 +227,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     _check_plot(args.plot)
     report = analyze(_load(args.file))
     if args.plot:
-        from moelane.pager.plots import plot_analysis
+        from moelane.pager.lab.plots import plot_analysis
 
         plot_analysis(report, args.plot)
     if args.json:
@@ -270,10 +269,7 @@ def _capacity(args: argparse.Namespace, trace: Trace) -> tuple[int, str]:
             raise InputError(f"--slots must be from 1 to the trace's {h.n_total} experts, got {args.slots}")
         return args.slots, "slots"
     if args.budget is not None:
-        try:
-            budget = parse_memory(args.budget).resolve(h.n_total * h.expert_bytes)
-        except ValueError as e:
-            raise InputError(f"--budget: {e}") from None
+        budget = args.budget.resolve(h.n_total * h.expert_bytes)
         if budget < h.expert_bytes:
             raise InputError(f"--budget of {budget} bytes holds no expert ({h.expert_bytes} bytes each)")
         return budget, "bytes"
@@ -301,7 +297,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         specs = args.policy or ["planner"]
         rows = [replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict() for p in specs]
     if args.plot:
-        from moelane.pager.plots import plot_sweep
+        from moelane.pager.lab.plots import plot_sweep
 
         plot_sweep(rows, args.plot)
     if args.json:
@@ -331,7 +327,7 @@ def rate(phase: dict[str, Any]) -> str:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moelane.pager.synth import SynthConfig, synth_trace
+    from moelane.pager.lab.synth import SynthConfig, synth_trace
     from moelane.pager.trace import write_trace
 
     for name, _, least, _ in SYNTH_INTS:

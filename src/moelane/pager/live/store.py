@@ -42,13 +42,13 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import ExpertHandle
+from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
+from moelane.pager.live.slots import LOADING, READY, IntArray, SlotTable
+from moelane.pager.live.stats import PagerStats
+from moelane.pager.live.storage import Storage
+from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
-from moelane.pager.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
-from moelane.pager.slots import LOADING, READY, IntArray, SlotTable
-from moelane.pager.stats import PagerStats
-from moelane.pager.storage import Storage
-from moelane.pager.tiers import TIER_NAMES, ExpertCodec
 
 POLICIES = ("planner", "lru", "lfu")
 # Misses of experts smaller than this (in the compute dtype) are read by the computing thread itself, one after

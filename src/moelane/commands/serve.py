@@ -4,7 +4,6 @@ Binds loopback unless told otherwise. On SIGINT/SIGTERM uvicorn stops accepting 
 `--grace` seconds for running requests to finish; whatever still runs then is ended (its engine stream freed, the
 client told `server_stopping`: a 503, or a stream's last event), and the engine thread stops. A Ctrl-C while the
 model loads exits at once.
-Also runnable alone: `python -m moelane.server.commands serve ...`.
 """
 
 from __future__ import annotations
@@ -24,13 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from moelane.commands.common import add_model_args, load_model, paged, usable_cores
+
 T = TypeVar("T")
 
 MAX_DEPTH = 64  # most draft rows a stream may hold in a round (each is a row of the pass)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from moelane.cli import add_model_args
     from moelane.lanes.config import DRAFTERS
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
@@ -75,7 +75,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def build(args: argparse.Namespace) -> Any:
     """The app for these arguments (loads the model, builds the engine; the app's lifespan starts it)."""
-    from moelane.cli import load_model, paged, usable_cores
     from moelane.lanes.config import EngineConfig
     from moelane.lanes.engine import Engine
     from moelane.server.app import create_app
@@ -271,14 +270,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             app.state.moelane.lm.close()  # an expert store's threads end before the interpreter does
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (the `moelane` CLI normally wires `serve` in)."""
-    from moelane.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

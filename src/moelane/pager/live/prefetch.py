@@ -171,9 +171,9 @@ class CooccurrencePredictor:
 
 
 class LivePlanner:
-    """The planner (planner.py) driven live: routing records in, on its own thread; each published plan applied to
-    the store. The engine's phase labels mark the boundary (`begin_decode`, called by the store at the first decode
-    pass of a thread); unlabelled records fall back to the planner's size-based detector."""
+    """The planner (`moelane.pager.planner`) driven live: routing records in, on its own thread; each published plan
+    applied to the store. The engine's phase labels mark the boundary (`begin_decode`, called by the store at the first
+    decode pass of a thread); unlabelled records fall back to the planner's size-based detector."""
 
     def __init__(self, store: PrefetchTarget, **overrides: Any) -> None:
         self.store, self.overrides = store, overrides

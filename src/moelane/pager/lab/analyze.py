@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from moelane.pager.predict import CooccurrencePredictor, predictor_stats
-from moelane.pager.replay import is_decode
+from moelane.pager.lab.predict import CooccurrencePredictor, predictor_stats
+from moelane.pager.lab.replay import is_decode
 from moelane.pager.trace import IntArray, Trace, token_flat_ids
 
 SETS = ("prefill_union", "prefill_tail", "decode_recency", "last_1", "last_2", "last_4", "stable", "freq_top_k")

@@ -4,7 +4,7 @@
 and updates them under its lock. Accesses (hits, misses, prefetch hits, stall seconds) are counted by phase;
 bytes read are counted by storage level ("host" RAM copies, "disk" shards or tier files) and precision tier;
 prefetches by the source that issued them ("lookahead", "cooc", "warm"). `to_dict` is the plain-data form the server
-exposes; `moelane.pager.build.format_stats` turns them into the text `moelane run --stats` prints.
+exposes; `moelane.pager.live.build.format_stats` turns them into the text `moelane run --stats` prints.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from moelane.pager.memory import format_bytes
+from moelane.pager.live.memory import format_bytes
 
 
 @dataclass(slots=True)

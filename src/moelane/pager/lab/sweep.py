@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from moelane.pager.policies import make_policy
-from moelane.pager.replay import CostModel, PhaseStats, ReplayResult, is_decode, layer_steps, replay
+from moelane.pager.lab.policies import make_policy
+from moelane.pager.lab.replay import CostModel, PhaseStats, ReplayResult, is_decode, layer_steps, replay
 from moelane.pager.trace import IntArray, Trace, token_flat_ids
 
 COLD = np.iinfo(np.int64).max

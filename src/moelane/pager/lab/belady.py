@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelane.pager.replay import Policy, Simulator, layer_steps
+from moelane.pager.lab.replay import Policy, Simulator, layer_steps
 from moelane.pager.trace import IntArray, Trace, token_flat_ids
 
 NEVER = np.iinfo(np.int64).max // 4

@@ -30,7 +30,7 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.loader import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
-from moelane.pager.tiers import TIER_NAMES, ExpertCodec, row_blocks
+from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 
 log = logging.getLogger(__name__)
 TIER_FILE_VERSION = 2  # bump whenever the blob layout changes (2: adaptive group size)

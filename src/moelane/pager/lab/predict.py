@@ -6,7 +6,7 @@
   most likely experts per layer outside the previous token's set.
 - Next-layer look-ahead (apply layer l+1's router to the hidden state entering layer l's MoE block, as
   mixtral-offloading does) needs hidden states, which traces do not carry: the recorder writes its predictions into
-  the trace instead (recorder.py), and analyze.py scores them with `predictor_stats`.
+  the trace instead (`moelane.pager.live.recorder`), and analyze.py scores them with `predictor_stats`.
 
 Measures per decode token t with experts D_t: repeat recall = |D_t & D_{t-1}| / |D_t|; delta recall = share of
 D_t - D_{t-1} the predictor named; schedulable coverage = |D_t & (D_{t-1} | predicted)| / |D_t|.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from moelane.pager.replay import FloatArray
+from moelane.pager.lab.replay import FloatArray
 from moelane.pager.trace import IntArray
 
 

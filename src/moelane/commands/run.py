@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from moelane.cli import add_model_args, check_output, in_flags, load_model, paged
+from moelane.commands.common import add_model_args, check_output, in_flags, load_model, paged
 from moelane.errors import InputError, MoelaneError
 
 log = logging.getLogger("moelane")
@@ -272,12 +272,12 @@ def rounds(engine, stream) -> Iterator[int]:  # type: ignore[no-untyped-def]
 
 
 def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
-    from moelane.pager.recorder import open_recorder
+    from moelane.pager.live.recorder import open_recorder
 
     return open_recorder(path, lm)
 
 
 def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
-    from moelane.pager.build import format_stats
+    from moelane.pager.live.build import format_stats
 
     print(format_stats(lm.provider), file=sys.stderr)

@@ -22,9 +22,9 @@ from collections import deque
 import numpy as np
 
 from moelane.errors import MoelaneError
+from moelane.pager.lab.replay import FloatArray, Policy, Simulator
 from moelane.pager.plan import Plan
 from moelane.pager.planner import Planner, PlannerConfig
-from moelane.pager.replay import FloatArray, Policy, Simulator
 from moelane.pager.scoreboard import DecayBandit
 from moelane.pager.trace import IntArray, Segment, TraceHeader
 
@@ -212,7 +212,7 @@ def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str 
         if name == "bandit" and not args:
             return Bandit()
         if name == "belady" and not args:
-            from moelane.pager.belady import Belady
+            from moelane.pager.lab.belady import Belady
 
             return Belady()
         if name == "planner" and set(args) <= {"hard", "bias", "nowarm", "score"}:

@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moelane.errors import MoelaneError, check_number
-from moelane.pager.lrutoken import lru_token
+from moelane.pager.lab.lrutoken import lru_token
 from moelane.pager.plan import Plan
 from moelane.pager.trace import IntArray, Segment, Trace, TraceHeader, token_flat_ids
 

@@ -1,6 +1,6 @@
 """Recording routing traces from a live model: `TraceRecorder` is a `RoutingObserver` that writes each forward
 pass's routing as one trace segment, with the next-layer look-ahead's predictions when a `LookAheadTap` is hooked to
-the model (as `open_recorder` does). Torch stays here; trace.py is numpy only.
+the model (as `open_recorder` does). Torch stays here; `moelane.pager.trace` is numpy only.
 
 Bytes per expert: tier 0 is the checkpoint's own tensors (sum of the expert's `TensorRef.nbytes`); int8 and int4
 tiers are estimates for group-wise quantisation with one 2-byte scale per 64 weights, until the store (issue 5)
@@ -20,7 +20,7 @@ import numpy.typing as npt
 import torch
 
 from moelane.errors import InputError
-from moelane.pager.prefetch import next_gates
+from moelane.pager.live.prefetch import next_gates
 from moelane.pager.trace import TraceHeader, TraceWriter
 
 

@@ -1,11 +1,12 @@
 """Choosing and building a run's expert provider (an expert store, or all experts resident); the store's stats text.
 
-`store_factory` and `fitting_factory` turn a run's settings (`--expert-memory`, `--host-memory`, `--pager-policy`,
-`--default-tier`) into the provider factory that `moelane.load` calls with the model's expert handles and compute
-dtype. `store_factory` checks its settings when called, before any weight is loaded; its pool budget is bytes or a
-share of all expert bytes in the compute dtype (`expert_count_and_bytes`), host-memory shares refer to the bytes as
-stored. `fitting_factory` keeps every expert resident where they all fit in the memory still free (less `HEADROOM`),
-else pages them within it through `store_factory`. `format_stats` is the text `moelane run --stats` prints.
+`store_factory` and `fitting_factory` turn a run's settings (expert and host memory, eviction policy, default tier)
+into the provider factory that `moelane.model.load.load` calls with the model's expert handles and compute dtype;
+`moelane.load` chooses between them. `store_factory` checks its settings when called, before any weight is loaded;
+its pool budget is bytes or a share of all expert bytes in the compute dtype (`expert_count_and_bytes`), host-memory
+shares refer to the bytes as stored. `fitting_factory` keeps every expert resident where they all fit in the memory
+still free (less `HEADROOM`), else pages them within it through `store_factory`. Budgets arrive parsed, as
+`MemorySpec`s. `format_stats` is the text `moelane run --stats` prints.
 """
 
 from __future__ import annotations
@@ -17,22 +18,25 @@ import torch
 
 from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider
-from moelane.pager.memory import available_memory, format_bytes, parse_memory
-from moelane.pager.stats import format_counts
-from moelane.pager.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.tiers import TIER_NAMES, parse_tier
+from moelane.pager.live.memory import MemorySpec, available_memory, format_bytes
+from moelane.pager.live.stats import format_counts
+from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
+from moelane.pager.live.tiers import TIER_NAMES, parse_tier
 
 log = logging.getLogger(__name__)
 
 
 def store_factory(
-    expert_memory: str | None, host_memory: str | None = None, policy: str = "planner", default_tier: str = "native"
+    expert_memory: MemorySpec | None = None,
+    host_memory: MemorySpec | None = None,
+    policy: str = "planner",
+    default_tier: str = "native",
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertStore]:
-    """The provider factory `moelane run --expert-memory X` passes to `moelane.load`. X: bytes (`2GiB`) or a share of
-    all expert bytes in the compute dtype (`25%`); None means 100%. Host memory shares refer to the stored bytes."""
+    """The provider factory of a run with an expert store. `expert_memory`: bytes or a share of all expert bytes in
+    the compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache)."""
+    pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
+    host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
-        pool = parse_memory(expert_memory or "100%")
-        host = parse_memory(host_memory or "0")
         tier = parse_tier(default_tier)
         StoreConfig(budget_bytes=1, policy=policy, default_tier=tier)
     except ValueError as e:
@@ -46,7 +50,7 @@ def store_factory(
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
         if budget < 1:
-            raise StoreError(f"an expert memory of {expert_memory} holds no expert ({each} bytes each)")
+            raise StoreError(f"an expert memory of {pool} holds no expert ({each} bytes each)")
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
         return ExpertStore(handles, dtype, config)
 
@@ -67,12 +71,13 @@ HEADROOM = 0.15
 
 
 def fitting_factory(
-    host_memory: str | None = None, policy: str = "planner", default_tier: str = "native", progress: bool = False
+    host_memory: MemorySpec | None = None, policy: str = "planner", default_tier: str = "native", progress: bool = False
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run without `--expert-memory`: every expert resident where they all fit in the
     memory still free once the dense weights are loaded (less `HEADROOM`), else an expert store whose pool takes
     that much, with a warning that says so. A model that does not fit then runs paged instead of being killed for
     memory halfway through loading."""
+    store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
         n_experts, each = expert_count_and_bytes(handles, dtype)
@@ -87,7 +92,7 @@ def fitting_factory(
         log.warning("the experts take %s in %s, and %s of memory is free: paging them within %s (--expert-memory "
                     "sets the budget)", format_bytes(need), str(dtype).removeprefix("torch."), free,
                     format_bytes(room))  # fmt: skip
-        return store_factory(str(room), host_memory, policy, default_tier)(handles, dtype)
+        return store_factory(MemorySpec(n_bytes=room), host_memory, policy, default_tier)(handles, dtype)
 
     return build
 

@@ -1,0 +1,71 @@
+"""`moelane.load`: a model folder -> an `LM` ready to run, its experts resident or paged as the settings say.
+
+Without a budget every expert is resident where they all fit in the memory still free, and paged within it otherwise
+(`fitting_factory`); with one (`expert_memory`, `host_memory`, or a quantised `default_tier`) an expert store holds
+them under it (`store_factory`). A store built here is attached to the model before it is returned (lease release
+after each MoE block, the predictors, and the live planner under the "planner" policy) and the model's prefill chunk
+is fitted to its pool: a library caller gets what `moelane run` and `moelane serve` run. `provider=` takes a factory of
+one's own instead, and its provider is used as it comes (nothing attached, nothing fitted).
+
+Budgets are parsed once, where they are given: the command line parses its flags into `MemorySpec`s, and text given
+to `load` is parsed here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moelane.model.lm import LM
+from moelane.model.load import ProviderFactory
+from moelane.model.load import load as load_folder
+from moelane.pager.live.build import fitting_factory, store_factory
+from moelane.pager.live.memory import MemorySpec, parse_memory
+from moelane.pager.live.store import ExpertStore, StoreError
+
+
+def load(
+    path: str | Path | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    expert_memory: MemorySpec | str | None = None,
+    host_memory: MemorySpec | str | None = None,
+    policy: str = "planner",
+    default_tier: str = "native",
+    compile: bool = False,
+    progress: bool = False,
+    provider: ProviderFactory | None = None,
+) -> LM:
+    """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
+
+    `expert_memory`: the expert pool's budget, bytes (`"2GiB"`) or a share of all expert bytes in the compute dtype
+    (`"25%"`); `host_memory`: for host-RAM copies of experts' stored forms (bytes, or a share of the bytes as stored);
+    `policy`: what the pool evicts ("planner", "lru", "lfu"); `default_tier`: the precision of experts fetched on a
+    miss ("native", "int8", "int4"). `compile` compiles the one-token decode step; `progress` shows a progress bar
+    while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
+    handles and the compute dtype, in place of the four settings before it."""
+    if provider is not None:
+        if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
+            raise ValueError("give either an expert provider factory or expert settings, not both")
+        return load_folder(path, dtype, provider=provider, compile=compile, progress=progress)
+    pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
+    if pool is None and host is None and default_tier == "native":
+        factory = fitting_factory(None, policy, default_tier, progress=progress)
+    else:
+        factory = store_factory(pool, host, policy, default_tier)
+    lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress)
+    if isinstance(lm.provider, ExpertStore):  # (after `compile`: the hooks are made for a compiled step)
+        lm.provider.attach(lm)
+        lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
+    return lm
+
+
+def memory_spec(name: str, value: MemorySpec | str | None) -> MemorySpec | None:
+    """`value` as a `MemorySpec`: text is parsed (StoreError naming `name` if it is not a memory size)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_memory(value)
+    except ValueError as e:
+        raise StoreError(f"{name}: {e}") from None
