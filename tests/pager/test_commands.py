@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import ExpertHandle, TensorRef
+from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.provider import RoutingRecord
 from moelane.pager.commands import add_parser
 from moelane.pager.plan import Plan

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from moelane.model.attention import Batch
+from moelane.model.checkpoint import LAYER
 from moelane.model.layers import MLP, RMSNorm, Rope, linear
-from moelane.model.loader import LAYER
 from moelane.model.provider import ExpertProvider
 
 Routing = list[tuple[torch.Tensor, torch.Tensor]]

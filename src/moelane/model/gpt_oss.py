@@ -19,9 +19,9 @@ from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention
+from moelane.model.checkpoint import ExpertHandle, TensorRef, stacked_experts
 from moelane.model.decoder import Decoder, Routing, attention_heads, config_get
 from moelane.model.layers import RMSNormScaledFp32, Rope, linear, pointwise, rope_parameters
-from moelane.model.loader import ExpertHandle, TensorRef, stacked_experts
 from moelane.model.moe import run_experts, topk_softmax
 from moelane.model.provider import ExpertProvider
 

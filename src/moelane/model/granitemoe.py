@@ -21,9 +21,9 @@ from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention, Batch
+from moelane.model.checkpoint import ExpertHandle, TensorRef, renamed, stacked_experts
 from moelane.model.decoder import Decoder, DecoderLayer, Routing, attention_heads
 from moelane.model.layers import Rope, linear, rope_parameters
-from moelane.model.loader import ExpertHandle, TensorRef, renamed, stacked_experts
 from moelane.model.moe import expert_mlp, run_experts, topk_softmax
 from moelane.model.provider import ExpertProvider
 

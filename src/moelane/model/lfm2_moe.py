@@ -24,9 +24,9 @@ from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention, Batch, row_slots
+from moelane.model.checkpoint import renamed
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
 from moelane.model.layers import Rope, linear, pointwise, rope_parameters
-from moelane.model.loader import renamed
 from moelane.model.moe import biased_group_topk, run_experts
 from moelane.model.provider import ExpertProvider
 

@@ -25,11 +25,11 @@ from torch import nn
 from moelane.errors import ModelLoadError
 from moelane.model import gpt_oss
 from moelane.model.attention import Attention, Batch, Window, attend_streams
+from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads
 from moelane.model.deepseek_v2 import rotate_pairs
 from moelane.model.ernie4_5_moe import Fp32Rope
 from moelane.model.layers import MLP, linear, pointwise, rope_parameters
-from moelane.model.loader import ExpertHandle, TensorRef
 from moelane.model.moe import run_experts
 from moelane.model.provider import ExpertProvider
 

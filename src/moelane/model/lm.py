@@ -30,8 +30,8 @@ import torch
 from moelane.errors import InputError, MoelaneError, integer
 from moelane.model.attention import Batch, reach, row_slots
 from moelane.model.cache import KVCache, KVPool, Rows
+from moelane.model.checkpoint import ExpertHandle
 from moelane.model.decoder import Decoder, config_get
-from moelane.model.loader import ExpertHandle
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer

@@ -21,9 +21,7 @@ from types import ModuleType
 import torch
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder
-from moelane.model.lm import LM
-from moelane.model.loader import (
+from moelane.model.checkpoint import (
     ExpertHandle,
     TensorRef,
     expected_shapes,
@@ -35,6 +33,8 @@ from moelane.model.loader import (
     read_tensor_into,
     scan_checkpoint,
 )
+from moelane.model.decoder import Decoder
+from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from moelane.model.loader import ExpertHandle
+from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.pager.memory import available_memory, format_bytes, parse_memory
 from moelane.pager.stats import format_counts

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import ExpertHandle
+from moelane.model.checkpoint import ExpertHandle
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 from moelane.pager.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
