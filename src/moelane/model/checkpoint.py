@@ -403,9 +403,3 @@ def fused_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> li
     mxfp4 = stacked_experts(refs, prefix, MXFP4_NAMES, n_experts, "mxfp4")
     return mxfp4 or stacked_experts(refs, prefix, FUSED_NAMES, n_experts, "transposed")
 
-
-def past_last_layer(n_layers: int, name: str) -> bool:
-    """Whether a checkpoint tensor belongs to a layer past the decoder's `n_layers`: the multi-token-prediction layers
-    GLM-4.5, DeepSeek-V3 and MiniMax-M2 ship, which plain decoding does not use."""
-    match = LAYER.match(name)
-    return match is not None and int(match.group(1)) >= n_layers

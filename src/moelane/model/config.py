@@ -44,6 +44,9 @@ def fixed(default: Any) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
+    """The keys every family reads. Subclasses add theirs and override `check`, `moe_layers` and, where the releases
+    need it, `prepare` (the family's `build` then reads nothing but these fields)."""
+
     model_type: str
     vocab_size: int = key(low=1)
     hidden_size: int = key(low=1)
@@ -134,9 +137,9 @@ class Config:
         d = cls.prepare(d)
         model_type = str(d.get("model_type"))
         values: dict[str, Any] = {"model_type": model_type}
-        hints = field_types(cls)
+        hints, keys = typing.get_type_hints(cls), keys_of(cls)
         for f in dataclasses.fields(cls):
-            names = keys_of(cls).get(f.name)
+            names = keys.get(f.name)
             if names is None:  # (model_type, and what the family fixes)
                 continue
             found = next((name for name in names if d.get(name) is not None), None)
@@ -167,15 +170,12 @@ def missing(model_type: str, name: str) -> ModelLoadError:
 
 
 def keys_of(cls: type[Config]) -> dict[str, tuple[str, ...]]:
+    """Each field read from config.json -> the keys it is read from."""
     out = {}
     for f in dataclasses.fields(cls):
         if f.name != "model_type" and not f.metadata.get("fixed"):
             out[f.name] = tuple(f.metadata.get("names") or (f.name,))
     return out
-
-
-def field_types(cls: type[Config]) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def checked(model_type: str, name: str, value: Any, hint: Any, meta: Mapping[str, Any]) -> Any:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from moelane.errors import ModelLoadError
-from moelane.model.checkpoint import ExpertHandle, TensorRef, find_expert_handles
+from moelane.model.checkpoint import LAYER, ExpertHandle, TensorRef, find_expert_handles
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
 
@@ -92,3 +92,10 @@ def family_of(model_type: str) -> Family[Any]:
     module = importlib.import_module(f"moelane.model.families.{REMAPPED.get(model_type, model_type)}")
     family: Family[Any] = module.FAMILY
     return family
+
+
+def past_last_layer(n_layers: int, name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a layer past the decoder's `n_layers`: the multi-token-prediction layers
+    GLM-4.5, DeepSeek-V3 and MiniMax-M2 ship, which plain decoding does not use (a family's `ignored`)."""
+    match = LAYER.match(name)
+    return match is not None and int(match.group(1)) >= n_layers

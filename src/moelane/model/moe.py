@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moelane.model.experts import Act, run_experts, swiglu
-from moelane.model.layers import linear, pointwise
+from moelane.model.layers import MLP, linear, pointwise
 from moelane.model.provider import ExpertProvider
 from moelane.model.routers import Gate, Router
 
@@ -43,12 +43,20 @@ class Names(NamedTuple):
     expert_bias: tuple[str, str] | None = None  # the experts' biases, b13 [E, 2I] and b2 [E, H] (gpt-oss)
 
 
+SCORED = Names(score_bias="gate.e_score_correction_bias")  # DeepSeek-V3's: the score bias inside the router
+
+
+def shared_experts(hidden: int, n_shared: int | None, width: int, bias: bool = False) -> MLP | None:
+    """DeepSeek's shared experts: `n_shared` experts of `width` as one always-on MLP (none: None)."""
+    return MLP(hidden, n_shared * width, bias) if n_shared else None
+
+
 def place(module: nn.Module, path: str, value: nn.Module | torch.Tensor) -> None:
     """Register `value` (a module, a parameter or a buffer) at the dotted `path` below `module`, with empty modules
     on the way where there are none yet."""
     *owners, name = path.split(".")
     for owner in owners:
-        if owner not in module._modules:
+        if not isinstance(getattr(module, owner, None), nn.Module):
             module.add_module(owner, nn.Module())
         module = module.get_submodule(owner)
     setattr(module, name, value)
@@ -82,6 +90,7 @@ class MoeBlock(nn.Module):
         weight, and the outputs are summed unweighted (Llama 4); `score_bias_shape`: where the checkpoint stores the
         score bias otherwise than [E] (ERNIE: [1, E])."""
         super().__init__()
+        # (the router is `rule` here: "router" and "gate" are checkpoints' names of the block's tensors)
         self.rule, self.names, self.act, self.scale_inputs = router, names, act, scale_inputs
         place(self, f"{names.gate}.weight", nn.Parameter(torch.zeros(n_experts, hidden)))
         if names.gate_bias:
@@ -110,7 +119,7 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H]; appends this layer's (ids, weights) to `routing`."""
-        weights, ids = self.route(x)
+        weights, ids = self.route(x)  # [T, K]
         routing.append((ids, weights))
         inputs = x
         if self.scale_inputs:

@@ -25,8 +25,7 @@ from moelane.model.config import key
 from moelane.model.decoder import Decoder
 from moelane.model.family import ROUTER_FP32, Family
 from moelane.model.latent import LatentConfig, check_latent, deepseek_moe_layers, latent_decoder
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock
+from moelane.model.moe import MoeBlock, shared_experts
 from moelane.model.routers import Gate, router_logits
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -96,8 +95,7 @@ class DeepseekV2(Family[DeepseekV2Config]):
         def moe() -> MoeBlock:
             router = GroupLimitedSoftmax(c.k, c.topk_method, c.n_group or 1, c.topk_group or 1,
                                          c.norm_topk_prob and c.k > 1, c.routed_scaling_factor)  # fmt: skip
-            n_shared = c.n_shared_experts or 0
-            shared = MLP(c.hidden_size, n_shared * c.moe_width, c.mlp_bias) if n_shared else None
+            shared = shared_experts(c.hidden_size, c.n_shared_experts, c.moe_width, c.mlp_bias)
             return MoeBlock(c.hidden_size, c.n_experts, router, shared=shared)
 
         return latent_decoder(c, moe, torch.float32, interleave=True)

@@ -14,13 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moelane.errors import ModelLoadError
-from moelane.model.checkpoint import past_last_layer
 from moelane.model.config import key
 from moelane.model.decoder import Decoder
-from moelane.model.family import ROUTER_FP32, Family
+from moelane.model.family import ROUTER_FP32, Family, past_last_layer
 from moelane.model.latent import LatentConfig, check_latent, deepseek_moe_layers, latent_decoder
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock, Names
+from moelane.model.moe import SCORED, MoeBlock, shared_experts
 from moelane.model.routers import SigmoidTopK, check_groups
 
 
@@ -62,10 +60,8 @@ class DeepseekV3(Family[DeepseekV3Config]):
 
         def moe() -> MoeBlock:
             router = SigmoidTopK(c.k, c.norm_topk_prob, c.routed_scaling_factor, c.n_group, c.topk_group)
-            n_shared = c.n_shared_experts or 0
-            shared = MLP(c.hidden_size, n_shared * c.moe_width) if n_shared else None
-            names = Names(score_bias="gate.e_score_correction_bias")
-            return MoeBlock(c.hidden_size, c.n_experts, router, names=names, shared=shared)
+            shared = shared_experts(c.hidden_size, c.n_shared_experts, c.moe_width)
+            return MoeBlock(c.hidden_size, c.n_experts, router, names=SCORED, shared=shared)
 
         return latent_decoder(c, moe, None, c.rope_interleave)
 

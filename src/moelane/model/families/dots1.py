@@ -22,8 +22,7 @@ from moelane.model.attention import Attention
 from moelane.model.config import WINDOW, Config, key
 from moelane.model.decoder import Decoder
 from moelane.model.family import ROUTER_FP32, Family
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock, Names
+from moelane.model.moe import SCORED, MoeBlock, shared_experts
 from moelane.model.routers import SigmoidTopK, check_groups
 
 KINDS = ("full_attention", "sliding_attention")
@@ -89,10 +88,8 @@ class Dots1(Family[Dots1Config]):
 
         def moe() -> MoeBlock:
             router = SigmoidTopK(c.k, c.norm_topk_prob, c.routed_scaling_factor, c.n_group, c.topk_group)
-            n_shared = c.n_shared_experts or 0
-            shared = MLP(c.hidden_size, n_shared * c.moe_width) if n_shared else None
-            names = Names(score_bias="gate.e_score_correction_bias")
-            return MoeBlock(c.hidden_size, c.n_experts, router, names=names, shared=shared)
+            shared = shared_experts(c.hidden_size, c.n_shared_experts, c.moe_width)
+            return MoeBlock(c.hidden_size, c.n_experts, router, names=SCORED, shared=shared)
 
         return Decoder(c, lambda i: Attention.of(c, bias=bias, qk_norm="head", o_bias=bias, window=windows[i]),
                        c.rope(), moe=moe)  # fmt: skip

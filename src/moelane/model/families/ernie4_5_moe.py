@@ -19,8 +19,7 @@ from moelane.model.attention import Attention
 from moelane.model.config import Config, key
 from moelane.model.decoder import Decoder, DenseMlp, dense_width
 from moelane.model.family import Family
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock, Names
+from moelane.model.moe import MoeBlock, Names, shared_experts
 from moelane.model.rope import Fp32Rope, rotate_pairs
 from moelane.model.routers import Gate, biased_group_topk, router_logits
 
@@ -84,8 +83,7 @@ class Ernie45Moe(Family[Ernie45MoeConfig]):
         names = Names(score_bias="moe_statics.e_score_correction_bias")
 
         def moe() -> MoeBlock:
-            n_shared = c.moe_num_shared_experts
-            shared = MLP(c.hidden_size, n_shared * c.moe_width, bias) if n_shared else None
+            shared = shared_experts(c.hidden_size, c.moe_num_shared_experts, c.moe_width, bias)
             return MoeBlock(c.hidden_size, c.n_experts, ErnieRouter(c.k, c.moe_norm_min), names=names, shared=shared,
                             score_bias_shape=(1, c.n_experts))  # fmt: skip
 

@@ -22,8 +22,7 @@ from moelane.model.attention import Attention
 from moelane.model.config import WINDOW, Config, key
 from moelane.model.decoder import Decoder
 from moelane.model.family import Family
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock, Names
+from moelane.model.moe import MoeBlock, Names, shared_experts
 from moelane.model.routers import SigmoidTopK, check_groups
 
 LAYER_KINDS, MLP_KINDS = ("sliding_attention", "full_attention"), ("dense", "sparse")  # (False, True) of each rule
@@ -102,9 +101,8 @@ class ExaoneMoe(Family[ExaoneMoeConfig]):
 
         def moe() -> MoeBlock:
             router = SigmoidTopK(c.k, c.norm_topk_prob, c.routed_scaling_factor, c.n_group, c.topk_group)
-            n_shared = c.n_shared_experts or 0
-            shared = MLP(c.hidden_size, n_shared * c.moe_width) if n_shared else None
-            names = Names(score_bias="e_score_correction_bias")
+            shared = shared_experts(c.hidden_size, c.n_shared_experts, c.moe_width)
+            names = Names(score_bias="e_score_correction_bias")  # (beside the router)
             return MoeBlock(c.hidden_size, c.n_experts, router, names=names, shared=shared)
 
         return Decoder(c, attention, c.rope(), moe=moe)

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention
-from moelane.model.checkpoint import past_last_layer
 from moelane.model.config import Config, key
 from moelane.model.decoder import Decoder
-from moelane.model.family import ROUTER_FP32, Family
-from moelane.model.layers import MLP
-from moelane.model.moe import MoeBlock, Names
+from moelane.model.family import ROUTER_FP32, Family, past_last_layer
+from moelane.model.moe import SCORED, MoeBlock, shared_experts
 from moelane.model.routers import SigmoidTopK, check_groups
 
 
@@ -70,10 +68,8 @@ class Glm4Moe(Family[Glm4MoeConfig]):
 
         def moe() -> MoeBlock:
             router = SigmoidTopK(c.k, c.norm_topk_prob, c.routed_scaling_factor, c.n_group, c.topk_group)
-            n_shared = c.n_shared_experts or 0
-            shared = MLP(c.hidden_size, n_shared * c.moe_width) if n_shared else None
-            names = Names(score_bias="gate.e_score_correction_bias")
-            return MoeBlock(c.hidden_size, c.n_experts, router, names=names, shared=shared)
+            shared = shared_experts(c.hidden_size, c.n_shared_experts, c.moe_width)
+            return MoeBlock(c.hidden_size, c.n_experts, router, names=SCORED, shared=shared)
 
         return Decoder(c, lambda i: Attention.of(c, bias=c.attention_bias, qk_norm=qk_norm, rotary_dim=rotary),
                        c.rope(rotary), moe=moe)  # fmt: skip

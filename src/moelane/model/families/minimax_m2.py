@@ -19,10 +19,9 @@ from typing import TypeVar
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention
-from moelane.model.checkpoint import past_last_layer
 from moelane.model.config import Config, key
 from moelane.model.decoder import Decoder
-from moelane.model.family import W1_W3_W2, Family
+from moelane.model.family import W1_W3_W2, Family, past_last_layer
 from moelane.model.moe import MoeBlock, Names
 from moelane.model.routers import SigmoidTopK
 
