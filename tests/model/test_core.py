@@ -621,7 +621,7 @@ def test_pointwise_rows_do_not_depend_on_the_other_rows(dtype: torch.dtype, thre
 def test_staged_dispatch_equals_dispatch(dtype: torch.dtype) -> None:
     """Resident experts first, the late ones after `wait()`: the same bits as all at once; `wait` runs between. Also
     with one input per (token, expert) pair (Llama 4's, scaled by the router)."""
-    from moelane.model.moe import dispatch, dispatch_staged
+    from moelane.model.experts import dispatch, dispatch_staged
 
     gen = torch.Generator().manual_seed(1)
     n_slots, hidden, width, k = 7, 32, 16, 4
@@ -648,7 +648,7 @@ def test_grouped_experts_equal_one_linear_per_expert(dtype: torch.dtype, n_slots
     """The eager dispatch's grouped products give each (token, expert) pair the bits of `expert_mlp` on that expert's
     rows alone: the tile rule holds through `torch._grouped_mm` and through one product per slot, for empty, partial
     and multi-tile groups, and for widths `torch._grouped_mm` refuses (rows not of whole 16-byte multiples)."""
-    from moelane.model.moe import expert_mlp, grouped
+    from moelane.model.experts import expert_mlp, grouped
 
     gen = torch.Generator().manual_seed(0)
     (hidden, width), k = widths, 3

@@ -317,11 +317,13 @@ def test_mtp_tensors_are_skipped(
 
 
 def test_deepseek_moe_layer_placement() -> None:
-    from moelane.model.deepseek_v2 import is_moe_layer
+    from moelane.model.families.deepseek_v2 import DeepseekV2Config
+    from tests.helpers import FAMILY_CONFIGS
 
-    config = {"n_routed_experts": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}
-    assert [i for i in range(6) if is_moe_layer(config, i)] == [2, 4]
-    assert not any(is_moe_layer({**config, "n_routed_experts": 0}, i) for i in range(6))
+    config = {**FAMILY_CONFIGS["deepseek_v2"][2], "model_type": "deepseek_v2", "num_hidden_layers": 6,
+              "n_routed_experts": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}  # fmt: skip
+    assert DeepseekV2Config.from_dict(config).moe_layers() == [2, 4]
+    assert DeepseekV2Config.from_dict({**config, "n_routed_experts": 0}).moe_layers() == []
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.01, 0.2])
@@ -330,7 +332,7 @@ def test_phimoe_sparsemixer_routes_as_transformers_does(eps: float) -> None:
     logits rounded to a coarse grid), in fp32 and bf16."""
     from transformers.models.phimoe.modeling_phimoe import sparsemixer as reference_sparsemixer
 
-    from moelane.model.phimoe import sparsemixer
+    from moelane.model.families.phimoe import sparsemixer
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -347,7 +349,7 @@ def test_longrope_turns_each_position_by_its_own_factors() -> None:
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from moelane.model.layers import Rope, rope_parameters
+    from moelane.model.rope import Rope, rope_parameters
 
     rope_config = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0, 1.5, 2.5, 5.0],
                        long_factor=[1.2, 3.0, 8.0, 20.0], original_max_position_embeddings=16)  # fmt: skip
@@ -463,14 +465,12 @@ LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 4, lo
     ],
 )
 def test_bad_configs_raise_model_load_error(family: str, config: dict, message: str) -> None:
-    import importlib
-
+    from moelane.model.family import family_of
     from tests.helpers import FAMILY_CONFIGS
 
-    module = importlib.import_module(f"moelane.model.{family}")
-    settle = getattr(module, "settle", lambda c: c)  # (as `load` does first)
-    with pytest.raises(ModelLoadError, match=re.escape(message)):
-        module.build(settle({**FAMILY_CONFIGS[family][2], "model_type": family, **config}))
+    kind = family_of(family)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):  # (as `load` reads a config, then builds)
+        kind.build(kind.config_class.from_dict({**FAMILY_CONFIGS[family][2], "model_type": family, **config}))
 
 
 def edit_config(folder: Path, **changes: Any) -> Path:

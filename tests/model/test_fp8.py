@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import moelane
 from moelane.errors import ModelLoadError
-from moelane.model.loader import fp8_to
+from moelane.model.checkpoint import fp8_to
 from tests.helpers import check_pages_as_resident, drop_tensor, random_model
 
 E4M3_MAX = 448.0

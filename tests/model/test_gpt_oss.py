@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moelane
-from moelane.model.loader import FP4_VALUES, mxfp4_to
+from moelane.model.checkpoint import FP4_VALUES, mxfp4_to
 from tests.helpers import check_pages_as_resident, drop_tensor, random_model
 
 

@@ -9,7 +9,7 @@ import torch
 
 from moelane.commands.trace import add_parser
 from moelane.errors import MoelaneError
-from moelane.model.loader import ExpertHandle, TensorRef
+from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.provider import RoutingRecord
 from moelane.pager.live.recorder import open_recorder
 from moelane.pager.plan import Plan

@@ -14,7 +14,7 @@ import torch
 
 import moelane
 import moelane.pager.live.store as store_module
-from moelane.model import moe
+from moelane.model import experts
 from moelane.model.provider import ResidentProvider
 from moelane.pager.live.build import format_stats, store_factory
 from moelane.pager.live.memory import MemorySpec, parse_memory
@@ -59,8 +59,8 @@ def test_greedy_tokens_identical_at_every_budget(
     n_staged = []
     if staged:
         monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
-        plain = moe.dispatch_staged
-        monkeypatch.setattr(moe, "dispatch_staged", lambda *a: n_staged.append(1) or plain(*a))
+        plain = experts.dispatch_staged
+        monkeypatch.setattr(experts, "dispatch_staged", lambda *a: n_staged.append(1) or plain(*a))
     lm = moelane.load(wide, expert_memory=share)  # (its store attached: predictors, the live planner)
     store = lm.provider
     assert isinstance(store, ExpertStore)

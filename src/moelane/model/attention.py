@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moelane.model.cache import KVCache, KVPool
-from moelane.model.layers import TILE, RMSNorm, apply_rope, linear, pad_rows
+from moelane.model.config import Config
+from moelane.model.layers import TILE, RMSNorm, linear, pad_rows
+from moelane.model.rope import apply_rope
 
 # Attention reads a cache only up to `reach`: the rows' last position rounded up to a multiple of REACH.
 REACH = 512
@@ -204,6 +207,12 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
         self.scale = head_dim**-0.5
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+
+    @classmethod
+    def of(cls, config: Config, **options: Any) -> Self:
+        """Attention of the config's sizes (hidden, heads, KV heads, head width) and norm eps, with `options`."""
+        sizes = (config.hidden_size, config.num_attention_heads, config.n_kv_heads, config.head_size)
+        return cls(*sizes, **{"eps": config.rms_norm_eps, **options})
 
     def forward(
         self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]

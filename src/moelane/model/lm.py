@@ -22,7 +22,6 @@ import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -30,8 +29,10 @@ import torch
 from moelane.errors import InputError, MoelaneError, integer
 from moelane.model.attention import Batch, reach, row_slots
 from moelane.model.cache import KVCache, KVPool, Rows
-from moelane.model.decoder import Decoder, config_get
-from moelane.model.loader import ExpertHandle
+from moelane.model.checkpoint import ExpertHandle
+from moelane.model.config import Config
+from moelane.model.decoder import Decoder
+from moelane.model.family import Family
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
@@ -63,8 +64,8 @@ class LM:
     def __init__(
         self,
         folder: Path,
-        config: dict[str, Any],
-        family: ModuleType,
+        config: Config,
+        family: Family[Any],
         model: Decoder,
         tokenizer: Tokenizer,
         expert_handles: dict[int, list[ExpertHandle]],
@@ -386,13 +387,13 @@ def sampling_params(temperature: float, top_p: float, top_k: int, seed: int | No
 
 
 class Args:
-    """The config fields every family has, under one spelling."""
+    """The config fields every family has, under one spelling (what the pager and the benchmarks read)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.model_type: str = config["model_type"]
-        self.vocab_size: int = config["vocab_size"]
-        self.hidden_size: int = config["hidden_size"]
-        self.num_hidden_layers: int = config["num_hidden_layers"]
-        self.num_experts: int = config_get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0)
-        self.num_experts_per_tok: int = config.get("num_experts_per_tok") or 0
-        self.max_position_embeddings: int = config.get("max_position_embeddings") or 4096
+    def __init__(self, config: Config) -> None:
+        self.model_type: str = config.model_type
+        self.vocab_size: int = config.vocab_size
+        self.hidden_size: int = config.hidden_size
+        self.num_hidden_layers: int = config.num_hidden_layers
+        self.num_experts: int = config.n_experts
+        self.num_experts_per_tok: int = config.top_k or 0
+        self.max_position_embeddings: int = config.max_position_embeddings

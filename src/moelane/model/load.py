@@ -1,33 +1,24 @@
 """`load(path)`: a Hugging Face model folder -> `LM`, with experts left on disk for the provider to fetch.
 
-Families are found by `model_type` through an import of `moelane.model.<model_type>`; each family module has
-`build(config) -> Decoder`, `expert_prefix(layer)` and `EXPERT_NAMES`, and may have `sanitize(weights)`,
-`ignored(config, name)` (checkpoint tensors it skips without a word), `KEEP_FP32` (parameter name endings kept in
-fp32 whatever the dtype), `find_experts(refs, prefix, n_experts)` (its own expert layout, in place of
-`find_expert_handles`), `QUANTIZED` (the `quant_method`s of checkpoints it reads: gpt-oss's mxfp4 experts) and
-`settle(config) -> config` (its own key spellings and defaults turned into those the rest reads, before anything
-reads them).
+    config.json -> its family (`family.family_of`, by `model_type`) -> its typed config, checked (`config.Config`)
+    -> the family's decoder -> the experts' disk handles -> the dense weights read into the decoder -> LM
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
 from moelane.errors import ModelLoadError
-from moelane.model.decoder import Decoder
-from moelane.model.lm import LM
-from moelane.model.loader import (
+from moelane.model.checkpoint import (
     ExpertHandle,
     TensorRef,
     expected_shapes,
-    find_expert_handles,
     fp8_to,
     read_config,
     read_eos_ids,
@@ -35,42 +26,16 @@ from moelane.model.loader import (
     read_tensor_into,
     scan_checkpoint,
 )
+from moelane.model.config import Config
+from moelane.model.decoder import Decoder
+from moelane.model.family import FAMILIES, Family, family_of
+from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
 
+__all__ = ["FAMILIES", "load"]
 log = logging.getLogger(__name__)
-ACTIVATIONS = ("silu", "swish")  # every family's MLPs and experts are SwiGLU
-FAMILIES = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-    "lfm2_moe",
-    "ernie4_5_moe",
-    "hunyuan_v1_moe",
-    "phimoe",
-    "granitemoe",
-    "granitemoeshared",
-    "glm4_moe_lite",
-    "dots1",
-    "minimax_m2",
-    "exaone_moe",
-    "llama4",
-    "llama4_text",
-    "qwen3",
-    "llama",
-)
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
-
-
-def family_module(model_type: str) -> ModuleType:
-    if model_type not in FAMILIES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
-    return importlib.import_module(f"moelane.model.{model_type}")
 
 
 def load(
@@ -84,66 +49,57 @@ def load(
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": `checkpoint_dtype`).
     `provider` builds the expert provider from the experts' handles (default: all experts resident). `compile`
     compiles the one-token decode step."""
+    if dtype != "auto" and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     if path is None:
         from moelane.assets import default_model_path
 
         path = default_model_path()
     folder = Path(path)
-    config = read_config(folder)
-    family = family_module(config["model_type"])
-    if hasattr(family, "settle"):
-        config = family.settle(config)
-    fp8_block = check_quantization(config, getattr(family, "QUANTIZED", ()))
-    if dtype == "auto":
-        dtype = checkpoint_dtype(config)
-    elif not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
-    if config.get("hidden_act", "silu") not in ACTIVATIONS:
-        raise ModelLoadError(f"unsupported hidden_act {config['hidden_act']!r} (supported: silu)")
-    refs = scan_checkpoint(folder)  # (a folder without weights says so before its config's keys are read)
-    try:
-        check_sizes(config)
-        check_top_k(family, config)
-        model = family.build(config)
-        handles = expert_handles(family, model.moe_layers, config, refs, fp8_block)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"config.json of {folder} is missing or has a bad value for {e}") from None
+    raw = read_config(folder)
+    family = family_of(raw["model_type"])
+    config = family.config_class.from_dict(raw)
+    fp8_block = check_quantization(config.quantization_config, family.quantized)
+    compute = checkpoint_dtype(config) if dtype == "auto" else dtype
+    assert isinstance(compute, torch.dtype)
+    refs = scan_checkpoint(folder)
+    model = family.build(config)
+    handles = expert_handles(family, config, model.moe_layers, refs, fp8_block)
     # (a fused checkpoint's stacked tensor starts where its first expert's slice does)
     expert_starts = {(ref.path, ref.offset) for hs in handles.values() for h in hs for ref in h.tensors.values()}
-    skip = getattr(family, "ignored", lambda config, name: False)
     dense = {
         name: ref
         for name, ref in refs.items()
-        if (ref.path, ref.offset) not in expert_starts and not skip(config, name)
+        if (ref.path, ref.offset) not in expert_starts and not family.ignored(config, name)
     }
-    load_dense(model, family, dense, dtype, fp8_block)
-    tokenizer = Tokenizer(folder, read_eos_ids(folder, config))
+    load_dense(model, family, dense, compute, fp8_block)
+    tokenizer = Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
-    lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, dtype), dtype)
+    lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
     if compile:
         lm.enable_compile()
     return lm
 
 
-def check_quantization(config: dict[str, object], readable: tuple[str, ...] = ()) -> tuple[int, int] | None:
+def check_quantization(quant: dict[str, Any] | None, readable: tuple[str, ...] = ()) -> tuple[int, int] | None:
     """The block of a float8 checkpoint's weight scales (DeepSeek's, Qwen's, GLM's and MiniMax's FP8 releases:
     `quant_method` "fp8", e4m3 weights, `weight_block_size`, activations quantized on the fly, which moelane does
     not: it computes with the weights expanded to the compute dtype, as transformers does without a GPU), or None.
     Other checkpoints quantized by another tool (GPTQ, AWQ, bitsandbytes, per-tensor FP8: config.json's
     `quantization_config`) are refused in one line, before their packed tensors fail as missing or odd ones; except
     the `readable` methods, whose experts the family reads (gpt-oss: mxfp4)."""
-    quant = config.get("quantization_config")
     if quant is None:
         return None
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    method = quant.get("quant_method", "unknown")
     if method in readable:
         return None
-    if method == "fp8" and isinstance(quant, dict):
+    if method == "fp8":
         block = quant.get("weight_block_size")
-        fine = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
         e4m3 = quant.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn")  # (MiniMax's spelling of the same format)
-        if fine and e4m3 and quant.get("activation_scheme", "dynamic") == "dynamic":
-            return block[0], block[1]  # type: ignore[index]
+        dynamic = quant.get("activation_scheme", "dynamic") == "dynamic"
+        fine = isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+        if isinstance(block, list) and fine and e4m3 and dynamic:
+            return block[0], block[1]
         raise ModelLoadError(f"fp8 checkpoints are read with e4m3 weights in blocks of scales only "
                              f"(weight_block_size), got {json.dumps(quant)[:200]}")  # fmt: skip
     raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: {method}); use the "
@@ -151,61 +107,38 @@ def check_quantization(config: dict[str, object], readable: tuple[str, ...] = ()
                          "itself (--default-tier int8 or int4)")  # fmt: skip
 
 
-def checkpoint_dtype(config: dict[str, object]) -> torch.dtype:
+def checkpoint_dtype(config: Config) -> torch.dtype:
     """The dtype "auto" computes in: bfloat16 for a checkpoint saved in bfloat16 (config.json's `dtype`, or
     `torch_dtype` as transformers 4 wrote it), float32 otherwise (float16 checkpoints too: half-precision matrix
     products are slow or missing on CPUs). A config's `moelane_compute_dtype` overrides that: the shipped models are
     stored in bfloat16 for size but were trained, and are meant to run, in float32."""
-    meant = config.get("moelane_compute_dtype")
-    saved = meant if meant in ("float32", "bfloat16") else config.get("dtype") or config.get("torch_dtype")
+    meant = config.moelane_compute_dtype
+    saved = meant if meant in ("float32", "bfloat16") else config.dtype
     return torch.bfloat16 if saved == "bfloat16" else torch.float32
 
 
-def check_sizes(config: dict[str, object]) -> None:
-    """The sizes every family needs are whole numbers >= 1 (0 layers would load a model that computes nothing)."""
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):
-        value = config.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelLoadError(f"config.json: {key} must be a whole number >= 1, got {value!r}")
-
-
-def check_top_k(family: ModuleType, config: dict[str, object]) -> None:
-    """A model with experts routes each token to 1..n_experts of them (0 or more would fail only at the first pass)."""
-    n_experts, top_k = int(family.n_experts(config)), config.get("num_experts_per_tok")
-    if n_experts > 0 and (not isinstance(top_k, int) or not 1 <= top_k <= n_experts):
-        raise ModelLoadError(f"num_experts_per_tok must be 1 to the {n_experts} experts, got {top_k}")
-
-
 def expert_handles(
-    family: ModuleType,
+    family: Family[Any],
+    config: Config,
     moe_layers: list[int],
-    config: dict[str, object],
     refs: dict[str, TensorRef],
     fp8_block: tuple[int, int] | None = None,
 ) -> dict[int, list[ExpertHandle]]:
-    if not moe_layers:  # (a config of dense layers only need not say how wide its experts would be)
-        return {}
-    n_experts = int(family.n_experts(config))
-    find = getattr(family, "find_experts", None)
     handles: dict[int, list[ExpertHandle]] = {}
     for layer in moe_layers:
         prefix = family.expert_prefix(layer)
-        if find:
-            found = find(refs, prefix, n_experts)
-        else:
-            found = find_expert_handles(refs, prefix, n_experts, family.EXPERT_NAMES, fp8_block)
+        found = family.find_experts(refs, prefix, config.n_experts, fp8_block)
         if found is None:
-            raise ModelLoadError(f"checkpoint has no experts for MoE layer {layer} ({family.expert_prefix(layer)}.*)")
+            raise ModelLoadError(f"checkpoint has no experts for MoE layer {layer} ({prefix}.*)")
         handles[layer] = found
-    check_expert_shapes(family, config, handles)
+    check_expert_shapes(config, handles)
     return handles
 
 
-def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: dict[int, list[ExpertHandle]]) -> None:
-    hidden, width = int(config["hidden_size"]), int(family.expert_width(config))  # type: ignore[call-overload]
+def check_expert_shapes(config: Config, handles: dict[int, list[ExpertHandle]]) -> None:
     for layer_handles in handles.values():
         for h in layer_handles:
-            expect = expected_shapes(h.layout, hidden, width, h.block)
+            expect = expected_shapes(h.layout, config.hidden_size, config.moe_width, h.block)
             for name, ref in h.tensors.items():
                 if ref.dtype.startswith("F8") and h.layout != "fp8":
                     raise ModelLoadError(f"expert {h.expert} of layer {h.layer}: float8 {name} weights without "
@@ -218,19 +151,18 @@ def check_expert_shapes(family: ModuleType, config: dict[str, object], handles: 
 
 
 def load_dense(
-    model: Decoder, family: ModuleType, refs: dict[str, TensorRef], dtype: torch.dtype,
+    model: Decoder, family: Family[Any], refs: dict[str, TensorRef], dtype: torch.dtype,
     fp8_block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     """Read the dense tensors one at a time straight into the model's parameters (peak memory: the model plus one
     tensor, not a second copy of every weight); float8 weights expanded with their scales (`fp8_block`)."""
-    if hasattr(family, "sanitize"):
-        refs = family.sanitize(refs)  # renames only
+    refs = family.sanitize(refs)  # renames only
     scales = {
         name.removesuffix("_scale_inv"): refs.pop(name) for name in list(refs) if name.endswith(".weight_scale_inv")
     }
     model.to(dtype)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(getattr(family, "KEEP_FP32", ())):
+        if name.endswith(family.keep_fp32):
             tensor.data = tensor.data.float()
     own = model.state_dict()
     for name, ref in refs.items():

@@ -1,334 +1,136 @@
-"""Router and expert dispatch: route first, then ask the provider for the experts' pool slots, then compute.
+"""The MoE block every family uses: route, record the routing, run the experts through the provider, add the shared
+expert, combine.
 
-The block never loads an expert: `provider.slots(layer, ids)` makes the routed experts resident and names their pool
-slots, `provider.weights(layer)` hands over the pool tensors, and the block gathers by slot. A provider with
-`slots_staged` (the pager's store) names the slots before the misses have loaded; eager dispatch then computes the
-resident experts first and waits only before the late ones (`dispatch_staged`), so a miss's read overlaps compute.
+    weights, ids = router(x, gate)                 # [T, K]: which experts, and how much each counts
+    routing.append((ids, weights))                 # for the routing observers, after the pass
+    out = run_experts(x, layer, ids, weights, provider, act, expert_bias)
+    out = out + shared_gate(x) * shared(x)         # where the family has a shared expert (and gates it)
 
-In both dispatch paths a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
-- eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
-  would (one grouped product over the slots' range, or one product per used slot where they are sparse);
-- compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
-  pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
+A family supplies only what differs: its router (`routers.py`, or its own), whether a pair's input is its row scaled
+by its weight (Llama 4) rather than its output, the experts' activation and biases (gpt-oss), its shared expert and
+that expert's gate (Qwen2-MoE), and the checkpoint's names for all of these (`Names`), under which the block registers
+its tensors, so dense weights load with no renaming. The block holds no expert weights: they live in the provider's
+pools, and `experts.run_experts` is the one place they are computed.
 
-An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
-family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows, `GptOssMoe.act`), and the biases, where a
-family has them (gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not
-paged. The pairs' biases (`PairBias`) ride along with the pairs into whichever dispatch path runs. A pair's input
-`x` is its token's row [T, H], or one row per pair [T, K, H] where a family scales the input rather than the output
-(Llama 4: its router's score times the row, the outputs then summed with weights of 1).
+`route(x)` is the router alone: the pager's look-ahead applies a later block's `route` to an earlier layer's input.
 
-Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
+Shape alphabet: T tokens, K top-k, E experts, H hidden, I expert width.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from moelane.model.layers import MLP, TILE, linear, pointwise, silu_mul
+from moelane.model.experts import Act, run_experts, swiglu
+from moelane.model.layers import MLP, linear, pointwise
 from moelane.model.provider import ExpertProvider
+from moelane.model.routers import Gate, Router
+
+Routing = list[tuple[torch.Tensor, torch.Tensor]]  # each MoE layer's (ids, weights) [T, K], in layer order
 
 
-def softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, keep the top k; renormalise them to sum 1 when `norm`. -> (weights, ids) [T, K]."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if norm:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+class Names(NamedTuple):
+    """Where the block's tensors are, as the checkpoint names them below the block (dotted paths)."""
+
+    gate: str = "gate"  # the router: its `weight` [E, H], and `bias` [E] when `gate_bias`
+    gate_bias: bool = False
+    score_bias: str | None = None  # [E], added to the router's scores when choosing (`routers.Gate.score_bias`)
+    shared: str = "shared_experts"  # the shared expert, when the block has one
+    shared_gate: str | None = None  # its `weight` [1, H]: the shared expert's output times sigmoid(x @ w.T) (Qwen2-MoE)
+    expert_bias: tuple[str, str] | None = None  # the experts' biases, b13 [E, 2I] and b2 [E, H] (gpt-oss)
 
 
-def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top k logits, softmaxed over those k alone (in the logits' dtype) -> (weights, ids) [T, K]."""
-    top, ids = torch.topk(logits, k, dim=-1)
-    return torch.softmax(top, dim=-1), ids
+SCORED = Names(score_bias="gate.e_score_correction_bias")  # DeepSeek-V3's: the score bias inside the router
 
 
-# The sigmoid router's tensors, kept in fp32 whatever the model's dtype, as transformers keeps them (a family's
-# `KEEP_FP32`): its score bias decides near-ties between experts.
-ROUTER_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+def shared_experts(hidden: int, n_shared: int | None, width: int, bias: bool = False) -> MLP | None:
+    """DeepSeek's shared experts: `n_shared` experts of `width` as one always-on MLP (none: None)."""
+    return MLP(hidden, n_shared * width, bias) if n_shared else None
 
 
-class Router(nn.Module):
-    """A sigmoid router's weight and the per-expert bias added to its scores when choosing (GLM, DeepSeek-V3),
-    under the checkpoints' names: `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`."""
+def place(module: nn.Module, path: str, value: nn.Module | torch.Tensor) -> None:
+    """Register `value` (a module, a parameter or a buffer) at the dotted `path` below `module`, with empty modules
+    on the way where there are none yet."""
+    *owners, name = path.split(".")
+    for owner in owners:
+        if not isinstance(getattr(module, owner, None), nn.Module):
+            module.add_module(owner, nn.Module())
+        module = module.get_submodule(owner)
+    setattr(module, name, value)
 
-    def __init__(self, hidden: int, n_experts: int) -> None:
+
+def at(module: nn.Module, path: str) -> Any:
+    """The module, parameter or buffer at the dotted `path` below `module`."""
+    found: Any = module
+    for name in path.split("."):
+        found = getattr(found, name)
+    return found
+
+
+class MoeBlock(nn.Module):
+    """Routed experts, and an always-on shared expert where `shared` is given."""
+
+    def __init__(
+        self,
+        hidden: int,
+        n_experts: int,
+        router: Router,
+        *,
+        names: Names = Names(),
+        shared: nn.Module | None = None,
+        act: Act = swiglu,
+        expert_width: int = 0,
+        scale_inputs: bool = False,
+        score_bias_shape: tuple[int, ...] | None = None,
+    ) -> None:
+        """`expert_width`: for the experts' biases only; `scale_inputs`: each pair's input is its row times its
+        weight, and the outputs are summed unweighted (Llama 4); `score_bias_shape`: where the checkpoint stores the
+        score bias otherwise than [E] (ERNIE: [1, E])."""
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
-        self.e_score_correction_bias = nn.Buffer(torch.zeros(n_experts))
+        # (the router is `rule` here: "router" and "gate" are checkpoints' names of the block's tensors)
+        self.rule, self.names, self.act, self.scale_inputs = router, names, act, scale_inputs
+        place(self, f"{names.gate}.weight", nn.Parameter(torch.zeros(n_experts, hidden)))
+        if names.gate_bias:
+            place(self, f"{names.gate}.bias", nn.Parameter(torch.zeros(n_experts)))
+        if names.score_bias is not None:
+            place(self, names.score_bias, nn.Buffer(torch.zeros(score_bias_shape or (n_experts,))))
+        self.has_shared = shared is not None
+        if shared is not None:
+            place(self, names.shared, shared)
+        if names.shared_gate is not None:
+            place(self, f"{names.shared_gate}.weight", nn.Parameter(torch.zeros(1, hidden)))
+        if names.expert_bias is not None:
+            b13, b2 = names.expert_bias
+            place(self, b13, nn.Parameter(torch.zeros(n_experts, 2 * expert_width)))
+            place(self, b2, nn.Parameter(torch.zeros(n_experts, hidden)))
 
-
-def biased_group_topk(
-    scores: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid scores [T, E] -> (weights, ids) [T, K]: the k experts of best `scores + bias` within the `topk_group`
-    groups whose two best biased scores sum highest; weights are the scores themselves, without the bias."""
-    choice = scores + bias
-    if n_group > 1:
-        n_tokens, n_experts = choice.shape
-        per_group = choice.view(n_tokens, n_group, n_experts // n_group)
-        best = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, torch.topk(best, topk_group, dim=-1).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(n_experts // n_group, dim=1), float("-inf"))
-    ids = torch.topk(choice, k, dim=-1).indices
-    return scores.gather(1, ids), ids
-
-
-def sigmoid_route(
-    x: torch.Tensor, router: Router, k: int, n_group: int, topk_group: int, norm: bool, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM's and DeepSeek-V3's routing ("noaux_tc") of rows x [T, H] -> (weights, ids) [T, K]: sigmoid scores of a
-    router in fp32 (as the reference computes it), the experts chosen by `biased_group_topk`, their weights
-    renormalised to sum 1 when `norm`, then scaled by `scaling`."""
-    scores = pointwise(torch.sigmoid, linear(x.float(), router.weight.float()))
-    weights, ids = biased_group_topk(scores, router.e_score_correction_bias.float(), k, n_group, topk_group)
-    if norm:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
-
-
-class SigmoidMoe(nn.Module):
-    """GLM-4.5's and DeepSeek-V3's MoE block: routed experts chosen by `sigmoid_route` (the router `gate`, with its
-    score bias), plus an always-on shared expert MLP of `n_shared_experts * moe_intermediate_size`. Reads the
-    config's routing keys as they are: a family fills its own defaults in first."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        hidden, width = config["hidden_size"], config["moe_intermediate_size"]
-        n_experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
-        self.gate = Router(hidden, n_experts)
-        n_shared = int(config.get("n_shared_experts") or 0)
-        self.shared_experts = MLP(hidden, n_shared * width) if n_shared else None
-        self.top_k = config["num_experts_per_tok"]
-        self.n_group, self.topk_group = config.get("n_group") or 1, config.get("topk_group") or 1
-        self.norm = bool(config.get("norm_topk_prob"))
-        self.scaling = float(config.get("routed_scaling_factor") or 1.0)
+    def gate_tensors(self) -> Gate:
+        names = self.names
+        bias = at(self, f"{names.gate}.bias") if names.gate_bias else None
+        score_bias = None if names.score_bias is None else at(self, names.score_bias)
+        return Gate(at(self, f"{names.gate}.weight"), bias, score_bias)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sigmoid_route(x, self.gate, self.top_k, self.n_group, self.topk_group, self.norm, self.scaling)
+        """Rows x [T, H] -> (weights, ids) [T, K]."""
+        return self.rule(x, self.gate_tensors())
 
-    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: list[Any]) -> torch.Tensor:
-        weights, ids = self.route(x)
+    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H]; appends this layer's (ids, weights) to `routing`."""
+        weights, ids = self.route(x)  # [T, K]
         routing.append((ids, weights))
-        out = run_experts(x, layer, ids, weights, provider)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-
-def check_groups(n_experts: int, k: int, n_group: int, topk_group: int) -> None:
-    """The group limits `biased_group_topk` can apply, or a ModelLoadError naming them."""
-    from moelane.errors import ModelLoadError
-
-    if n_group > 1 and (n_experts % n_group or n_experts // n_group < 2 or not 1 <= topk_group <= n_group):
-        raise ModelLoadError(
-            f"group routing needs n_group dividing the {n_experts} experts into groups of 2 or more and "
-            f"1 <= topk_group <= n_group, got n_group={n_group}, topk_group={topk_group}"
-        )
-    if n_group > 1 and k > topk_group * (n_experts // n_group):
-        raise ModelLoadError(f"num_experts_per_tok {k} exceeds the experts of the {topk_group} groups kept")
-
-
-Act = Callable[[torch.Tensor], torch.Tensor]  # gate_up [..., 2I] -> [..., I], batch-invariant
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over an expert's gate rows then up rows: `silu(gate) * up`."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return silu_mul(gate, up)
-
-
-class PairBias(NamedTuple):
-    """The biases of P (token, expert) pairs, in pair order: b13 [P, 2I] after gate_up, b2 [P, H] after down."""
-
-    b13: torch.Tensor
-    b2: torch.Tensor
-
-    def take(self, pairs: torch.Tensor) -> PairBias:
-        return PairBias(self.b13[pairs], self.b2[pairs])
-
-
-def pair_bias(bias: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor) -> PairBias | None:
-    """Per-expert biases (b13 [E, 2I], b2 [E, H]) looked up for the pairs of ids [T, K], or None."""
-    if bias is None:
-        return None
-    flat = ids.reshape(-1)
-    return PairBias(bias[0][flat], bias[1][flat])
-
-
-def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert's SwiGLU on rows x [n, H]; w13 [2I, H], w2 [H, I]."""
-    return linear(swiglu(linear(x, w13)), w2)
-
-
-def dispatch(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    act: Act = swiglu,
-    bias: PairBias | None = None,
-) -> torch.Tensor:
-    """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H] (or [T, K, H]: `pair_rows`); slots,
-    weights [T, K]."""
-    if torch.compiler.is_compiling():
-        y = gathered(x, slots, w13, w2, act, bias)
-        return weighted_sum(y.reshape(-1, y.shape[-1]), weights)
-    rows, rows_of = pair_rows(x, slots.shape[1])
-    return weighted_sum(grouped(rows, rows_of, slots.reshape(-1), w13, w2, act, bias), weights)
-
-
-def pair_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows the pairs read, and each pair's row [T * K]: x [T, H], pair t * K + k reads row t; or x [T, K, H],
-    each pair its own row."""
-    if x.dim() == 3:
-        return x.flatten(0, 1), torch.arange(x.shape[0] * k)
-    return x, torch.arange(x.shape[0] * k) // k
-
-
-def gathered(
-    x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act, bias: PairBias | None
-) -> torch.Tensor:
-    """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
-    reductions over the input dim (the compiler reads them in place, no copy). x [T, H] or [T, K, H]; slots [T, K]
-    -> [T, K, H]."""
-    rows = x[:, None, None, :] if x.dim() == 2 else x[:, :, None, :]  # [T, 1 or K, 1, H]
-    gate_up = (rows * w13[slots]).sum(-1)  # [T, K, 2I]
-    if bias is not None:
-        gate_up = gate_up + bias.b13.view(*slots.shape, -1)
-    out = (act(gate_up)[:, :, None, :] * w2[slots]).sum(-1)
-    return out if bias is None else out + bias.b2.view(*slots.shape, -1)
-
-
-def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Sum over k of weights[t, k] * y[t * K + k], in a fixed order: the same for every row, whatever the batch.
-    y [T * K, H] in pair order; weights [T, K]. In the wider of the two dtypes, rounded to y's once: fp32 router
-    weights weigh bf16 expert outputs in fp32, as transformers (5.x) does, not rounded to bf16 first."""
-    n_tokens, k = weights.shape
-    return (y.view(n_tokens, k, -1) * weights[..., None]).sum(dim=1).to(y.dtype)
-
-
-def grouped(
-    x: torch.Tensor,
-    rows_of: torch.Tensor,
-    flat: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    act: Act = swiglu,
-    bias: PairBias | None = None,
-) -> torch.Tensor:
-    """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order.
-
-    Pairs are grouped by slot (in pair order within a slot) and each used slot's rows padded to whole tiles (zero
-    rows), so every slot's group is a matrix of TILE-multiple rows that meets its expert in one matrix product, as
-    `linear` would compute it (tested bit for bit). Where the used slots are dense in their range, one
-    `torch._grouped_mm` over the range computes them all; it visits empty groups too (~2 us each here), so sparse
-    slots (a decode step's few experts in a big pager pool), and experts whose widths `torch._grouped_mm` does not
-    take, are computed one slot at a time instead (the same bits: tested). A pair's result
-    does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late
-    ones). The layout is worked out on Python lists: a pass has at most a few thousand pairs, and a dozen small
-    tensor ops cost more than that loop at decode sizes."""
-    pair_rows, pad_row = rows_of.tolist(), x.shape[0]  # pads read the zero row appended to x
-    by_slot: dict[int, list[int]] = {}
-    for p, slot in enumerate(flat.tolist()):
-        by_slot.setdefault(slot, []).append(p)
-    used = sorted(by_slot)
-    rows: list[int] = []
-    dest = [0] * len(pair_rows)  # padded row of each pair
-    bounds, sizes = [], []
-    for slot in used:
-        for p in by_slot[slot]:
-            dest[p] = len(rows)
-            rows.append(pair_rows[p])
-        n = len(by_slot[slot])
-        rows.extend([pad_row] * (-n % TILE))
-        sizes.append(n + -n % TILE)
-        bounds.append(len(rows))
-    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.tensor(rows)]
-    at = torch.tensor(dest)
-    lo, hi = used[0], used[-1]
-    # (torch._grouped_mm takes rows of whole 16-byte multiples only: a bf16 hidden or expert width of 36 it refuses)
-    aligned = all(n * w13.element_size() % 16 == 0 for n in (w13.shape[2], w2.shape[2]))
-    if aligned and 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
-        per_group = [0] * (hi - lo + 1)
-        for slot, size in zip(used, sizes, strict=True):
-            per_group[slot - lo] = size
-        offs = torch.tensor(per_group).cumsum(0).to(torch.int32)
-        w13, w2 = w13[lo : hi + 1].transpose(1, 2), w2[lo : hi + 1].transpose(1, 2)
-        gate_up = torch._grouped_mm(xs, w13, offs=offs)
-        out = torch._grouped_mm(act(add_at(gate_up, at, bias)), w2, offs=offs)
-    else:
-        gate_up = per_slot(xs, w13.transpose(1, 2), used, bounds)
-        out = per_slot(act(add_at(gate_up, at, bias)), w2.transpose(1, 2), used, bounds)
-    return out[at] if bias is None else out[at] + bias.b2
-
-
-def add_at(y: torch.Tensor, at: torch.Tensor, bias: PairBias | None) -> torch.Tensor:
-    """y with each pair's b13 added at its padded row `at[p]` (pad rows untouched); y itself when no bias."""
-    if bias is None:
-        return y
-    return y.index_put((at,), bias.b13, accumulate=True)
-
-
-def per_slot(xs: torch.Tensor, wt: torch.Tensor, used: list[int], bounds: list[int]) -> torch.Tensor:
-    """Rows bounds[g-1]:bounds[g] of xs times wt[used[g]], for each used slot g. wt [S, in, out] (transposed)."""
-    out = xs.new_empty(xs.shape[0], wt.shape[2])
-    first = 0
-    for slot, end in zip(used, bounds, strict=True):
-        torch.mm(xs[first:end], wt[slot], out=out[first:end])
-        first = end
-    return out
-
-
-def dispatch_staged(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    pending: torch.Tensor,
-    weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    wait: Callable[[], None],
-    act: Act = swiglu,
-    bias: PairBias | None = None,
-) -> torch.Tensor:
-    """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
-    `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
-    rows, rows_of = pair_rows(x, slots.shape[1])
-    flat, late = slots.reshape(-1), pending.reshape(-1)
-    pairs = torch.arange(flat.numel())
-    y = x.new_empty(flat.numel(), x.shape[-1])
-    early = pairs[~late]
-    if early.numel():
-        y[early] = grouped(rows, rows_of[early], flat[early], w13, w2, act, None if bias is None else bias.take(early))
-    wait()
-    late_pairs = pairs[late]
-    if late_pairs.numel():
-        y[late_pairs] = grouped(rows, rows_of[late_pairs], flat[late_pairs], w13, w2, act,
-                                None if bias is None else bias.take(late_pairs))  # fmt: skip
-    return weighted_sum(y, weights)
-
-
-def run_experts(
-    x: torch.Tensor,
-    layer: int,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    provider: ExpertProvider,
-    act: Act = swiglu,
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The routed experts' weighted sum for rows x [T, H] (or one input per pair, [T, K, H]); `bias`: per-expert
-    (b13 [E, 2I], b2 [E, H]) or None."""
-    staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
-    slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
-    w13, w2 = provider.weights(layer)
-    pairs = pair_bias(bias, ids)
-    if pending is None or wait is None:
-        return dispatch(x, slots, weights, w13, w2, act, pairs)
-    return dispatch_staged(x, slots, pending, weights, w13, w2, wait, act, pairs)
+        inputs = x
+        if self.scale_inputs:
+            inputs = x[:, None, :] * weights.to(x.dtype)[..., None]  # [T, K, H]: each pair's own input
+            weights = torch.ones_like(weights)
+        bias = None if self.names.expert_bias is None else (at(self, self.names.expert_bias[0]),
+                                                            at(self, self.names.expert_bias[1]))  # fmt: skip
+        out = run_experts(inputs, layer, ids, weights, provider, self.act, bias)
+        if not self.has_shared:
+            return out
+        shared: torch.Tensor = at(self, self.names.shared)(x)
+        if self.names.shared_gate is not None:
+            shared = pointwise(torch.sigmoid, linear(x, at(self, f"{self.names.shared_gate}.weight"))) * shared
+        return out + shared

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from moelane.model.loader import ExpertHandle, read_expert
+from moelane.model.checkpoint import ExpertHandle, read_expert
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 from moelane.errors import InputError, ModelLoadError, PromptTooLong
-from moelane.model.loader import read_json
+from moelane.model.checkpoint import read_json
 
 # A prompt text longer than this many characters per context token is measured by its head first (`encode_prompt`):
 # tokenising a megabyte takes seconds (and holds the GIL: a server's streams would stall) only to refuse it.

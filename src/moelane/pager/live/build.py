@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from moelane.model.loader import ExpertHandle
+from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.pager.live.memory import MemorySpec, available_memory, format_bytes
 from moelane.pager.live.stats import format_counts

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
+from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 
 log = logging.getLogger(__name__)

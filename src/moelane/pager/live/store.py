@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from moelane.errors import MoelaneError
-from moelane.model.loader import ExpertHandle
+from moelane.model.checkpoint import ExpertHandle
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
 from moelane.pager.live.slots import LOADING, READY, IntArray, SlotTable
 from moelane.pager.live.stats import PagerStats

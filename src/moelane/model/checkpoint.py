@@ -15,6 +15,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -134,10 +135,10 @@ def read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def read_eos_ids(folder: Path, config: dict[str, Any]) -> frozenset[int]:
+def read_eos_ids(folder: Path, config: Mapping[str, Any]) -> frozenset[int]:
     """EOS ids from generation_config.json, else config.json; an int or a list in either."""
     ids: set[int] = set()
-    sources = [config]
+    sources: list[Mapping[str, Any]] = [config]
     gen = folder / "generation_config.json"
     if gen.is_file():
         sources.insert(0, read_json(gen, "generation_config.json"))
@@ -389,3 +390,16 @@ def find_expert_handles(
                 tensors[name] = refs[key]
         handles.append(ExpertHandle(layer, e, tensors, layout, block))
     return handles
+
+
+FUSED_NAMES = {"gate_up": "gate_up_proj", "down": "down_proj"}
+MXFP4_NAMES = {"gate_up_blocks": "gate_up_proj_blocks", "gate_up_scales": "gate_up_proj_scales",
+               "down_blocks": "down_proj_blocks", "down_scales": "down_proj_scales"}  # fmt: skip
+
+
+def fused_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> list[ExpertHandle] | None:
+    """A layer's experts stored fused as transformers saves gpt-oss's and Llama 4's (`gate_up_proj` [E, H, 2I],
+    `down_proj` [E, I, H]: layout "transposed"), or as gpt-oss is released, in MXFP4 (layout "mxfp4")."""
+    mxfp4 = stacked_experts(refs, prefix, MXFP4_NAMES, n_experts, "mxfp4")
+    return mxfp4 or stacked_experts(refs, prefix, FUSED_NAMES, n_experts, "transposed")
+

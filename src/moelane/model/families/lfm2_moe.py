@@ -1,7 +1,7 @@
 """LFM2-MoE (LFM2-8B-A1B): a hybrid of short gated convolutions and GQA attention layers (`layer_types`: "conv" or
 "full_attention"), dense feed-forward layers below `num_dense_layers`, then MoE layers with a sigmoid router whose
 choice adds a per-expert bias (`expert_bias`, when `use_expert_bias`), weights renormalised (`norm_topk_prob`) and
-scaled (`routed_scaling_factor`). Attention has per-head q/k RMSNorm and no biases.
+scaled (`routed_scaling_factor`), all in the model's dtype. Attention has per-head q/k RMSNorm and no biases.
 
 A conv layer computes `B, C, x = in_proj(h)`, a depthwise causal convolution of `B * x` over the last
 `conv_L_cache` positions (summed in fp32 and rounded once, as `F.conv1d` in the reference), then
@@ -17,6 +17,7 @@ norms, `feed_forward` the MLP, a layer's `conv` (or `self_attn`) its mixer, `emb
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -24,14 +25,13 @@ from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.attention import Attention, Batch, row_slots
-from moelane.model.decoder import Decoder, DenseMlp, Routing, attention_heads, config_get
-from moelane.model.layers import Rope, linear, pointwise, rope_parameters
-from moelane.model.loader import renamed
-from moelane.model.moe import biased_group_topk, run_experts
-from moelane.model.provider import ExpertProvider
-
-EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
-KEEP_FP32 = ("mlp.expert_bias",)  # (as transformers keeps it: it decides near-ties between experts)
+from moelane.model.checkpoint import renamed
+from moelane.model.config import Config, key
+from moelane.model.decoder import Decoder
+from moelane.model.family import W1_W3_W2, Family
+from moelane.model.layers import linear
+from moelane.model.moe import MoeBlock, Names
+from moelane.model.routers import SigmoidTopK
 
 T = TypeVar("T")
 RENAMES = [
@@ -49,13 +49,40 @@ RENAMES = [
 ]
 
 
-def expert_prefix(layer: int) -> str:
-    return f"model.layers.{layer}.feed_forward.experts"
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lfm2MoeConfig(Config):
+    rms_norm_eps: float = key("norm_eps", default=1e-5, low=0)
+    max_position_embeddings: int = key(default=128000, low=1)
+    tie_word_embeddings: bool = key("tie_word_embeddings", "tie_embedding", default=True)
+    rope_theta: float = 1e6
+    n_experts: int = key("num_experts", "num_local_experts", low=1)
+    top_k: int | None = key("num_experts_per_tok", default=None)
+    expert_width: int | None = key("moe_intermediate_size", default=None, low=1)
+    use_expert_bias: bool = True
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    num_dense_layers: int = key(default=2, low=0)
+    conv_L_cache: int = key(default=3, low=1)
+    conv_bias: bool = False
+    layer_types: list[str] | None = None
+    full_attn_idxs: list[int] | None = None  # (LFM2's older spelling of layer_types)
 
+    def check(self) -> None:
+        self.kinds()
 
-def sanitize(weights: dict[str, T]) -> dict[str, T]:
-    """Checkpoint names -> ours (values untouched)."""
-    return renamed(weights, RENAMES)
+    def moe_layers(self) -> list[int]:
+        return list(range(self.num_dense_layers, self.num_hidden_layers))
+
+    def kinds(self) -> list[str]:
+        n_layers, types = self.num_hidden_layers, self.layer_types
+        if types is None and self.full_attn_idxs is not None:
+            types = ["full_attention" if i in self.full_attn_idxs else "conv" for i in range(n_layers)]
+        if types is None or len(types) != n_layers:
+            raise ModelLoadError(f"lfm2_moe needs layer_types, one per layer ({n_layers}), got {types!r}")
+        unknown = sorted(set(types) - {"conv", "full_attention"})
+        if unknown:
+            raise ModelLoadError(f"unknown layer_types {unknown} (lfm2_moe has conv and full_attention layers)")
+        return types
 
 
 class ShortConv(nn.Module):
@@ -110,90 +137,41 @@ def recall(
     return torch.where((at >= 0)[..., None], got, torch.zeros((), dtype=got.dtype)).to(bx.dtype)
 
 
-class LfmMoe(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__()
-        hidden, n_experts = config["hidden_size"], int(config_get(config, "num_experts", "num_local_experts"))
-        self.gate = nn.Linear(hidden, n_experts, bias=False)
-        self.expert_bias = nn.Buffer(torch.zeros(n_experts)) if config.get("use_expert_bias", True) else None
-        self.top_k = config["num_experts_per_tok"]
-        self.norm = bool(config.get("norm_topk_prob", True))
-        self.scaling = float(config.get("routed_scaling_factor") or 1.0)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, self.gate.weight)
-        scores = pointwise(torch.sigmoid, logits)
-        if self.expert_bias is None:
-            weights, ids = torch.topk(scores, self.top_k, dim=-1)
-        else:  # chosen by the biased scores, weighted by the scores themselves
-            weights, ids = biased_group_topk(scores, self.expert_bias, self.top_k, 1, 1)
-        if self.norm:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        return weights * self.scaling, ids
-
-    def forward(self, x: torch.Tensor, layer: int, provider: ExpertProvider, routing: Routing) -> torch.Tensor:
-        weights, ids = self.route(x)
-        routing.append((ids, weights))
-        return run_experts(x, layer, ids, weights, provider)
-
-
 class LfmDecoder(Decoder):
     """The shared decoder with a cache shape per layer: conv layers keep one hidden vector per position."""
 
-    def __init__(self, *args: Any, conv_layers: list[int], hidden: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._conv_layers, self._hidden = conv_layers, hidden
+    def __init__(self, config: Lfm2MoeConfig, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._conv_layers = [i for i, kind in enumerate(config.kinds()) if kind == "conv"]
+        self._hidden = config.hidden_size
 
     def cache_shapes(self) -> dict[int, tuple[int, int, int]]:
         shapes = super().cache_shapes()
         return {i: (1, self._hidden, 1) if i in self._conv_layers else shape for i, shape in shapes.items()}
 
 
-def layer_types(config: dict[str, Any]) -> list[str]:
-    n_layers = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if types is None and config.get("full_attn_idxs") is not None:  # (LFM2's older spelling)
-        types = ["full_attention" if i in config["full_attn_idxs"] else "conv" for i in range(n_layers)]
-    if not isinstance(types, list) or len(types) != n_layers:
-        raise ModelLoadError(f"lfm2_moe needs layer_types, one per layer ({n_layers}), got {types!r}")
-    unknown = sorted(set(types) - {"conv", "full_attention"})
-    if unknown:
-        raise ModelLoadError(f"unknown layer_types {unknown} (lfm2_moe has conv and full_attention layers)")
-    return types
+class Lfm2Moe(Family[Lfm2MoeConfig]):
+    config_class = Lfm2MoeConfig
+    expert_names = W1_W3_W2
+    keep_fp32 = ("mlp.expert_bias",)  # (as transformers keeps it: it decides near-ties between experts)
+
+    def expert_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.feed_forward.experts"
+
+    def sanitize(self, weights: dict[str, T]) -> dict[str, T]:
+        return renamed(weights, RENAMES)
+
+    def build(self, config: Lfm2MoeConfig) -> Decoder:
+        c, kinds = config, config.kinds()
+        router = SigmoidTopK(c.k, c.norm_topk_prob, c.routed_scaling_factor, eps=1e-6, precision="model")
+        names = Names(score_bias="expert_bias" if c.use_expert_bias else None)
+
+        def attention(i: int) -> nn.Module:
+            if kinds[i] == "conv":
+                return ShortConv(c.hidden_size, c.conv_L_cache, c.conv_bias)
+            return Attention.of(c, qk_norm="head")
+
+        return LfmDecoder(c, attention, c.rope(), moe=lambda: MoeBlock(c.hidden_size, c.n_experts, router, names=names))
 
 
-def build(config: dict[str, Any]) -> Decoder:
-    hidden, eps = config["hidden_size"], config.get("norm_eps", 1e-5)
-    n_heads, n_kv, head_dim = attention_heads(config)
-    n_layers = config["num_hidden_layers"]
-    types = layer_types(config)
-    kernel = int(config.get("conv_L_cache", 3))
-    if kernel < 1:
-        raise ModelLoadError(f"conv_L_cache must be >= 1, got {kernel}")
-    n_dense = int(config.get("num_dense_layers", 2))
-    moe_layers = [i for i in range(n_layers) if i >= n_dense]
-
-    def make_attention(i: int) -> nn.Module:
-        if types[i] == "conv":
-            return ShortConv(hidden, kernel, bool(config.get("conv_bias")))
-        return Attention(hidden, n_heads, n_kv, head_dim, qk_norm="head", eps=eps)
-
-    def make_mlp(i: int) -> nn.Module:
-        return LfmMoe(config) if i in moe_layers else DenseMlp(hidden, config["intermediate_size"])
-
-    rope = Rope.build(
-        rope_parameters(config, default_theta=1e6), head_dim, config.get("max_position_embeddings", 128000)
-    )
-    tied = config.get("tie_word_embeddings", config.get("tie_embedding", True))
-    return LfmDecoder(
-        config["vocab_size"], hidden, eps, n_layers, make_attention, make_mlp, rope, bool(tied), moe_layers,
-        (n_kv, head_dim, head_dim), conv_layers=[i for i, t in enumerate(types) if t == "conv"], hidden=hidden,
-    )  # fmt: skip
-
-
-def n_experts(config: dict[str, Any]) -> int:
-    return int(config_get(config, "num_experts", "num_local_experts"))
-
-
-def expert_width(config: dict[str, Any]) -> int:
-    return int(config["moe_intermediate_size"])
+FAMILY = Lfm2Moe()

@@ -1,0 +1,231 @@
+"""The routed experts' computation: given each token's experts and weights, ask the provider for their pool slots
+and compute the weighted sum of the experts' outputs. This is the one place expert kernels live.
+
+The provider never runs an expert: `provider.slots(layer, ids)` makes the routed experts resident and names their pool
+slots, `provider.weights(layer)` hands over the pool tensors, and the functions here gather by slot. A provider with
+`slots_staged` (the pager's store) names the slots before the misses have loaded; eager dispatch then computes the
+resident experts first and waits only before the late ones (`dispatch_staged`), so a miss's read overlaps compute.
+
+In both dispatch paths a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
+- eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
+  would (one grouped product over the slots' range, or one product per used slot where they are sparse);
+- compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
+  pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
+
+An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
+family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows), and the biases, where a family has them
+(gpt-oss), are per expert id, dense tensors of the MoE block: small beside the weights, so not paged. The pairs'
+biases (`PairBias`) ride along with the pairs into whichever dispatch path runs. A pair's input `x` is its token's row
+[T, H], or one row per pair [T, K, H] where a family scales the input rather than the output (Llama 4).
+
+Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from moelane.model.layers import TILE, linear, silu_mul
+from moelane.model.provider import ExpertProvider
+
+Act = Callable[[torch.Tensor], torch.Tensor]  # gate_up [..., 2I] -> [..., I], batch-invariant
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over an expert's gate rows then up rows: `silu(gate) * up`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
+class PairBias(NamedTuple):
+    """The biases of P (token, expert) pairs, in pair order: b13 [P, 2I] after gate_up, b2 [P, H] after down."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+
+    def take(self, pairs: torch.Tensor) -> PairBias:
+        return PairBias(self.b13[pairs], self.b2[pairs])
+
+
+def pair_bias(bias: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor) -> PairBias | None:
+    """Per-expert biases (b13 [E, 2I], b2 [E, H]) looked up for the pairs of ids [T, K], or None."""
+    if bias is None:
+        return None
+    flat = ids.reshape(-1)
+    return PairBias(bias[0][flat], bias[1][flat])
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU on rows x [n, H]; w13 [2I, H], w2 [H, I]."""
+    return linear(swiglu(linear(x, w13)), w2)
+
+
+def dispatch(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """Sum over k of weights[t, k] * expert(slots[t, k])(x[t]). x [T, H] (or [T, K, H]: `pair_rows`); slots,
+    weights [T, K]."""
+    if torch.compiler.is_compiling():
+        y = gathered(x, slots, w13, w2, act, bias)
+        return weighted_sum(y.reshape(-1, y.shape[-1]), weights)
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    return weighted_sum(grouped(rows, rows_of, slots.reshape(-1), w13, w2, act, bias), weights)
+
+
+def pair_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the pairs read, and each pair's row [T * K]: x [T, H], pair t * K + k reads row t; or x [T, K, H],
+    each pair its own row."""
+    if x.dim() == 3:
+        return x.flatten(0, 1), torch.arange(x.shape[0] * k)
+    return x, torch.arange(x.shape[0] * k) // k
+
+
+def gathered(
+    x: torch.Tensor, slots: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act, bias: PairBias | None
+) -> torch.Tensor:
+    """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
+    reductions over the input dim (the compiler reads them in place, no copy). x [T, H] or [T, K, H]; slots [T, K]
+    -> [T, K, H]."""
+    rows = x[:, None, None, :] if x.dim() == 2 else x[:, :, None, :]  # [T, 1 or K, 1, H]
+    gate_up = (rows * w13[slots]).sum(-1)  # [T, K, 2I]
+    if bias is not None:
+        gate_up = gate_up + bias.b13.view(*slots.shape, -1)
+    out = (act(gate_up)[:, :, None, :] * w2[slots]).sum(-1)
+    return out if bias is None else out + bias.b2.view(*slots.shape, -1)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over k of weights[t, k] * y[t * K + k], in a fixed order: the same for every row, whatever the batch.
+    y [T * K, H] in pair order; weights [T, K]. In the wider of the two dtypes, rounded to y's once: fp32 router
+    weights weigh bf16 expert outputs in fp32, as transformers (5.x) does, not rounded to bf16 first."""
+    n_tokens, k = weights.shape
+    return (y.view(n_tokens, k, -1) * weights[..., None]).sum(dim=1).to(y.dtype)
+
+
+def grouped(
+    x: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """The expert output of pairs (row `rows_of[p]` of x, slot `flat[p]`), [P, H] in pair order.
+
+    Pairs are grouped by slot (in pair order within a slot) and each used slot's rows padded to whole tiles (zero
+    rows), so every slot's group is a matrix of TILE-multiple rows that meets its expert in one matrix product, as
+    `linear` would compute it (tested bit for bit). Where the used slots are dense in their range, one
+    `torch._grouped_mm` over the range computes them all; it visits empty groups too (~2 us each here), so sparse
+    slots (a decode step's few experts in a big pager pool), and experts whose widths `torch._grouped_mm` does not
+    take, are computed one slot at a time instead (the same bits: tested). A pair's result
+    does not depend on the other pairs, so pairs can be computed in parts (resident experts first, then the late
+    ones). The layout is worked out on Python lists: a pass has at most a few thousand pairs, and a dozen small
+    tensor ops cost more than that loop at decode sizes."""
+    pair_rows, pad_row = rows_of.tolist(), x.shape[0]  # pads read the zero row appended to x
+    by_slot: dict[int, list[int]] = {}
+    for p, slot in enumerate(flat.tolist()):
+        by_slot.setdefault(slot, []).append(p)
+    used = sorted(by_slot)
+    rows: list[int] = []
+    dest = [0] * len(pair_rows)  # padded row of each pair
+    bounds, sizes = [], []
+    for slot in used:
+        for p in by_slot[slot]:
+            dest[p] = len(rows)
+            rows.append(pair_rows[p])
+        n = len(by_slot[slot])
+        rows.extend([pad_row] * (-n % TILE))
+        sizes.append(n + -n % TILE)
+        bounds.append(len(rows))
+    xs = torch.cat([x, x.new_zeros(1, x.shape[1])])[torch.tensor(rows)]
+    at = torch.tensor(dest)
+    lo, hi = used[0], used[-1]
+    # (torch._grouped_mm takes rows of whole 16-byte multiples only: a bf16 hidden or expert width of 36 it refuses)
+    aligned = all(n * w13.element_size() % 16 == 0 for n in (w13.shape[2], w2.shape[2]))
+    if aligned and 2 * len(used) > hi - lo:  # dense: one grouped product over the range, empty groups included
+        per_group = [0] * (hi - lo + 1)
+        for slot, size in zip(used, sizes, strict=True):
+            per_group[slot - lo] = size
+        offs = torch.tensor(per_group).cumsum(0).to(torch.int32)
+        w13, w2 = w13[lo : hi + 1].transpose(1, 2), w2[lo : hi + 1].transpose(1, 2)
+        gate_up = torch._grouped_mm(xs, w13, offs=offs)
+        out = torch._grouped_mm(act(add_at(gate_up, at, bias)), w2, offs=offs)
+    else:
+        gate_up = per_slot(xs, w13.transpose(1, 2), used, bounds)
+        out = per_slot(act(add_at(gate_up, at, bias)), w2.transpose(1, 2), used, bounds)
+    return out[at] if bias is None else out[at] + bias.b2
+
+
+def add_at(y: torch.Tensor, at: torch.Tensor, bias: PairBias | None) -> torch.Tensor:
+    """y with each pair's b13 added at its padded row `at[p]` (pad rows untouched); y itself when no bias."""
+    if bias is None:
+        return y
+    return y.index_put((at,), bias.b13, accumulate=True)
+
+
+def per_slot(xs: torch.Tensor, wt: torch.Tensor, used: list[int], bounds: list[int]) -> torch.Tensor:
+    """Rows bounds[g-1]:bounds[g] of xs times wt[used[g]], for each used slot g. wt [S, in, out] (transposed)."""
+    out = xs.new_empty(xs.shape[0], wt.shape[2])
+    first = 0
+    for slot, end in zip(used, bounds, strict=True):
+        torch.mm(xs[first:end], wt[slot], out=out[first:end])
+        first = end
+    return out
+
+
+def dispatch_staged(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    pending: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    wait: Callable[[], None],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
+    `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    flat, late = slots.reshape(-1), pending.reshape(-1)
+    pairs = torch.arange(flat.numel())
+    y = x.new_empty(flat.numel(), x.shape[-1])
+    early = pairs[~late]
+    if early.numel():
+        y[early] = grouped(rows, rows_of[early], flat[early], w13, w2, act, None if bias is None else bias.take(early))
+    wait()
+    late_pairs = pairs[late]
+    if late_pairs.numel():
+        y[late_pairs] = grouped(rows, rows_of[late_pairs], flat[late_pairs], w13, w2, act,
+                                None if bias is None else bias.take(late_pairs))  # fmt: skip
+    return weighted_sum(y, weights)
+
+
+def run_experts(
+    x: torch.Tensor,
+    layer: int,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    provider: ExpertProvider,
+    act: Act = swiglu,
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum for rows x [T, H] (or one input per pair, [T, K, H]); `bias`: per-expert
+    (b13 [E, 2I], b2 [E, H]) or None."""
+    staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
+    slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
+    w13, w2 = provider.weights(layer)
+    pairs = pair_bias(bias, ids)
+    if pending is None or wait is None:
+        return dispatch(x, slots, weights, w13, w2, act, pairs)
+    return dispatch_staged(x, slots, pending, weights, w13, w2, wait, act, pairs)
