@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -53,8 +54,12 @@ def cache_root() -> Path:
     return Path(base) / "moelane" / "kernels"
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
 def _compiler_version() -> str:
-    cxx = os.environ.get("CXX", "c++")
+    cxx = _compiler()
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     except OSError:
@@ -146,19 +151,26 @@ def load(variant: str = "native", on_compile: Callable[[str], None] | None = Non
             with _file_lock(folder / "build.lock"):
                 if (folder / "ready").exists():
                     return _import(name, folder / f"{name}.so")
+                if shutil.which(_compiler()) is None:
+                    raise BuildError(f"no C++ compiler: {_compiler()} not found (set CXX or install g++)")
                 log.info(COMPILE_MESSAGE)
                 if on_compile is not None:
                     on_compile(COMPILE_MESSAGE)
                 module = _compile(name, folder, variant)
                 (folder / "ready").write_text(key + "\n")
                 return module
+        except BuildError:
+            raise
         except Exception as e:  # the build's own errors come as RuntimeError, OSError, ImportError, ...
             raise BuildError(one_line(e)) from e
 
 
 def one_line(e: BaseException) -> str:
-    """An exception's message in one line: a compiler's first `error:` line where there is one."""
+    """An exception's message in one line: a compiler's first `error:` line, else a `not found` line, else the
+    first line (torch's build errors start with the whole compile command)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line or "error " in line.lower()]
-    first = errors[0] if errors else (lines[0] if lines else type(e).__name__)
-    return f"{type(e).__name__}: {first}"[:400]
+    for marker in ("error:", "not found"):
+        found = [line for line in lines if marker in line]
+        if found:
+            return f"{type(e).__name__}: {found[0]}"[:400]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]

@@ -117,7 +117,7 @@ def gather_linear(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pool
 
     Each y[p] is the same bits whatever P, the other pairs and the thread count (see moelane.kernels)."""
     _check_x(x, pool, 2)
-    y: torch.Tensor = torch.ops.moelane.gather_linear(x, rows, slots, pool.data, pool.scales)
+    y: torch.Tensor = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
     return y
 
 
@@ -127,7 +127,9 @@ def linear(x: torch.Tensor, pool: Pool) -> torch.Tensor:
         raise ValueError(f"linear takes a pool of one matrix, got {pool.n_slots}")
     _check_x(x, pool, None)
     lead = x.shape[:-1]
-    y: torch.Tensor = torch.ops.moelane.gather_linear(x.reshape(-1, x.shape[-1]), None, None, pool.data, pool.scales)
+    y: torch.Tensor = torch.ops.moelane.gather_linear.default(
+        x.reshape(-1, x.shape[-1]), None, None, pool.data, pool.scales
+    )
     return y.view(*lead, pool.out_features)
 
 
