@@ -14,7 +14,17 @@ namespace moelane {
 
 constexpr const char* kIsa = "avx512";
 
-inline __m512 half_bcast(uint16_t h) { return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h))); }
+// A row's fp16 scales as fp32, so each group's scale is one broadcast from memory (no shuffle-port work).
+constexpr int kMaxGroups = 1024;  // scales per row held on the stack (a multiple of 16)
+inline void widen_scales(const uint16_t* s, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+  if (i < n) {  // a whole vector stored (out has room): a masked store would not forward to the loads that follow
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + i)));
+  }
+}
 
 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_w(const uint16_t* p) {  // bf16 bits -> fp32
@@ -76,9 +86,11 @@ inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint
   __m512 acc[NM][4];
   for (int m = 0; m < NM; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  float sf[4][kMaxGroups];
+  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
   for (int64_t g = 0; g < n / G; ++g) {
     __m512 sv[4];
-    for (int r = 0; r < 4; ++r) sv[r] = half_bcast(s[r][g]);
+    for (int r = 0; r < 4; ++r) sv[r] = _mm512_set1_ps(sf[r][g]);
     for (int k = 0; k < G / 16; ++k) {
       const int64_t c = g * G + 16 * k;
       __m512 wv[4];
@@ -108,18 +120,20 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uin
   __m512 acc[NM][4];
   for (int m = 0; m < NM; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  float sf[4][kMaxGroups];
+  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {
     __m512 lo[4], hi[4];
     for (int r = 0; r < 4; ++r) {
       __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + c / 2)));
       if constexpr (G == 32) {
-        __m512 t = _mm512_mul_ps(table, half_bcast(s[r][c / 32]));
+        __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 32]));
         lo[r] = _mm512_permutexvar_ps(b, t);  // the index's low 4 bits only
         hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
       } else {  // lanes 0-7 in group c/16, lanes 8-15 in the next: two tables, picked by index bit 4
-        __m512 ta = _mm512_mul_ps(table, half_bcast(s[r][c / 16]));
-        __m512 tb = _mm512_mul_ps(table, half_bcast(s[r][c / 16 + 1]));
+        __m512 ta = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16]));
+        __m512 tb = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16 + 1]));
         lo[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_and_si512(b, low4), second), tb);
         hi[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_srli_epi32(b, 4), second), tb);
       }
@@ -138,7 +152,7 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uin
       __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[r] + c / 2));
       __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
       b = _mm512_mask_srli_epi32(b, 0xFF00, b, 4);
-      wv[r] = _mm512_permutexvar_ps(b, _mm512_mul_ps(table, half_bcast(s[r][c / 16])));
+      wv[r] = _mm512_permutexvar_ps(b, _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16])));
     }
     for (int m = 0; m < NM; ++m) {
       __m512 xv = _mm512_loadu_ps(xs[m] + c);

@@ -15,6 +15,7 @@
 namespace moelane {
 
 constexpr const char* kIsa = "generic";
+constexpr int kMaxGroups = 1024;  // scales per row (the AVX-512 tiles hold a row's on the stack; same limit here)
 
 inline float fma_lane(float a, float b, float c) {
 #ifdef __FMA__
