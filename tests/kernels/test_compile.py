@@ -21,7 +21,7 @@ def moe_layer(x: torch.Tensor, slots: torch.Tensor, w13: kernels.Pool, w2: kerne
     return kernels.gather_linear(h, torch.arange(n_tokens * k), slots.flatten(), w2).view(n_tokens, k, -1)
 
 
-def test_fullgraph_compile_calls_the_op(extension: kernels.Availability) -> None:
+def test_fullgraph_compile_calls_the_op(impl: str) -> None:
     w13, w2 = random_pool("int4", 4, 64, 48, seed=1), random_pool("int4", 4, 48, 32, seed=2)
     head = kernels.Pool("bf16", torch.randn(1, 48, 48).bfloat16())
     x = torch.randn(3, 48)

@@ -233,6 +233,8 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
 }  // namespace moelane
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)");
+  // without the GIL: other Python threads (the store's readers, the server) run while a product streams weights
+  m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
 }
