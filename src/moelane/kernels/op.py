@@ -117,8 +117,7 @@ def gather_linear(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pool
 
     Each y[p] is the same bits whatever P, the other pairs and the thread count (see moelane.kernels)."""
     _check_x(x, pool, 2)
-    y: torch.Tensor = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
-    return y
+    return _call(x, rows, slots, pool)
 
 
 def linear(x: torch.Tensor, pool: Pool) -> torch.Tensor:
@@ -126,11 +125,21 @@ def linear(x: torch.Tensor, pool: Pool) -> torch.Tensor:
     if pool.n_slots != 1:
         raise ValueError(f"linear takes a pool of one matrix, got {pool.n_slots}")
     _check_x(x, pool, None)
-    lead = x.shape[:-1]
-    y: torch.Tensor = torch.ops.moelane.gather_linear.default(
-        x.reshape(-1, x.shape[-1]), None, None, pool.data, pool.scales
-    )
-    return y.view(*lead, pool.out_features)
+    if x.dim() == 2:
+        return _call(x, None, None, pool)
+    return _call(x.reshape(-1, x.shape[-1]), None, None, pool).view(*x.shape[:-1], pool.out_features)
+
+
+def _call(x: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor | None, pool: Pool) -> torch.Tensor:
+    """The op; in eager mode straight to the extension where it serves: the dispatcher's hop to a Python kernel
+    costs ~2 us a call (measured: 3.0 against 0.8 us for a [4, 64] product), ~0.7 ms a token at 300 products."""
+    if not torch.compiler.is_compiling():
+        module = _backend.extension()
+        if module is not None:
+            y: torch.Tensor = module.gather_linear(x, rows, slots, pool.data, pool.scales)
+            return y
+    y = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
+    return y
 
 
 def _check_x(x: torch.Tensor, pool: Pool, dims: int | None) -> None:
