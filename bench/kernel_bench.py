@@ -165,7 +165,8 @@ def dense_head(shape: Shape, kind: str, budget_s: float, g: torch.Generator) -> 
 
 
 def call_overhead() -> dict[str, float]:
-    """us per 1-row product of a cache-hot [192, 192] f32 matrix: `linear` against `gather_linear` + index tensors."""
+    """us per 1-row product of a cache-hot [192, 192] f32 matrix: `linear`, `gather_linear` with index tensors built
+    per call, and torch's F.linear."""
     pool = kernels.quantize(torch.randn(1, 192, 192), "f32")
     x = torch.randn(1, 192)
     n = 20000
@@ -183,6 +184,7 @@ def call_overhead() -> dict[str, float]:
         "gather_with_index_tensors_us": per_call(
             lambda: kernels.gather_linear(x, torch.arange(1), torch.zeros(1, dtype=torch.int64), pool)
         ),
+        "torch_linear_us": per_call(lambda: F.linear(x, pool.data[0])),
     }
 
 

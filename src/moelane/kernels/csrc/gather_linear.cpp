@@ -17,6 +17,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -150,6 +151,44 @@ struct SlotPairs {
   int64_t slot, first, count;
 };
 
+// What every work item reads: the pairs grouped by slot, each pair's activation row, the output.
+struct Plan {
+  std::vector<int64_t> order, rows;
+  std::vector<SlotPairs> groups;
+  const float* x;  // activation rows as the tiles read them, ldx apart
+  int64_t ldx;
+  float* y;  // [P, Out]
+};
+
+// Output rows r0 .. r1 of one slot for all its pairs: tiles of 4 rows a quarter of the block apart, pairs in blocks
+// of up to 4.
+void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0, int64_t r1) {
+  const float* xs[4];
+  int64_t r4[4];
+  float out[16];
+  const int64_t n_tiles = (r1 - r0 + 3) / 4;
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    int nr = 0;  // tile rows r0 + t + k * n_tiles that exist; the others repeat the first (results dropped)
+    for (int k = 0; k < 4; ++k) {
+      const int64_t r = r0 + t + k * n_tiles;
+      if (r < r1) nr = k + 1;
+      r4[k] = r < r1 ? r : r4[0];
+    }
+    if (w.row_bytes <= kPrefetchRowBytes)
+      for (int k = 0; k < 4; ++k)
+        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, r4[k]) + kPrefetchBytes + b);
+    for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
+      const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
+      for (int m = 0; m < nm; ++m) xs[m] = plan.x + plan.rows[plan.order[g.first + m0 + m]] * plan.ldx;
+      run_tile(nm, w, xs, g.slot, r4, out);
+      for (int m = 0; m < nm; ++m) {
+        float* yrow = plan.y + plan.order[g.first + m0 + m] * w.out;
+        for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[4 * m + k];
+      }
+    }
+  }
+}
+
 std::vector<int64_t> indices(const std::optional<torch::Tensor>& t, int64_t n, int64_t fill_arange, int64_t bound,
                              const char* what) {
   std::vector<int64_t> out(n);
@@ -176,55 +215,29 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
   const int64_t n_rows = x.size(0), in = x.size(1);
   const Weights w = weights_of(data, scales, in);
   const int64_t n_pairs = rows_in.has_value() ? rows_in->numel() : n_rows;
-  const auto rows = indices(rows_in, n_pairs, 1, n_rows, "rows");
+  auto rows = indices(rows_in, n_pairs, 1, n_rows, "rows");
   const auto slots = indices(slots_in, n_pairs, 0, data.size(0), "slots");
   auto y = torch::empty({n_pairs, w.out}, x.options());
   if (n_pairs == 0 || w.out == 0) return y;
 
-  std::vector<int64_t> order(n_pairs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
-  std::vector<SlotPairs> groups;
+  Plan plan{std::vector<int64_t>(n_pairs), std::move(rows), {}, nullptr, 0, y.data_ptr<float>()};
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
   for (int64_t i = 0; i < n_pairs; ++i) {
-    if (groups.empty() || slots[order[i]] != groups.back().slot) groups.push_back({slots[order[i]], i, 0});
-    ++groups.back().count;
+    const int64_t slot = slots[plan.order[i]];
+    if (plan.groups.empty() || slot != plan.groups.back().slot) plan.groups.push_back({slot, i, 0});
+    ++plan.groups.back().count;
   }
   const std::vector<float> xbuf = prepare_x(w, x.data_ptr<float>(), n_rows, in);
-  const float* xbase = xbuf.empty() ? x.data_ptr<float>() : xbuf.data();
-  const int64_t ldx = xbuf.empty() ? in : w.cols;
+  plan.x = xbuf.empty() ? x.data_ptr<float>() : xbuf.data();
+  plan.ldx = xbuf.empty() ? in : w.cols;
 
   const int64_t per_item = std::max<int64_t>(4, kItemBytes / std::max<int64_t>(1, w.row_bytes) / 4 * 4);
   const int64_t n_blocks = (w.out + per_item - 1) / per_item;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(groups.size()) * n_blocks, 1, [&](int64_t begin, int64_t end) {
-    const float* xs[4];
-    int64_t r4[4];
-    float out[16];
+  at::parallel_for(0, static_cast<int64_t>(plan.groups.size()) * n_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const SlotPairs& g = groups[item / n_blocks];
-      const int64_t r0 = (item % n_blocks) * per_item, r1 = std::min(w.out, r0 + per_item);
-      const int64_t n_tiles = (r1 - r0 + 3) / 4;
-      for (int64_t t = 0; t < n_tiles; ++t) {
-        int nr = 0;  // tile rows r0 + t + k * n_tiles that exist; the others repeat the first (results dropped)
-        for (int k = 0; k < 4; ++k) {
-          const int64_t r = r0 + t + k * n_tiles;
-          if (r < r1) nr = k + 1;
-          r4[k] = r < r1 ? r : r4[0];
-        }
-        if (w.row_bytes <= kPrefetchRowBytes)
-          for (int k = 0; k < 4; ++k)
-            for (int64_t b = 0; b < w.row_bytes; b += 64)
-              __builtin_prefetch(w.row(g.slot, r4[k]) + kPrefetchBytes + b);
-        for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
-          const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
-          for (int m = 0; m < nm; ++m) xs[m] = xbase + rows[order[g.first + m0 + m]] * ldx;
-          run_tile(nm, w, xs, g.slot, r4, out);
-          for (int m = 0; m < nm; ++m) {
-            float* yrow = yp + order[g.first + m0 + m] * w.out;
-            for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[4 * m + k];
-          }
-        }
-      }
+      const int64_t r0 = (item % n_blocks) * per_item;
+      run_item(w, plan, plan.groups[item / n_blocks], r0, std::min(w.out, r0 + per_item));
     }
   });
   return y;
