@@ -4,9 +4,11 @@
         CPU: the C++ extension (build.py), or where it cannot be built, fallback.py
         fake: y's shape [P, Out], so torch.compile(fullgraph=True) traces through it without a graph break
 
-The extension is built on first use, not at import. Which implementation runs is decided once per process (the
-first call, `available()` or `ensure_built()`); a build failure is logged once as a WARNING and the fallback serves
-from then on. Tests may force the fallback with `use_fallback(True)`; nothing else chooses (no environment variable).
+Eager calls from `gather_linear` / `linear` go straight to the extension when it serves (no dispatcher hop); traced
+code (torch.compile) and the fallback go through the op. The extension is built on first use, not at import. Which
+implementation runs is decided once per process (the first call, `available()` or `ensure_built()`); a build failure
+is logged once as a WARNING and the fallback serves from then on. Tests may force the fallback with
+`use_fallback(True)`; nothing else chooses (no environment variable).
 
 Shape alphabet: R activation rows, In input columns, P pairs, Out output rows, S pool slots.
 """
