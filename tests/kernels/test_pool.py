@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moelane import kernels
-from moelane.pager.tiers import FORMATS, dequantize, quantize
+from moelane.kernels.formats import FORMATS, dequantize, quantize
 
 
 @pytest.mark.parametrize(("kind", "tier"), [("int8", 1), ("int4", 2)])

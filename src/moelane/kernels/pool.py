@@ -9,7 +9,7 @@ G scale groups per row (C / group).
     int8   int8     [S, O, C]            float16 [S, O, G]   weight = code * scale of its group
     int4   uint8    [S, O, C / 2]        float16 [S, O, G]   byte j = (code 2j + 8) | (code 2j+1 + 8) << 4
 
-int8 and int4 are moelane's tiers 1 and 2 (`moelane.pager.tiers`), exactly as `tiers.quantize` writes a matrix:
+int8 and int4 are moelane's tiers 1 and 2 (`formats.py`, the pager's tiers), exactly as `quantize` writes a matrix:
 groups of 64 (int8) or 32 (int4) along I, or half / a quarter of that where it divides I (at least 16), else I is
 zero-padded to whole groups. The int4 layout stays tiers' own: the half-group layout the kernel study tried
 (byte j = code j | code j + 16 << 4) was no faster here (one MoE layer, 2 threads: 0.95 ms tiers' against 0.98 ms on
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moelane.pager.tiers import FORMATS, QuantFormat
-from moelane.pager.tiers import quantize as tier_quantize
+from moelane.kernels.formats import FORMATS, QuantFormat
+from moelane.kernels.formats import quantize as tier_quantize
 
 KINDS = ("f32", "bf16", "int8", "int4")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
