@@ -1,5 +1,6 @@
 """Per-request pager cost: each pass's change in the store's counters is split among the streams in that pass by
-their rows, so the requests' bills add up to the store's totals; metrics registries are per app."""
+their rows, so the requests' bills add up to the store's totals; the accesses go to the pass's phase as the model
+labels it; metrics registries are per app."""
 
 from __future__ import annotations
 
@@ -17,18 +18,26 @@ def test_ledger_splits_each_pass_by_rows_and_adds_up() -> None:
     for _ in range(4):
         stats.add_read("disk", "native", 1000)
     stats.phase("prefill").stall_s += 0.2
-    ledger.observe(SimpleNamespace(stream_ids=(0, 0, 0, 1)))
+    stats.phase("prefill").misses += 4
+    stats.phase("prefill").hits += 2
+    ledger.observe(SimpleNamespace(stream_ids=(0, 0, 0, 1), phase="mixed"))
     # pass 2: stream 1 alone; 2 experts from host at int8
     stats.add_read("host", "int8", 500)
     stats.add_read("host", "int8", 500)
-    ledger.observe(SimpleNamespace(stream_ids=(1,)))
-    # pass 3: nothing read
-    ledger.observe(SimpleNamespace(stream_ids=(0, 1)))
+    stats.phase("decode").misses += 2
+    stats.phase("decode").prefetch_hits += 1
+    ledger.observe(SimpleNamespace(stream_ids=(1,), phase="decode"))
+    # pass 3: nothing read; two streams decoding, which the store counts as a prefill pass (more than one row)
+    stats.phase("prefill").hits += 3
+    ledger.observe(SimpleNamespace(stream_ids=(0, 1), phase="decode"))
     a, b = ledger.cost_of(SimpleNamespace(id=0)), ledger.cost_of(SimpleNamespace(id=1))
     assert (a.experts_fetched, a.bytes_fetched, round(a.stall_ms)) == (3, 3000, 150)
     assert (b.experts_fetched, b.bytes_fetched, round(b.stall_ms)) == (3, 2000, 50)
     assert a.bytes_fetched + b.bytes_fetched == sum(stats.bytes_read.values())
     assert ledger.cost_of(SimpleNamespace(id=7)).experts_fetched == 0
+    phases = ledger.phases()
+    assert phases["mixed"] == {"found": 2, "accesses": 6, "stall_s": 0.2}
+    assert phases["decode"] == {"found": 4, "accesses": 6, "stall_s": 0.0}
 
 
 def test_metrics_registries_are_per_app_and_show_pager_levels() -> None:
