@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.model.grammar import Grammar
 from moelane.server import errors
+from moelane.server.auth import ApiKey
 from moelane.server.chat_request import ChatCompletionRequest
 from moelane.server.dashboard import add_dashboard
 from moelane.server.errors import ClientGone, Overloaded, sse_event
@@ -351,15 +352,17 @@ def create_app(
     pager_stats: PagerStats | None = None,
     manage_engine: bool = True,
     max_body_bytes: int = errors.MAX_BODY_BYTES,
+    api_key: str | None = None,
     show_text: bool = False,
     request_log: int = REQUEST_LOG,
 ) -> FastAPI:
     """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
     `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `cost_of(stream)` gives one request's
     pager cost (default zeros); `pager_stats()` the store's counters per level. `manage_engine`: the app's lifespan
-    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. The dashboard
-    (`/dashboard`, `/v1/stats`) lists the last `request_log` requests, with their prompts' first characters if
-    `show_text`. ModelLoadError if the model's chat template cannot be compiled."""
+    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. With `api_key`, every
+    endpoint but /health wants it as a bearer token (auth.py). The dashboard (`/dashboard`, `/v1/stats`) lists the
+    last `request_log` requests, with their prompts' first characters if `show_text`. ModelLoadError if the model's
+    chat template cannot be compiled."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     check_chat_template(lm.tokenizer)
@@ -381,6 +384,8 @@ def create_app(
     app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
     app.state.moelane = state
     errors.install(app, max_body_bytes)
+    if api_key is not None:  # (added last: the outermost middleware, so a refused request is never read)
+        app.add_middleware(ApiKey, key=api_key)
     add_routes(app, state)
     add_dashboard(app, state.sampler)
     app.openapi = lambda: openapi_schema(  # type: ignore[method-assign]
