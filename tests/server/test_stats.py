@@ -53,8 +53,7 @@ def completion(url: str, max_tokens: int = 8, stream: bool = False) -> None:
 
 
 def test_paged_model_stats_validate_and_show_the_pool(paged_lm: Any) -> None:
-    cost_of, pager_stats = pager_hooks(paged_lm)
-    app = create_app(make_engine(paged_lm), paged_lm, model_name=MODEL, cost_of=cost_of, pager_stats=pager_stats)
+    app = create_app(make_engine(paged_lm), paged_lm, model_name=MODEL, pager=pager_hooks(paged_lm))
     now = [0.0]
     app.state.moelane.sampler.clock = lambda: now[0]
     with running(app) as url:

@@ -115,13 +115,12 @@ def build(args: argparse.Namespace) -> Any:
     # while it lives, and with more teams' threads than cores libgomp barely spins: every parallel op of the engine
     # thread then waits on a futex (measured ~3x slower here). So they run on a thread that ends when they are done.
     lm, engine = off_main_thread(make)
-    cost_of, pager_stats = pager_hooks(lm)
+    pager = pager_hooks(lm)
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
     try:
-        return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
-                          pager_stats=pager_stats, api_key=api_key(args),
-                          show_text=args.dashboard_show_text)  # fmt: skip
+        return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, pager=pager,
+                          api_key=api_key(args), show_text=args.dashboard_show_text)  # fmt: skip
     except BaseException:  # (a chat template that cannot be compiled): an expert store's threads end first
         lm.close()
         raise

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 STATIC = Path(__file__).with_name("static")
 MEDIA = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")  # fmt: skip
 STYLE_TAG = '<link rel="stylesheet" href="dashboard/static/dashboard.css">'
 SCRIPT_TAG = '<script src="dashboard/static/dashboard.js"></script>'

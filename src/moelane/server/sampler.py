@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moelane.server.views import finite, lanes_view, pager_view, pass_phases
+from moelane.server.views import PHASES, finite, lanes_view, pager_view, pass_phases
 
 INTERVAL_S = 1.0
 MAX_SAMPLES = 600  # ten minutes of samples at one a second
@@ -106,10 +106,8 @@ def point(a: Counters, b: Counters, s: Any, pager: dict[str, Any] | None, interv
         return {"prefill": False, "read_rate": {}, **dict.fromkeys(RATE_FIELDS)}
     plan, bandit = (pager or {}).get("plan"), (pager or {}).get("bandit")
     return {
-        "hit_rate_decode": ratio(b.found.get("decode", 0) - a.found.get("decode", 0),
-                                 b.accesses.get("decode", 0) - a.accesses.get("decode", 0)),
-        "hit_rate_prefill": ratio(b.found.get("prefill", 0) - a.found.get("prefill", 0),
-                                  b.accesses.get("prefill", 0) - a.accesses.get("prefill", 0)),
+        **{f"hit_rate_{phase}": ratio(b.found[phase] - a.found[phase], b.accesses[phase] - a.accesses[phase])
+           for phase in PHASES},
         "stall_ms_per_token": ratio(1000 * (b.stall_s - a.stall_s), b.committed - a.committed),
         "read_rate": {k: (n - a.reads.get(k, 0)) / dt for k, n in b.reads.items()},
         "tok_s": (b.committed - a.committed) / dt, "rounds_s": (b.rounds - a.rounds) / dt,

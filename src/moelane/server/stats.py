@@ -19,8 +19,8 @@ class Strict(BaseModel):
 
 class Series(Strict):
     t: list[float]  # axis "time": unix seconds at each sample; "tokens": tokens (prompt + decode) replayed so far
-    hit_rate_decode: list[float | None]  # found / accesses of decode passes (every row one token, of any streams)
-    hit_rate_prefill: list[float | None]  # ... of passes that fed prompt rows (alone or beside decoding streams)
+    hit_rate_decode: list[float | None]  # found / accesses of passes of generated rows only (drafts included)
+    hit_rate_prefill: list[float | None]  # ... of passes in which a stream fed prompt rows
     stall_ms_per_token: list[float | None]  # ms passes waited for expert reads, per token committed
     read_rate: dict[str, list[float | None]]  # "level/tier" -> bytes read per second (axis "tokens": per token)
     tok_s: list[float | None]  # tokens committed per second, all streams

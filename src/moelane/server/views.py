@@ -66,9 +66,9 @@ def pager_view(lm: Any, counters: dict[str, Any] | None) -> dict[str, Any] | Non
 
 
 def pass_phases(counters: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """Accesses found resident, accesses and stall seconds of decode and prefill passes since start: the ledger's
-    split by each pass's rows where the server keeps one (`pass_phases`: passes "mixed" with prompt rows count as
-    prefill), else the store's own (which calls any pass of several rows prefill)."""
+    """Accesses found resident, accesses and stall seconds of decode and prefill passes since start: the server's
+    ledger's split (`pass_phases`: prefill, the passes in which a stream fed prompt rows), else the store's own
+    (which calls any pass of several rows prefill)."""
     d = counters or {}
     out = {phase: {"found": 0, "accesses": 0, "stall_s": 0.0} for phase in PHASES}
     if "pass_phases" in d:
@@ -105,7 +105,7 @@ def bandit_view(store: Any) -> dict[str, Any] | None:
         return None
     bandit = planner.bandit
     weights = np.array(bandit.rewards, np.float64)  # (the planner's thread replaces the array whole: one copy)
-    return {"decays": [float(d) for d in bandit.boards.decays], "weights": weights.tolist(),
+    return {"decays": [round(float(d), 6) for d in bandit.boards.decays], "weights": weights.tolist(),
             "serving": int(np.argmax(weights))}  # fmt: skip
 
 

@@ -181,13 +181,20 @@
     text(svg, 0, 0, "layer", { "text-anchor": "middle", transform: "translate(11," + (T + ch * nL / 2) + ") rotate(-90)" });
     var legend = $("heat-legend");
     legend.innerHTML = "";
-    h.tiers.forEach(function (name, i) {
-      legend.insertAdjacentHTML("beforeend", '<span><i style="background:' + TIER_COLORS[i] + '"></i>resident, ' + name + "</span>");
-    });
-    legend.insertAdjacentHTML("beforeend", '<span><i style="background:#868e96;opacity:.5"></i>not resident</span>' +
-      '<span><i class="dot" style="background:#111"></i>pinned by the plan</span>' +
-      '<span><i class="dot" style="border:1.5px solid #111"></i>hard pin</span>' +
-      "<span>" + (h.counts ? "stronger colour: routed more often (log scale, most: " + num(max, 0) + " passes)" : "routing counts not kept") + "</span>");
+    var item = function (swatch, label) {
+      var span = document.createElement("span"), i = document.createElement("i");
+      i.className = swatch;
+      span.appendChild(i);
+      span.appendChild(document.createTextNode(label));
+      legend.appendChild(span);
+    };
+    h.tiers.forEach(function (name, i) { item("tier" + i, "resident, " + name); });
+    item("gone", "not resident");
+    item("dot pinned", "pinned by the plan");
+    item("dot hard", "hard pin");
+    var note = document.createElement("span");
+    note.textContent = h.counts ? "stronger colour: routed more often (log scale; most: " + num(max, 0) + " passes)" : "routing counts not kept";
+    legend.appendChild(note);
   }
 
   function xAxis(data) {
@@ -240,10 +247,12 @@
     setText("reads-now", num(readNow, 2) + (perToken ? " KiB/token" : " MiB/s"));
     timeChart("card-reads", data, { yLabel: perToken ? "KiB read per token" : "MiB read per s", yMin: 0,
       yFormat: function (v) { return num(v, 1); }, lines: readLines, legend: true, empty: p.paged ? "nothing read yet" : "nothing to read: every expert resident" });
-    barChart(chartOf("card-levels"), { yLabel: "MiB read (since start)", xLabel: "storage level / precision tier",
-      yFormat: function (v) { return num(v / 1048576, 1); }, empty: p.paged ? "nothing read yet" : "nothing to read",
+    var most = Math.max.apply(null, p.reads.map(function (r) { return r.bytes; }).concat([1]));
+    var unit = most >= 1073741824 ? ["GiB", 1073741824] : most >= 1048576 ? ["MiB", 1048576] : ["KiB", 1024];
+    barChart(chartOf("card-levels"), { yLabel: unit[0] + " read (since start)", xLabel: "storage level / precision tier",
+      yFormat: function (v) { return num(v, v < 10 ? 1 : 0); }, empty: p.paged ? "nothing read yet" : "nothing to read",
       bars: p.reads.map(function (r, i) {
-        return { label: r.level + " / " + r.tier, value: r.bytes, note: bytes(r.bytes), color: LINE_COLORS[(i + 2) % LINE_COLORS.length],
+        return { label: r.level + " / " + r.tier, value: r.bytes / unit[1], note: bytes(r.bytes), color: LINE_COLORS[(i + 2) % LINE_COLORS.length],
                  title: num(r.experts, 0) + " experts, " + bytes(r.bytes) };
       }) });
     var b = p.bandit;
