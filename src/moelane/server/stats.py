@@ -70,7 +70,7 @@ class HeatMap(Strict):
     tiers: list[str]  # tier names, by code
     tier: list[list[int]]  # [layer][expert]: tier code held at, -1: not resident
     pinned: list[list[int]]  # [layer][expert]: 0 none, 1 pinned (eviction credit), 2 hard pin
-    counts: list[list[int]] | None  # [layer][expert]: passes that routed to it; None: not counted
+    counts: list[list[int]] | None  # [layer][expert]: passes that used it (a trace: tokens routed to it); None: none
 
 
 class PagerView(Strict):
@@ -84,7 +84,7 @@ class PagerView(Strict):
     total_bytes: int | None
     phases: dict[str, PhaseTotals]  # "decode", "prefill" (as in `Series`): since start
     reads: list[LevelRead]  # since start
-    evictions: int
+    evictions: int | None  # None: not counted (a replay)
     plan: PlanView | None
     bandit: BanditView | None
     heatmap: HeatMap | None
