@@ -53,6 +53,13 @@
     return out;
   }
 
+  // Tick labels with as many decimals as the step between ticks needs (0, 2, 4 ... or 0.0, 0.5, 1.0 ...).
+  function stepFormat(values) {
+    var step = values.length > 1 ? values[1] - values[0] : 1;
+    var digits = step >= 1 ? 0 : step >= 0.1 ? 1 : 2;
+    return function (v) { return num(v, digits); };
+  }
+
   function noData(chart, message) {
     chart.innerHTML = "";
     var div = document.createElement("div");
@@ -81,10 +88,10 @@
     (opts.bands || []).forEach(function (b) {
       el("rect", { "class": "band", x: sx(b[0]), y: T, width: Math.max(1, sx(b[1]) - sx(b[0])), height: H - T - B }, svg);
     });
-    var yt = ticks(y0, y1, 4), g = el("g", { "class": "tick" }, svg);
+    var yt = ticks(y0, y1, 4), g = el("g", { "class": "tick" }, svg), yFormat = opts.yFormat || stepFormat(yt);
     yt.forEach(function (v) {
       el("line", { "class": "grid-line", x1: L, x2: W - R, y1: sy(v), y2: sy(v) }, g);
-      text(g, L - 5, sy(v) + 4, (opts.yFormat || String)(v), { "text-anchor": "end" });
+      text(g, L - 5, sy(v) + 4, yFormat(v), { "text-anchor": "end" });
     });
     ticks(x0, x1, 6).forEach(function (v) {
       el("line", { "class": "axis", x1: sx(v), x2: sx(v), y1: H - B, y2: H - B + 4 }, g);
@@ -125,10 +132,10 @@
     var top = Math.max.apply(null, bars.map(function (b) { return b.value; }).concat([opts.yMax || 0]));
     if (!(top > 0)) top = 1;
     var sy = function (y) { return T + (1 - y / top) * (H - T - B); };
-    var g = el("g", { "class": "tick" }, svg);
-    ticks(0, top, 4).forEach(function (v) {
+    var g = el("g", { "class": "tick" }, svg), yt = ticks(0, top, 4), yFormat = opts.yFormat || stepFormat(yt);
+    yt.forEach(function (v) {
       el("line", { "class": "grid-line", x1: L, x2: W - R, y1: sy(v), y2: sy(v) }, g);
-      text(g, L - 5, sy(v) + 4, (opts.yFormat || String)(v), { "text-anchor": "end" });
+      text(g, L - 5, sy(v) + 4, yFormat(v), { "text-anchor": "end" });
     });
     var slot = (W - L - R) / bars.length, bw = Math.min(slot * 0.7, 60);
     bars.forEach(function (b, i) {
@@ -236,8 +243,7 @@
       lines: [{ name: "decode", values: s.hit_rate_decode, color: "#1f6fd1" }, { name: "prefill", values: s.hit_rate_prefill, color: "#d9480f" }],
       legend: true, empty: p.paged ? "no expert accesses yet" : "every expert resident: nothing to miss" });
     setText("stall-now", num(last(s.stall_ms_per_token), 2) + " ms");
-    timeChart("card-stall", data, { yLabel: "ms per token", yMin: 0, yFormat: function (v) { return num(v, 1); },
-      lines: [{ name: "stall", values: s.stall_ms_per_token, color: "#c2255c" }], empty: p.paged ? "no tokens yet" : "no stalls: every expert resident" });
+    timeChart("card-stall", data, { yLabel: "ms per token", yMin: 0, lines: [{ name: "stall", values: s.stall_ms_per_token, color: "#c2255c" }], empty: p.paged ? "no tokens yet" : "no stalls: every expert resident" });
     var perToken = data.axis === "tokens";
     var readLines = Object.keys(s.read_rate).map(function (k, i) {
       return { name: k, values: s.read_rate[k].map(function (v) { return v === null ? null : v / (perToken ? 1024 : 1048576); }),
@@ -246,11 +252,11 @@
     var readNow = readLines.reduce(function (a, l) { return a + (last(l.values) || 0); }, 0);
     setText("reads-now", num(readNow, 2) + (perToken ? " KiB/token" : " MiB/s"));
     timeChart("card-reads", data, { yLabel: perToken ? "KiB read per token" : "MiB read per s", yMin: 0,
-      yFormat: function (v) { return num(v, 1); }, lines: readLines, legend: true, empty: p.paged ? "nothing read yet" : "nothing to read: every expert resident" });
+      lines: readLines, legend: true, empty: p.paged ? "nothing read yet" : "nothing to read: every expert resident" });
     var most = Math.max.apply(null, p.reads.map(function (r) { return r.bytes; }).concat([1]));
     var unit = most >= 1073741824 ? ["GiB", 1073741824] : most >= 1048576 ? ["MiB", 1048576] : ["KiB", 1024];
     barChart(chartOf("card-levels"), { yLabel: unit[0] + " read (since start)", xLabel: "storage level / precision tier",
-      yFormat: function (v) { return num(v, v < 10 ? 1 : 0); }, empty: p.paged ? "nothing read yet" : "nothing to read",
+      empty: p.paged ? "nothing read yet" : "nothing to read",
       bars: p.reads.map(function (r, i) {
         return { label: r.level + " / " + r.tier, value: r.bytes / unit[1], note: bytes(r.bytes), color: LINE_COLORS[(i + 2) % LINE_COLORS.length],
                  title: num(r.experts, 0) + " experts, " + bytes(r.bytes) };
@@ -258,7 +264,7 @@
     var b = p.bandit;
     setText("bandit-now", b ? "in use: decay " + b.decays[b.serving] : "");
     barChart(chartOf("card-bandit"), { yLabel: "arm weight (reward)", xLabel: "arm: score decay per token (solid: in use)",
-      yFormat: function (v) { return num(v, 2); }, yMax: 0.01, empty: p.paged ? "no planner (policy " + p.policy + ")" : "no pager",
+      yMax: 0.01, empty: p.paged ? "no planner (policy " + p.policy + ")" : "no pager",
       bars: b ? b.decays.map(function (d, i) {
         return { label: String(d), value: b.weights[i], note: num(b.weights[i], 2), color: i === b.serving ? "#2b8a3e" : "#868e96",
                  dim: i !== b.serving, title: "decay " + d + ": weight " + num(b.weights[i], 3) };
@@ -309,18 +315,15 @@
     setText("lanes-note", "drafter " + l.drafter + " · up to " + l.max_streams + " streams · " + num(l.rounds, 0) +
       " rounds, " + num(l.committed, 0) + " tokens since start");
     setText("toks-now", num(last(s.tok_s), 1) + " tok/s");
-    timeChart("card-toks", data, { yLabel: "tokens per s (all streams)", yMin: 0, yFormat: function (v) { return num(v, 0); },
-      lines: [{ name: "tok/s", values: s.tok_s, color: "#1f6fd1" }] });
+    timeChart("card-toks", data, { yLabel: "tokens per s (all streams)", yMin: 0, lines: [{ name: "tok/s", values: s.tok_s, color: "#1f6fd1" }] });
     setText("streams-now", l.active + " active · " + l.waiting + " waiting");
-    timeChart("card-streams", data, { yLabel: "streams", yMin: 0, yFormat: function (v) { return num(v, 0); }, legend: true,
+    timeChart("card-streams", data, { yLabel: "streams", yMin: 0, legend: true,
       lines: [{ name: "active", values: s.active, color: "#2b8a3e" }, { name: "waiting", values: s.waiting, color: "#e8590c" }] });
     setText("rounds-now", num(last(s.rounds_s), 1) + " rounds/s");
-    timeChart("card-rounds", data, { yLabel: "rounds per s", yMin: 0, yFormat: function (v) { return num(v, 0); },
-      lines: [{ name: "rounds/s", values: s.rounds_s, color: "#7048e8" }] });
+    timeChart("card-rounds", data, { yLabel: "rounds per s", yMin: 0, lines: [{ name: "rounds/s", values: s.rounds_s, color: "#7048e8" }] });
     setText("rows-now", num(last(s.rows_per_round), 2) + " rows");
-    timeChart("card-rows", data, { yLabel: "rows per round", yMin: 0, yFormat: function (v) { return num(v, 1); },
-      lines: [{ name: "rows/round", values: s.rows_per_round, color: "#0b7285" }] });
-    setText("accept-now", l.drafter === "none" ? "no drafter" : l.drafter + ": " + pct(l.acceptance) + " of " + num(l.holds, 0) + " held since start");
+    timeChart("card-rows", data, { yLabel: "rows per round", yMin: 0, lines: [{ name: "rows/round", values: s.rows_per_round, color: "#0b7285" }] });
+    setText("accept-now", l.drafter === "none" ? "no drafter" : l.drafter + " · " + pct(l.acceptance) + " since start");
     timeChart("card-accept", data, { yLabel: "accepted / held (%)", yMin: 0, yMax: 1, yFormat: function (v) { return num(100 * v, 0); },
       lines: [{ name: l.drafter, values: s.acceptance, color: "#2b8a3e" }],
       empty: l.drafter === "none" ? "drafter none: every round is plain" : "no drafts held yet" });
