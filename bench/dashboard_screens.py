@@ -40,13 +40,19 @@ def browser(profile: str) -> Any:
     return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
 
 
+def viewport(driver: Any, width: int, height: int) -> None:
+    """The page's own area `width` x `height` (the window is that plus the browser's frame)."""
+    driver.set_window_size(width, height)
+    frame = driver.execute_script("return [outerWidth - innerWidth, outerHeight - innerHeight]")
+    driver.set_window_size(width + frame[0], height + frame[1])
+    time.sleep(1.5)  # (the page draws again on resize; a poll may come in between)
+
+
 def shoot(driver: Any, out: Path, name: str) -> list[str]:
-    """`name`.png at 1280 x 800 and `name`-full.png, the whole page 1280 wide."""
-    driver.set_window_size(1280, 800)
-    time.sleep(1.5)
+    """`name`.png, the page at 1280 x 800, and `name`-full.png, the whole page 1280 wide."""
+    viewport(driver, 1280, 800)
     driver.save_screenshot(str(out / f"{name}.png"))
-    driver.set_window_size(1280, driver.execute_script("return document.body.scrollHeight") + 90)
-    time.sleep(1.5)
+    viewport(driver, 1280, driver.execute_script("return document.documentElement.scrollHeight"))
     driver.save_screenshot(str(out / f"{name}-full.png"))
     return [f"{name}.png", f"{name}-full.png"]
 

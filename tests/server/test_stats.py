@@ -89,6 +89,10 @@ def test_resident_model_stats_say_there_is_no_pager(tiny_lm: Any) -> None:
         for _ in range(3):
             completion(url, 3)
         body = stats(url)
+        schema = httpx.get(f"{url}/openapi.json").json()
+    assert schema["paths"]["/v1/stats"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/StatsResponse"
+    }
     pager = body["pager"]
     assert not pager["paged"] and "no pager" in pager["note"] and pager["heatmap"]["counts"] is None
     assert len(pager["heatmap"]["tier"]) == len(tiny_lm.moe_layers)

@@ -152,8 +152,8 @@
   }
 
   /* The layer x expert map: fill hue = tier held at (grey: not resident), strength = routing count (log scale),
-   * a dot = pinned by the plan, a ring = hard pin. One <rect class="cell"> per expert. */
-  function heatMap(chart, h) {
+   * a dot = pinned by the plan, a ring = hard pin. One <rect class="cell"> per expert. `unit`: what counts are of. */
+  function heatMap(chart, h, unit) {
     chart.innerHTML = "";
     var nL = h.layers.length, nE = h.n_experts;
     var W = Math.max(chart.clientWidth, 320), L = 56, R = 10, T = 6, B = 34;
@@ -200,7 +200,7 @@
     item("dot pinned", "pinned by the plan");
     item("dot hard", "hard pin");
     var note = document.createElement("span");
-    note.textContent = h.counts ? "stronger colour: routed more often (log scale; most: " + num(max, 0) + " passes)" : "routing counts not kept";
+    note.textContent = h.counts ? "stronger colour: routed more often (log scale; most: " + num(max, 0) + " " + unit + ")" : "routing counts not kept";
     legend.appendChild(note);
   }
 
@@ -275,7 +275,7 @@
       var held = 0;
       h.tier.forEach(function (row) { row.forEach(function (t) { if (t >= 0) held++; }); });
       setText("heat-now", h.layers.length + " layers × " + h.n_experts + " experts · " + (p.paged ? num(held, 0) + " resident" : "all resident"));
-      heatMap(chartOf("card-heat"), h);
+      heatMap(chartOf("card-heat"), h, data.axis === "tokens" ? "tokens" : "passes");
     }
   }
 
