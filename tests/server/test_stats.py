@@ -15,11 +15,14 @@ import httpx
 import pytest
 
 import moelane
+from moelane.lanes.config import EngineConfig
 from moelane.lanes.engine import EngineStats
+from moelane.lanes.guard import DRAFTED, MEASURE_ROUNDS, PLAIN, Guard
 from moelane.server.app import create_app
 from moelane.server.cost import pager_hooks
 from moelane.server.sampler import RequestLog, Sampler
-from moelane.server.stats import StatsResponse
+from moelane.server.stats import LanesView, StatsResponse
+from moelane.server.views import lanes_view
 from tests.helpers import random_model
 from tests.server.conftest import MODEL, make_engine, running
 from tests.server.fake_engine import FakeEngine
@@ -142,3 +145,16 @@ def test_each_point_is_a_rate_over_its_interval_and_a_gap_is_null() -> None:
     assert series["tok_s"] == [50.0, 20.0, None] and series["rounds_s"] == [25.0, 5.0, None]
     assert series["active"] == [2, 2, None]
     StatsResponse.model_validate(body)
+
+
+def test_the_guard_says_its_verdict_and_when_it_measures_again() -> None:
+    guard = Guard()
+    for _ in range(MEASURE_ROUNDS[PLAIN]):  # plain measured at 2 streams: drafted is measured next
+        guard.observe(2, PLAIN, 10, 0.01, True)
+    engine = SimpleNamespace(config=EngineConfig(drafter="copy", guard=True), guard=guard)
+    view = lanes_view(engine, EngineStats(holds=8, accepted=6, guard_modes=guard.modes()))
+    LanesView.model_validate(view)
+    assert view["acceptance"] == 0.75 and view["drafter"] == "copy"
+    row = {"streams": 2, "mode": DRAFTED, "state": "measuring", "rounds_left": MEASURE_ROUNDS[DRAFTED],
+           "rate_plain": 1000.0, "rate_drafted": None, "decisions": 0}  # fmt: skip
+    assert view["guard"] == [row]
