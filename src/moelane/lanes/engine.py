@@ -329,8 +329,8 @@ class Engine:
     @contextmanager
     def _drafting(self, lanes: Sequence[Lane]) -> Iterator[None]:
         """Drafter work for `lanes`: if it raises, they hold no drafts and the round goes on. Drafts never change a
-        reply, so a failing drafter costs speed, not streams (before, it failed the round and, failing again, ended
-        every stream "error"). Logged whole the first time, in a line at the 2nd, 4th, 8th ... after."""
+        reply, so a failing drafter costs speed, not streams. Logged whole the first time, in a line at the 2nd, 4th,
+        8th ... after."""
         try:
             yield
         except Exception as e:

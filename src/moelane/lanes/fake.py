@@ -1,4 +1,4 @@
-"""A fake target model (SPEC 3.8) for testing the engine without a real model.
+"""A fake target model (docs/design.md#the-round) for testing the engine without a real model.
 
 It implements the target protocol (`new_cache`, `forward(rows)`, `vocab_size`, `eos_ids`) like `LM`. The logits of
 a position are a pure function of the stream's token history up to and including that position (the whole history,

@@ -1,4 +1,4 @@
-"""The plan: what the pager's policy publishes for the residency mechanism (SPEC 2, "plan").
+"""The plan: what the pager's policy publishes for the residency mechanism (docs/design.md#the-plan-seam).
 
 A `Plan` is plain data. Mechanism and policy meet only here, so either side can be replaced, replayed or simulated
 against the other. Invariants: `budget_bytes > 0`, `window_k >= 1`, pins are distinct `(layer, expert)` ids, tiers are
@@ -35,7 +35,8 @@ class Plan:
     pins:         `(layer, expert, tier | None)`; `None` means "at default_tier".
     default_tier: precision tier of the whole unpinned cold tail.
     pin_mode:     "bias" (pins get an eviction credit) or "hard" (pins are never evicted).
-    warm:         experts to load before decode token 1 (set only on the boundary plan, SPEC 2.7), most wanted first.
+    warm:         experts to load before decode token 1, most wanted first (set only on the boundary plan:
+                  docs/design.md#the-boundary-and-the-warm-start).
     """
 
     budget_bytes: int

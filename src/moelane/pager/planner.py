@@ -1,7 +1,8 @@
-"""The planner: decay bandit + pins + warm start at the prefill -> decode boundary (SPEC 2.6, 2.7).
+"""The planner: decay bandit + pins + warm start at the prefill -> decode boundary
+(docs/design.md#the-boundary-and-the-warm-start).
 
-Pure policy: `observe(segment) -> Plan | None` after each forward pass, and `begin_decode() -> Plan | None` for
-engines that know when prefill ends. No I/O, no clock. Defaults are the source system's constants.
+Pure policy: `observe(segment) -> Plan | None` after each forward pass, and `begin_decode() -> Plan | None` for engines
+that know when prefill ends. No I/O, no clock. Defaults are the constants the design was measured with (docs/pager.md).
 
 - Budget: `budget_bytes`, or 1.5x the first observed segment's size (at the default tier) when none is given.
 - Pins: the serving arm's top `n_pins` experts, capped at half the budget (the other half stays for the recency

@@ -1,4 +1,4 @@
-"""EMA scoreboards and the decay bandit (SPEC 2.5), vectorised over arms and experts.
+"""EMA scoreboards and the decay bandit (docs/design.md#the-pager), vectorised over arms and experts.
 
 Scores live in one float32 array [A, M] (A decay arms, M = L * E flat expert ids `layer * E + expert`; float32
 because numpy partitions it several times faster than float64, and the bandit partitions every token). Per token every

@@ -1,4 +1,4 @@
-"""Prefill -> decode boundary detection from segment sizes alone (SPEC 2.4).
+"""Prefill -> decode boundary detection from segment sizes alone (docs/design.md#the-boundary-and-the-warm-start).
 
 A segment's size is the number of distinct experts one forward pass routes to. Prefill segments route many tokens and
 touch many experts; a decode segment routes one token. The detector fires exactly once, on the first segment whose

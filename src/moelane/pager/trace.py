@@ -1,12 +1,13 @@
-"""Routing traces: a compact, streamed file of segment records (SPEC 2.1; layout in docs/trace-format.md).
+"""Routing traces: a compact, streamed file of segment records (docs/design.md#the-pager; layout in
+docs/trace-format.md).
 
 A trace is a file header (model shape, bytes per expert at each precision tier) followed by one record per segment
-(forward pass), which may also carry the next-layer look-ahead's predictions (SPEC 2.8) so that replay can prefetch
-as the live store does. Each record is self-delimiting and checksummed and is flushed when written, so a trace cut
-short by a crash reads back to its last whole segment (the file is created at the first segment, so a run that fails
-before recording anything leaves an earlier file in place). In memory a trace is a few numpy arrays indexed by
-token, with segment boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S segments,
-L MoE layers, K top-k.
+(forward pass), which may also carry the next-layer look-ahead's predictions (docs/design.md#prediction-and-prefetch) so
+that replay can prefetch as the live store does. Each record is self-delimiting and checksummed and is flushed when
+written, so a trace cut short by a crash reads back to its last whole segment (the file is created at the first segment,
+so a run that fails before recording anything leaves an earlier file in place). In memory a trace is a few numpy arrays
+indexed by token, with segment boundaries as offsets; `Segment` is a view of one forward pass. Shapes: N tokens, S
+segments, L MoE layers, K top-k.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Segment:
         return np.unique(token_flat_ids(self.expert_ids, n_experts))
 
     def size(self, n_experts: int) -> int:
-        """Number of distinct experts routed (the segment size of SPEC 2)."""
+        """Number of distinct experts routed (the segment's size: docs/design.md#the-boundary-and-the-warm-start)."""
         return int(self.flat_ids(n_experts).size)
 
 

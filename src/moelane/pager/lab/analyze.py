@@ -1,4 +1,4 @@
-"""Trace analytics (SPEC 2.2, 2.8): what would have covered each decode token's experts.
+"""Trace analytics (docs/design.md#prediction-and-prefetch): what would have covered each decode token's experts.
 
 Per request (stream) and overall (decode-token weighted), the share of each decode token's experts found in:
 prefill union, prefill tail (last prefill segment), decode recency (all earlier decode tokens of the request), the

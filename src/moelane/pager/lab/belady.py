@@ -1,4 +1,5 @@
-"""Belady's MIN for multi-expert layer steps: the offline optimum that replays are measured against (SPEC 2.3).
+"""Belady's MIN for multi-expert layer steps: the offline optimum that replays are measured against
+(docs/design.md#replay-and-the-lab).
 
 The pool is global across layers; each step (segment, layer) needs all its experts resident together. On a miss that
 does not fit, evict the resident expert (not needed by this step) whose next use is furthest in the future; experts

@@ -9,9 +9,10 @@ recent-k, planner) use the simulator's key `last access step + pin credit`.
 - recent-k[:K]: LRU, plus at each segment start evict experts not used in the last K segments (K defaults to the
   number of whole decode tokens the pool holds): "keep the last k tokens resident".
 - ema:D: lowest EMA score at decay D, the current segment's activations folded in as each layer runs.
-- bandit: like ema, with the decay the decay bandit serves before each segment (SPEC 2.5).
-- planner[:score][:hard|:bias][:nowarm]: a store obeying the planner's plans: pins (credit 2 * window_k, or hard),
-  warm start at the boundary (SPEC 2.6, 2.7); LRU order (the live store's) or, with `score`, the bandit's EMA order.
+- bandit: like ema, with the decay the decay bandit serves before each segment (docs/design.md#the-pager).
+- planner[:score][:hard|:bias][:nowarm]: a store obeying the planner's plans: pins (credit 2 * window_k, or hard), warm
+  start at the boundary (docs/design.md#the-boundary-and-the-warm-start); LRU order (the live store's) or, with `score`,
+  the bandit's EMA order.
 - any of these + `+ahead`: also prefetch the next-layer look-ahead's predictions during decode (replay.py).
 """
 
@@ -123,7 +124,7 @@ class Bandit(_Scored):
 class PlannerPolicy(Policy):
     """A store driven by a `Planner`'s plans. `order`: "lru" (the live store's order: least recent access, pins
     credited 2 * window_k tokens) or "score" (the bandit's serving-arm EMA score, pins credited 2 * window_k in score
-    units, as the source documents the pin bias)."""
+    units: docs/pager.md, pins)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Predictors of the next token's experts, measured before they are trusted (SPEC 2.8).
+"""Predictors of the next token's experts, measured before they are trusted (docs/design.md#prediction-and-prefetch).
 
 - Repeat: the previous token's experts (what a recency store already has).
 - Cross-token co-occurrence: noisy-OR over observed transitions, per layer: P(b | prev set A) = 1 - prod_{a in A}

@@ -45,9 +45,10 @@ def header_from_lm(lm: Any, model: str = "") -> TraceHeader:
 
 
 class LookAheadTap:
-    """Forward pre-hooks that apply layer l+1's router to the input of layer l's MoE block (SPEC 2.8), as the live
-    store's look-ahead does, and keep each pass's per-token top-K for the trace. `take()` returns them as
-    [T, L-1, K] and clears them; None when a MoE block has no `route` to apply (no prediction made)."""
+    """Forward pre-hooks that apply layer l+1's router to the input of layer l's MoE block, as the live store's
+    look-ahead does (docs/design.md#prediction-and-prefetch), and keep each pass's per-token top-K for the trace.
+    `take()` returns them as [T, L-1, K] and clears them; None when a MoE block has no `route` to apply (no prediction
+    made)."""
 
     def __init__(self, lm: Any) -> None:
         layers = list(lm.moe_layers)

@@ -47,6 +47,16 @@ class Admission:
     freed: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """A copy of the table's per-key view, for people watching the pool (a dashboard's sample, not the hot path)."""
+
+    tier: npt.NDArray[np.int8]  # the tier a held key was loaded at (loading or ready); -1: not held
+    pinned: npt.NDArray[np.bool_]  # the applied plan pins it (eviction credit or hard)
+    hard: npt.NDArray[np.bool_]  # ... hard: never evicted
+    count: IntArray  # passes that used it (LFU's count)
+
+
 class SlotTable:
     def __init__(
         self, capacity: Sequence[int], tier_bytes: Sequence[int], budget: int, n_keys: int, policy: str,
@@ -246,6 +256,12 @@ class SlotTable:
     def n_fit(self) -> int:
         """How many experts the budget surely holds at any tier (the largest tier whose expert fits at all)."""
         return self.budget // int(self.tier_bytes[self.tier_bytes <= self.budget].max())
+    def residency(self) -> Residency:
+        """Copies of the per-key arrays (the caller holds the store's lock)."""
+        tier = np.full(self.slot_of.size, -1, np.int8)
+        held = self.slot_of >= 0
+        tier[held] = self.tier[self.slot_of[held]]
+        return Residency(tier, (self.credit_of > 0) | self.hard_of, self.hard_of.copy(), self.count.copy())
 
     def check(self) -> None:
         held = np.flatnonzero(self.state != EMPTY)

@@ -59,7 +59,7 @@ from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import TierPool, native_weights
 from moelane.pager.live.pools import TierPools
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
-from moelane.pager.live.slots import LOADING, Admission, IntArray, SlotTable
+from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.tiers import TIER_NAMES, slot_bytes
@@ -473,6 +473,12 @@ class ExpertStore:
         """The tier name and the tensors of pool slot `slot` (w13, w2; or codes13, scales13, codes2, scales2)."""
         tier = int(self.table.tier[slot])
         return TIER_NAMES[tier], self._pools.slot(tier, slot)
+
+    def residency(self) -> Residency:
+        """Which experts are held, at which tier, pinned, and how often used: copies taken under the lock, for a
+        dashboard's sample (at most once a second), never on the per-token path."""
+        with self._cond:
+            return self.table.residency()
 
     def check_invariants(self) -> None:
         """Slot table and expert table agree; nothing over budget (tests call this)."""
