@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from moelane import kernels
 from moelane.model.layers import TILE, linear, silu_mul
 from moelane.model.provider import ExpertProvider, TierPool
 
@@ -241,6 +242,8 @@ def run_experts(
     slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
     pools = provider.pools(layer)
     pairs = pair_bias(bias, ids)
+    if computes_in_kernels(pools):
+        return kernel_dispatch(x, slots, weights, pools, act, pairs, pending, wait)
     native = native_pool(pools, slots)
     if native is None:
         if wait is not None:
@@ -262,6 +265,92 @@ def native_pool(pools: tuple[TierPool, ...], slots: torch.Tensor) -> tuple[torch
     if len(pools) > 1 and (torch.compiler.is_compiling() or int(slots.max()) >= head.n_slots):
         return None
     return head.w13[0], head.w2[0]
+
+
+# ---- the kernels' path: products from the pools' own bytes -------------------------------------------------------
+
+
+def computes_in_kernels(pools: tuple[TierPool, ...]) -> bool:
+    """Whether the pools are computed by `moelane.kernels` (`kernel_dispatch`): where the extension serves (every pool
+    has its `kernel` view) and any pool is quantised or bf16. All-fp32 native pools keep the BLAS paths above, which
+    read fp32 at the memory's speed already (and, compiled, fuse the gather)."""
+    if any(p.kernel is None for p in pools):
+        return False
+    return any(p.kind != "native" or p.w13[0].dtype != torch.float32 for p in pools)
+
+
+def kernel_dispatch(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+    pending: torch.Tensor | None = None,
+    wait: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """`dispatch` through the kernels' `gather_linear`, which reads each used slot's bytes once per call, at any tier,
+    dequantising in registers. With `pending` (pairs whose experts are still loading) the others compute first,
+    then `wait()`, then the rest, as `dispatch_staged` does. A pair's numbers depend only on its row and its slot:
+    gather_linear's products are batch-invariant (moelane.kernels), each rounded once to x's dtype, the activation
+    and biases element-wise."""
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    flat, xf = slots.reshape(-1), rows.float()
+    if pending is None or wait is None:
+        return weighted_sum(pool_pairs(xf, rows_of, flat, pools, act, bias, x.dtype), weights)
+    y = x.new_empty(flat.numel(), x.shape[-1])
+    late = pending.reshape(-1)
+    pairs = torch.arange(flat.numel())
+    for part in (pairs[~late], None, pairs[late]):
+        if part is None:
+            wait()
+        elif part.numel():
+            y[part] = pool_pairs(xf, rows_of[part], flat[part], pools, act, None if bias is None else bias.take(part),
+                                 x.dtype)  # fmt: skip
+    return weighted_sum(y, weights)
+
+
+def pool_pairs(
+    xf: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act,
+    bias: PairBias | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Each pair's expert output [P, H] in `dtype`, from whichever pool holds its slot. xf [R, H] float32."""
+    if len(pools) == 1:  # (no data-dependent split: the compiled step's case, one resident pool)
+        head = pools[0]
+        return slot_pairs(xf, rows_of, flat if head.first == 0 else flat - head.first, head, act, bias, dtype)
+    y = xf.new_empty(flat.numel(), xf.shape[1], dtype=dtype)
+    for pool in pools:
+        inside = ((flat >= pool.first) & (flat < pool.first + pool.n_slots)).nonzero().reshape(-1)
+        if inside.numel():
+            y[inside] = slot_pairs(xf, rows_of[inside], flat[inside] - pool.first, pool, act,
+                                   None if bias is None else bias.take(inside), dtype)  # fmt: skip
+    return y
+
+
+def slot_pairs(
+    xf: torch.Tensor,
+    rows_of: torch.Tensor,
+    local: torch.Tensor,
+    pool: TierPool,
+    act: Act,
+    bias: PairBias | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The expert outputs [P, H] of pairs (row rows_of[p] of xf, slot local[p] of `pool`): down(act(gate_up + b13))
+    + b2, each product in fp32 and rounded to `dtype` once, as a `dtype` matrix product with fp32 sums rounds it."""
+    assert pool.kernel is not None
+    w13, w2 = pool.kernel
+    gate_up = kernels.gather_linear(xf, rows_of, local, w13).to(dtype)
+    if bias is not None:
+        gate_up = gate_up + bias.b13
+    h = act(gate_up).float()
+    out = kernels.gather_linear(h, torch.arange(local.numel()), local, w2).to(dtype)
+    return out if bias is None else out + bias.b2
 
 
 # ---- the reference path for quantised and mixed tiers ------------------------------------------------------------

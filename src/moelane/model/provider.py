@@ -33,6 +33,8 @@ from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 
+from moelane import kernels
+from moelane.kernels import Pool
 from moelane.model.checkpoint import ExpertHandle, read_expert
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -50,16 +52,43 @@ TIER_KINDS = ("native", "int8", "int4")  # by precision tier: 0 the compute dtyp
 
 
 class TierPool(NamedTuple):
-    """One precision tier's pool: its slot 0 is the provider's slot `first`; kind "native" | "int8" | "int4"."""
+    """One precision tier's pool: its slot 0 is the provider's slot `first`; kind "native" | "int8" | "int4".
+    `kernel`: the same tensors as the kernels' pools (w13's, w2's), where the kernels' extension serves
+    (`tier_pool`)."""
 
     first: int
     kind: str
     w13: tuple[torch.Tensor, torch.Tensor | None]  # (data, scales or None)
     w2: tuple[torch.Tensor, torch.Tensor | None]
+    kernel: tuple[Pool, Pool] | None = None
 
     @property
     def n_slots(self) -> int:
         return int(self.w13[0].shape[0])
+
+
+def tier_pool(
+    first: int,
+    kind: str,
+    w13: tuple[torch.Tensor, torch.Tensor | None],
+    w2: tuple[torch.Tensor, torch.Tensor | None],
+    dims: tuple[int, int],
+    mixed: bool = False,
+) -> TierPool:
+    """A pool with its kernels' view (no copy) where the extension serves: then `experts.run_experts` computes from
+    its bytes as they are (`moelane.kernels`). dims: (H, I), the input widths of w13 and w2 (quantised rows are
+    padded to whole groups, so their stored length does not say). An fp32 native pool gets the view only when it
+    may be `mixed` with other tiers' pools (the store's): alone, the BLAS paths compute it, and a resident fp32
+    model need not build the extension."""
+    dtype = w13[0].dtype
+    wanted = mixed or kind != "native" or dtype == torch.bfloat16
+    usable = dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
+    if not (wanted and usable) or kernels.available().backend == "fallback":
+        return TierPool(first, kind, w13, w2)
+    names = {torch.float32: "f32", torch.bfloat16: "bf16"}
+    name = names.get(dtype, kind)
+    pools = tuple(Pool(name, data, scales, n_in) for (data, scales), n_in in zip((w13, w2), dims, strict=True))
+    return TierPool(first, kind, w13, w2, (pools[0], pools[1]))
 
 
 class HostSide:
@@ -117,7 +146,8 @@ class ResidentProvider:
                     w13s.append(w13)
                     w2s.append(w2)
                     bar.update(1)
-                pools[layer] = TierPool(0, "native", (torch.stack(w13s), None), (torch.stack(w2s), None))
+                w13, w2 = torch.stack(w13s), torch.stack(w2s)
+                pools[layer] = tier_pool(0, "native", (w13, None), (w2, None), (w2.shape[1], w2.shape[2]))
         return cls(pools)
 
     def pools(self, layer: int) -> tuple[TierPool, ...]:

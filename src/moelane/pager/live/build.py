@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from moelane.model.checkpoint import ExpertHandle
-from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool
+from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool, tier_pool
 from moelane.pager.live.memory import MemorySpec, available_memory, format_bytes
 from moelane.pager.live.stats import format_counts
 from moelane.pager.live.storage import Storage
@@ -94,7 +94,7 @@ def resident_at_tier(
                 for e, handle in enumerate(experts):
                     storage.load_into(handle, tier, tuple(part[e] for part in t))
                     bar.update(1)
-                pools[layer] = TierPool(0, TIER_NAMES[tier], (t[0], t[1]), (t[2], t[3]))
+                pools[layer] = tier_pool(0, TIER_NAMES[tier], (t[0], t[1]), (t[2], t[3]), experts[0].dims)
     finally:
         storage.close()
     return ResidentProvider(pools)

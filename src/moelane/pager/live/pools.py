@@ -25,9 +25,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from moelane.model.provider import TIER_KINDS, TierPool
+from moelane.model.provider import TIER_KINDS, TierPool, tier_pool
 from moelane.pager.live.slots import EMPTY
-from moelane.pager.live.tiers import Part, slot_parts
+from moelane.pager.live.tiers import slot_parts
 
 PAGE = mmap.PAGESIZE
 
@@ -35,7 +35,8 @@ PAGE = mmap.PAGESIZE
 class PagedPool:
     """One tier's pool of `n_slots` slots, the provider's slots `first ..< first + n_slots`."""
 
-    def __init__(self, tier: int, parts: tuple[Part, ...], n_slots: int, first: int) -> None:
+    def __init__(self, tier: int, dims: tuple[int, int], dtype: torch.dtype, n_slots: int, first: int) -> None:
+        parts = slot_parts(tier, *dims, dtype)
         self.tier, self.first, self.n_slots = tier, first, n_slots
         self.slot_bytes = [dtype.itemsize * rows * cols for dtype, (rows, cols) in parts]
         self.offsets, size = [], 0
@@ -52,7 +53,7 @@ class PagedPool:
         )
         t = self.tensors
         w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))
-        self.tier_pool = TierPool(first, TIER_KINDS[tier], w13, w2)
+        self.tier_pool = tier_pool(first, TIER_KINDS[tier], w13, w2, dims, mixed=True)
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
         """The parts of the pool's slot `index` (counted from its first): views to load an expert into."""
@@ -88,8 +89,7 @@ class TierPools:
 
     def use(self, tier: int) -> None:
         if tier not in self.by_tier:
-            parts = slot_parts(tier, *self.dims, self.dtype)
-            self.by_tier[tier] = PagedPool(tier, parts, self.capacity[tier], self.first[tier])
+            self.by_tier[tier] = PagedPool(tier, self.dims, self.dtype, self.capacity[tier], self.first[tier])
             self.tier_pools = tuple(sorted((p.tier_pool for p in self.by_tier.values()), key=lambda p: p.first))
 
     def slot(self, tier: int, slot: int) -> tuple[torch.Tensor, ...]:
