@@ -27,6 +27,8 @@ from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
 from moelane.pager.live.tiers import TIER_NAMES, parse_tier, slot_bytes, slot_parts
 
 log = logging.getLogger(__name__)
+NO_EXPERTS = ("this model has no experts (a dense model): --expert-memory, --host-memory and --default-tier apply "
+              "to mixture-of-experts models only")  # fmt: skip
 
 
 def store_factory(
@@ -48,8 +50,7 @@ def store_factory(
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
         if not any(handles.values()):
-            raise StoreError("this model has no experts (a dense model): --expert-memory, --host-memory and "
-                             "--default-tier apply to mixture-of-experts models only")  # fmt: skip
+            raise StoreError(NO_EXPERTS)
         n_experts, each = expert_count_and_bytes(handles, dtype)
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
@@ -118,6 +119,8 @@ def fitting_factory(
         n_experts, each = expert_count_and_bytes(handles, dtype, tier)
         need, free_bytes = n_experts * each, available_memory()
         room = int(free_bytes * (1 - HEADROOM))
+        if not n_experts and tier > 0:
+            raise StoreError(NO_EXPERTS)
         if need <= room:  # (a dense model needs nothing)
             return resident_at_tier(handles, dtype, tier, progress) if n_experts else ResidentProvider({})
         free = format_bytes(free_bytes)
