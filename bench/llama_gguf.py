@@ -34,15 +34,17 @@ def convert(folder: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> P
 FTYPES = {"q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0
 
 
-def quantize(src: Path, out: Path, kind: str, threads: int = 2) -> Path:
-    """Quantise the GGUF `src` to `kind` (q8_0, q4_0) with llama.cpp's own quantiser (llama-cpp-python's binding), as
-    `llama-quantize` does: every 2-D weight but the token embeddings."""
+def quantize(src: Path, out: Path, kind: str, python: str = sys.executable, threads: int = 2) -> Path:
+    """Quantise the GGUF `src` to `kind` (q8_0, q4_0) with llama.cpp's own quantiser, as `llama-quantize` does (every
+    2-D weight but the token embeddings), through the llama-cpp-python binding of `python`."""
     if out.exists():
         return out
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = FTYPES[kind], threads
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+    code = (
+        "import sys, llama_cpp\n"
+        "params = llama_cpp.llama_model_quantize_default_params()\n"
+        f"params.ftype, params.nthread = {FTYPES[kind]}, {threads}\n"
+        f"sys.exit(llama_cpp.llama_model_quantize({str(src).encode()!r}, {str(out).encode()!r}, params))\n"
+    )
+    if subprocess.run([python, "-c", code]).returncode != 0:
         raise SystemExit(f"llama.cpp could not quantise {src} to {kind}")
     return out
