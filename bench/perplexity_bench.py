@@ -177,10 +177,10 @@ def gguf_file(folder: Path, kind: str, gguf_dir: Path, llama_tree: Path | None, 
 
 
 def gguf_label(kind: str, types: dict[str, int]) -> str:
-    """`Q4_0`, with the LM head's type where it differs (`Q4_0, LM head Q8_0`)."""
-    main = kind.partition("-out-")[0].upper()
-    head = next((k.split(":")[1] for k in types if k.startswith("output.weight:")), main)
-    return main if head == main else f"{main}, LM head {head}"
+    """`Q4_0`, with the LM head's type where it differs or was chosen (`Q4_0, LM head Q8_0`)."""
+    main, _, chosen = kind.partition("-out-")
+    head = next((k.split(":")[1] for k in types if k.startswith("output.weight:")), chosen.upper() or main.upper())
+    return main.upper() if head == main.upper() and not chosen else f"{main.upper()}, LM head {head}"
 
 
 def gguf_types(path: Path, llama_tree: Path) -> dict[str, int]:
