@@ -13,6 +13,7 @@ its names, metadata and layouts) and loads both with `moelane.load`:
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,81 @@ def test_vocabulary_larger_than_the_embeddings_is_refused(tmp_path: Path) -> Non
     edited = rewrite(path, keys={"tokenizer.ggml.tokens": [*tokens, "<extra-1>", "<extra-2>"]})
     with pytest.raises(ModelLoadError, match=r"vocabulary mismatch: tokenizer\.ggml\.tokens has 302 tokens"):
         moelane.load(edited)
+
+
+SAMPLES = (TEXT, "  leading spaces,\ttabs\n\nand 12345 digits", "naïve café 3.14 -- 'quoted' don't I'LL 东京タワー")
+
+
+def vocab_only(path: Path, tokenizer: Any, pre: str | None) -> Path:
+    """A GGUF holding a vocabulary and nothing else but an embedding: the converter's gpt2 vocabulary (`pre` given),
+    or its SentencePiece one, scores falling with the id as a SentencePiece BPE model's do."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    added = tokenizer.get_added_tokens_decoder()
+    tokens = [by_id[i] for i in range(len(by_id))]
+    kinds = [gguf.TokenType.CONTROL if i in added else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    if pre is None:
+        kinds = [gguf.TokenType.BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", tokens[i]) else k for i, k in enumerate(kinds)]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        writer.add_unk_token_id(tokenizer.token_to_id("<unk>"))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        model = json.loads(tokenizer.to_str())["model"]
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def byte_level_tokenizer(pre: str) -> Any:
+    """A byte-level BPE trained with the pre-tokenizer of the Hugging Face releases that llama.cpp names `pre`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from moelane.model.gguf.vocab import PRE_SPLITS
+
+    tok = Tokenizer(models.BPE(ignore_merges=pre == "llama-bpe"))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(False, use_regex=not splits)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)  # fmt: skip
+    tok.train_from_iterator([*SAMPLES] * 4, trainer)
+    return tok
+
+
+def sentencepiece_tokenizer() -> Any:
+    """A Llama-style BPE with byte fallback, as transformers writes a SentencePiece model's tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()  # (while training only: pieces within words, as SentencePiece's)
+    tok.train_from_iterator([*SAMPLES[:2]] * 4, trainer)
+    tok.pre_tokenizer = None
+    return tok
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "gpt-4o", "deepseek-v3", None])
+def test_vocabularies_encode_as_the_tokenizer_they_were_converted_from(tmp_path: Path, pre: str | None) -> None:
+    from moelane.model.gguf.file import open_gguf
+    from moelane.model.gguf.vocab import gguf_tokenizer
+
+    theirs = sentencepiece_tokenizer() if pre is None else byte_level_tokenizer(pre)
+    ours, _ = gguf_tokenizer(open_gguf(vocab_only(tmp_path / "v.gguf", theirs, pre)), theirs.get_vocab_size())
+    for text in (*SAMPLES, "unseen words: zebra 🦙 Ω"):
+        ids = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False).ids == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
