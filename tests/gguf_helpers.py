@@ -30,18 +30,23 @@ ARCHS = {
     "deepseek_v3": "deepseek2",
     "glm4_moe": "glm4moe",
     "gpt_oss": "gpt-oss",
+    "llama": "llama",
+    "qwen3": "qwen3",
 }
 Tensors = dict[str, np.ndarray]
 
 
 def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, roundtrip: bool = False, split_tensors: int = 0,
-               seed: int = 0) -> Path:  # fmt: skip
+               fuse_gate_up: bool = False, seed: int = 0) -> Path:  # fmt: skip
     """`folder` (a `random_model`) as a GGUF at `out` with 2-D weights at `qtype`. `roundtrip`: write F32 tensors
     holding the values the `qtype` file decodes to (the reference of a quantised file). `split_tensors`: split into
-    files of that many tensors each (`-00001-of-0000N.gguf`)."""
+    files of that many tensors each (`-00001-of-0000N.gguf`). `fuse_gate_up`: the experts' gate and up stacked in
+    one `ffn_gate_up_exps` (the converter's `--fuse-gate-up-exps`)."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCHS[config["model_type"]]
     tensors = converted(config, load_file(folder / "model.safetensors"), arch)
+    if fuse_gate_up:
+        tensors = fused_gate_up(tensors)
     writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_tensors)
     write_metadata(writer, config, arch)
     write_vocab(writer, folder, config["vocab_size"])
@@ -58,6 +63,17 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, roundtrip: bool =
     writer.write_tensors_to_file()
     writer.close()
     return out if not split_tensors else first_part(out)
+
+
+def fused_gate_up(tensors: Tensors) -> Tensors:
+    out = {}
+    for name, data in tensors.items():
+        if ".ffn_gate_exps.weight" in name:
+            up = tensors[name.replace("gate_exps", "up_exps")]
+            out[name.replace("gate_exps", "gate_up_exps")] = np.concatenate([data, up], axis=1)
+        elif ".ffn_up_exps.weight" not in name:
+            out[name] = data
+    return out
 
 
 def first_part(out: Path) -> Path:
@@ -189,8 +205,9 @@ def write_metadata(w: gguf.GGUFWriter, c: dict[str, Any], arch: str) -> None:
     w.add_head_count_kv(1 if arch == "deepseek2" else c["num_key_value_heads"])
     w.add_rope_freq_base(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_expert_count(c.get("num_experts") or c.get("num_local_experts") or c["n_routed_experts"])
-    w.add_expert_used_count(c["num_experts_per_tok"])
+    if n_experts := c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts"):
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(c["num_experts_per_tok"])
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])

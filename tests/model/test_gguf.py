@@ -52,11 +52,22 @@ def logits(path: Path) -> torch.Tensor:
         return moelane.load(path).logits(PROMPT)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen3"])
 def test_f32_gguf_logits_match_the_safetensors_load(tmp_path: Path, family: str) -> None:
     folder = model(tmp_path, family)
     gguf = write_gguf(folder, tmp_path / "m.gguf")
     assert (logits(gguf) - logits(folder)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_gate_up_experts_load_as_separate_ones(tmp_path: Path, family: str) -> None:
+    over = quantisable(family)
+    separate = write_gguf(model(tmp_path, family, **over), tmp_path / "s.gguf", "Q8_0")
+    fused = write_gguf(tmp_path / "hf", tmp_path / "f.gguf", "Q8_0", fuse_gate_up=True)
+    lm = moelane.load(fused)
+    assert "gate_up" in lm.expert_handles[lm.moe_layers[0]][0].tensors
+    with torch.no_grad():
+        assert torch.equal(lm.logits(PROMPT), logits(separate))
 
 
 def check_decodes_as_gguf(tmp_path: Path, family: str, qtype: str, **overrides: Any) -> None:
@@ -120,6 +131,20 @@ def test_quantised_experts_page_from_the_gguf(tmp_path: Path) -> None:
     """At half the experts' bytes the pager reads each expert's blocks from the file, and decodes as all-resident."""
     gguf = write_gguf(model(tmp_path, "qwen3_moe", **quantisable("qwen3_moe")), tmp_path / "q.gguf", "Q4_0")
     check_pages_as_resident(gguf, PROMPT)
+
+
+def test_int4_tier_of_a_gguf_encodes_its_decoded_values(tmp_path: Path) -> None:
+    """The int4 tier file, built beside the GGUF, holds the same experts as one built from the F32 file of the
+    values the Q4_0 blocks decode to."""
+    folder = model(tmp_path, "qwen3_moe", **quantisable("qwen3_moe"))
+    (tmp_path / "q").mkdir()
+    (tmp_path / "d").mkdir()
+    quantised = write_gguf(folder, tmp_path / "q" / "m.gguf", "Q4_0")
+    decoded = write_gguf(folder, tmp_path / "d" / "m.gguf", "Q4_0", roundtrip=True)
+    with torch.no_grad():
+        ours = moelane.load(quantised, default_tier="int4").logits(PROMPT)
+        assert torch.equal(ours, moelane.load(decoded, default_tier="int4").logits(PROMPT))
+    assert (tmp_path / "q" / ".moelane" / "experts-int4.bin").is_file()
 
 
 def test_moelane_run_takes_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -301,9 +301,9 @@ def gguf_expert(
     for name, t in w.items():
         kind = handle.tensors[name].dtype
         values[name] = (dequantize(t, kind) if is_block_type(kind) else t).to(dtype)
-    if "gate_up" in values:
+    if handle.layout == "gguf" and "gate_up" in values:
         return values["gate_up"], values["down"]
-    gate, up = values["gate"], values["up"]
+    gate, up = values["gate_up"].chunk(2) if "gate_up" in values else (values["gate"], values["up"])
     if handle.layout == "gguf_pairs":
         return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1]), values["down"]
     return torch.cat([gate, up], dim=0), values["down"]
