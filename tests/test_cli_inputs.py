@@ -359,6 +359,18 @@ def test_a_memory_size_is_refused_in_one_line_however_it_is_written(capsys: pyte
     assert "--expert-memory: expected one argument" in cli_error(["run", "--expert-memory", "-v", "hi"], capsys)
 
 
+def test_a_pool_too_small_for_one_token_is_one_line_and_no_warning(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped model routes each token to 4 of 32 experts in each of 6 MoE layers: 1% holds one expert, 2.1%
+    the four one token needs (and no more than one row's, which a warning says)."""
+    with caplog.at_level(logging.WARNING):
+        line = cli_error(["run", "--expert-memory", "1%", "--max-tokens", "2", "hi"], capsys)
+    assert line.startswith("moelane: error: --expert-memory 1% holds 1 expert, but a token routes to 4 at once")
+    assert line.endswith("(2.1%)") and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert main(["run", "--expert-memory", "2.1%", "--max-tokens", "2", "hi"]) == 0
+
+
 def test_traces_of_more_experts_than_their_ids_hold_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ import torch
 
 import moelane
 from moelane.errors import InputError
-from moelane.pager.live.memory import MemorySpec, parse_memory
+from moelane.pager.live.memory import MemorySpec, format_bytes, parse_memory
 from moelane.pager.live.store import ExpertStore
 
 log = logging.getLogger("moelane")
@@ -116,9 +117,27 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     if args.pager_policy and args.expert_memory is None:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
     dtypes: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
-    return moelane.load(args.model, dtypes[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
-                        policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
-                        progress=True)  # fmt: skip
+    lm = moelane.load(args.model, dtypes[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
+                      policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
+                      progress=True)  # fmt: skip
+    try:
+        check_pool(lm, args.expert_memory)
+    except InputError:
+        lm.close()
+        raise
+    return lm
+
+
+def check_pool(lm: Any, expert_memory: MemorySpec | None) -> None:
+    """InputError if the expert pool cannot hold the experts one token routes to in one MoE layer, so that no pass
+    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold)."""
+    if not paged(lm) or (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
+        return
+    need = top_k * lm.provider.slot_bytes
+    share = math.ceil(need / lm.provider.total_bytes * 1000) / 10  # (rounded up: a budget of it holds them)
+    given = "the free memory" if expert_memory is None else f"--expert-memory {expert_memory}"
+    raise InputError(f"{given} holds {n_slots} expert{'s' * (n_slots != 1)}, but a token routes to {top_k} at once "
+                     f"in each MoE layer: give at least {format_bytes(need)} ({share:g}%)")  # fmt: skip
 
 
 @contextlib.contextmanager
