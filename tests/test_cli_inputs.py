@@ -431,7 +431,9 @@ def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsy
     assert out.read_text() == "an earlier trace"
 
 
-def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_holds_the_reply_to_a_json_schema(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--json-schema` (text, or a file) holds the shipped model's reply to JSON the schema accepts; schemas that
     are not JSON objects are refused before loading, and ones the grammar cannot use once it has loaded."""
     schema = {"type": "object", "properties": {"ok": {"enum": [True, False]}}, "required": ["ok"],
@@ -442,6 +444,7 @@ def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.Cap
         assert main(["run", "--max-tokens", "64", "--json-schema", given, "Is it on?"]) == 0
         reply = json.loads(capsys.readouterr().out)
         assert reply in ({"ok": True}, {"ok": False})
+    assert "before the JSON was complete" not in caplog.text
     assert main(["run", "--max-tokens", "64", "--json", "--seed", "1", "--temperature", "1", "Data:"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("{")  # (64 tokens may cut a free object short: it is JSON up to there)
@@ -449,3 +452,16 @@ def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.Cap
     assert "neither" in cli_error(["run", "--json-schema", str(tmp_path / "missing.json"), "hi"], capsys)
     assert "must be a JSON object" in cli_error(["run", "--json-schema", "[1]", "hi"], capsys)
     assert "--json-schema: the JSON schema cannot be used" in cli_error(["run", "--json-schema", "false", "hi"], capsys)
+
+
+def test_run_says_when_max_tokens_cuts_a_reply_held_to_json(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="moelane"):
+        assert main(["run", "--json", "--max-tokens", "8", "Data:"]) == 0
+    out, err = capsys.readouterr()
+    with pytest.raises(ValueError):
+        json.loads(out)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["reply cut at --max-tokens before the JSON was complete"]
+    assert "8 new tokens (--max-tokens)" in err

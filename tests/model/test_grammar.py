@@ -102,6 +102,21 @@ def test_after_the_json_or_a_forced_token_only_end_of_sequence_may_follow(lm: An
     assert torch.equal(g.allowed(lm.tokenizer.encode("nope")), eos)  # ('n' cannot start the object)
 
 
+def test_a_reply_is_complete_once_its_json_is_whole(lm: Any) -> None:
+    """`complete` (what `moelane run --json` asks of a reply that --max-tokens cut) agrees with json.loads on every
+    prefix of a finished reply."""
+    g = grammar(lm)
+    reply = list(lm.generate_ids(lm.tokenizer.encode(PROMPTS[0]), 200, SamplingParams(grammar=g)))
+    for k in range(len(reply) + 1):
+        try:
+            json.loads(lm.tokenizer.decode(reply[:k]))
+            whole = True
+        except ValueError:
+            whole = False
+        assert g.complete(reply[:k]) is whole, lm.tokenizer.decode(reply[:k])
+    assert not g.complete(lm.tokenizer.encode("nope"))  # (left the grammar)
+
+
 @pytest.mark.parametrize(
     ("schema", "needle"),
     [

@@ -184,14 +184,15 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
-    t_first, n_new = 0.0, 0
+    t_first = 0.0
+    reply: list[int] = []
     with contextlib.ExitStack() as stack:
         if args.trace:
             stack.enter_context(open_trace(args.trace, lm))
         for token in tokens:
-            if n_new == 0:
+            if not reply:
                 t_first = time.perf_counter()
-            n_new += 1
+            reply.append(token)
             part = ANSWER if splitter is None else splitter.push(token)
             if part != ANSWER:
                 if part is not None:
@@ -207,10 +208,14 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
             sys.stderr.write(openings.trim(REASONING, thoughts.flush()) + "\n")
         sys.stdout.write(stops.push(answer(detok.flush())) + stops.flush() + "\n")  # a cut-off character: U+FFFD
     t_end = time.perf_counter()
+    n_new = len(reply)
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0
-    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({ended(stops.stopped, n_new, args.max_tokens, room)}),"
-          f" prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    why = ended(stops.stopped, n_new, args.max_tokens, room)
+    if params.grammar is not None and why in CUT and not params.grammar.complete(reply):
+        log.warning("reply cut %s before the JSON was complete", CUT[why])
+    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({why}), prefill {prefill:.1f} tok/s, "
+          f"decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
     if args.stats:
         print_stats(lm)
     return 0
@@ -225,6 +230,10 @@ def reply_grammar(lm, schema: dict[str, object] | bool | None):  # type: ignore[
     except InputError as e:
         raise InputError(f"--json-schema: {e}") from None
     return Grammar.for_lm(lm, text)
+
+
+# the summary's reasons that cut a reply short, as the line that says a reply held to JSON was cut says them
+CUT = {"--max-tokens": "at --max-tokens", "context full": "at the end of the model's context"}
 
 
 def ended(stopped: bool, n_new: int, max_tokens: int, room: int) -> str:
