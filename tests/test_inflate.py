@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 import moelane
+from moelane.model.family import family_of
 from moelane.model.load import checkpoint_dtype
 from moelane.model.sampling import SamplingParams
 
@@ -42,7 +43,8 @@ def test_layout(inflated: tuple[Path, dict]) -> None:
     out, summary = inflated
     config = json.loads((out / "config.json").read_text())
     assert config["moe_intermediate_size"] == WIDTH and config["dtype"] == "bfloat16"
-    assert config["moelane_compute_dtype"] == "float32" and checkpoint_dtype(config) == torch.float32
+    typed = family_of("qwen3_moe").config_class.from_dict(config)
+    assert config["moelane_compute_dtype"] == "float32" and checkpoint_dtype(typed) == torch.float32
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == summary["shards"] > 1

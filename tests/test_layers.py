@@ -6,6 +6,7 @@ Layers, low to high; a module may import its own group and the layers below it, 
 import each other:
 
     errors, assets
+    kernels                  the weight products (one op at every precision) and the quantised formats
     model                    the model's math, loading a checkpoint, the expert provider seam
     pager                    the seam of the pager: trace.py, plan.py, and the planner both sides run
     pager.live | pager.lab   the store a running model uses | offline work on traces
@@ -28,6 +29,7 @@ import moelane
 # (groups of module-name prefixes) per layer, low to high; a module belongs to the group of its longest prefix
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("moelane.errors", "moelane.assets"),),
+    (("moelane.kernels",),),
     (("moelane.model",),),
     (("moelane.pager",),),
     (("moelane.pager.live",), ("moelane.pager.lab",)),

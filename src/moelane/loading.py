@@ -36,6 +36,7 @@ def load(
     compile: bool = False,
     progress: bool = False,
     provider: ProviderFactory | None = None,
+    quantize: str = "none",
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
 
@@ -44,17 +45,19 @@ def load(
     `policy`: what the pool evicts ("planner", "lru", "lfu"); `default_tier`: the precision of experts fetched on a
     miss ("native", "int8", "int4"). `compile` compiles the one-token decode step; `progress` shows a progress bar
     while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
-    handles and the compute dtype, in place of the four settings before it."""
+    handles and the compute dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the
+    dense projections (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file
+    holds a model; the routed experts' precision is `default_tier`'s."""
     if provider is not None:
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
-        return load_folder(path, dtype, provider=provider, compile=compile, progress=progress)
+        return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
     pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
     if pool is None and host is None and default_tier == "native":
         factory = fitting_factory(None, policy, default_tier, progress=progress)
     else:
         factory = store_factory(pool, host, policy, default_tier)
-    lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress)
+    lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize)
     if isinstance(lm.provider, ExpertStore):  # (after `compile`: the hooks are made for a compiled step)
         lm.provider.attach(lm)
         lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)

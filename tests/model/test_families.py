@@ -20,11 +20,13 @@ import pytest
 import torch
 
 import moelane
+import moelane.model.load as load_module
 from moelane.errors import ModelLoadError
 from moelane.model.cache import Rows
 from tests.helpers import random_model
 
 N_PROMPT, N_DECODE, N_GREEDY, TOL = 37, 16, 32, 1e-4
+NEAR_TIE = 1 / 64  # (of the largest logit: a few bf16 roundings, 2**-8 each)
 
 # (case id, family, config overrides)
 CASES: list[tuple[str, str, dict[str, Any]]] = [
@@ -200,21 +202,38 @@ def greedy_ref(ref: Any, prompt: list[int]) -> list[int]:
 def test_bf16_greedy_matches_transformers(
     case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """moelane's bf16 projections sum each row in their own fixed order (`model/weights.py`), oneDNN's in another, so
+    a random model's near-ties may break the other way: the replies agree token for token up to the first difference,
+    and there the reference itself scored moelane's token within bf16's rounding of its own."""
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.bfloat16), moelane.load(folder, dtype=torch.bfloat16)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
-    assert greedy(lm, prompt) == greedy_ref(ref, prompt)
+    ours, theirs = greedy(lm, prompt), greedy_ref(ref, prompt)
+    if ours != theirs:
+        at = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + theirs[:at]])).logits[0, -1].float()
+        margin = (logits[theirs[at]] - logits[ours[at]]).item()
+        assert margin <= NEAR_TIE * logits.abs().max().item(), f"token {at}: the reference preferred its by {margin}"
 
 
 @pytest.mark.parametrize(("case", "family", "overrides"), CASES, ids=[c[0] for c in CASES])
 def test_bf16_prefill_logits_are_transformers_bit_for_bit(
-    case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    case: str,
+    family: str,
+    overrides: dict,
+    folders: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The same roundings in the same places: the routed experts' outputs weighed in the dtype the reference's router
     gives its weights (fp32 for Mixtral, DeepSeek-V3, GLM, Hunyuan and MiniMax-M2, the model's for Qwen, OLMoE and
-    ERNIE), then rounded once. Weighed in bf16 throughout, as before, Mixtral's logits were off by up to 0.012; with
-    DeepSeek-V2's router weight rounded to bf16 at load, or LFM2's short convolution summed in bf16 (F.conv1d sums in
-    fp32 and rounds once), theirs were off by up to 0.016."""
+    ERNIE), then rounded once. Weighed in bf16 throughout, Mixtral's logits were off by up to 0.012; with DeepSeek-V2's
+    router weight rounded to bf16 at load, or LFM2's short convolution summed in bf16 (F.conv1d sums in fp32 and rounds
+    once), theirs were off by up to 0.016. The dense projections are left to the BLAS here, as the reference computes
+    them: moelane's own bf16 products (`model/weights.py`) sum in another fixed order, so their bits differ from
+    oneDNN's, and `test_bf16_greedy_matches_transformers` checks them."""
+    monkeypatch.setattr(load_module, "prepare_weights", lambda model, quantize, progress: 0)
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.bfloat16), moelane.load(folder, dtype=torch.bfloat16)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)

@@ -84,6 +84,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="eviction policy of the expert pool (with --expert-memory; default planner)")  # fmt: skip
     p.add_argument("--default-tier", choices=("native", "int8", "int4"), default="native",
                    help="precision of experts fetched on a miss (native: the checkpoint's own)")  # fmt: skip
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
+                   "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "
+                   "is (default none: as stored)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
                    "core but one for serve, which leaves one to the HTTP server; OMP_NUM_THREADS if set)")  # fmt: skip
 
@@ -119,7 +123,7 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     dtypes: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
     lm = moelane.load(args.model, dtypes[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
                       policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
-                      progress=True)  # fmt: skip
+                      progress=True, quantize=args.quantize)  # fmt: skip
     try:
         check_pool(lm, args.expert_memory)
     except InputError:

@@ -15,6 +15,7 @@ import errno
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -28,6 +29,8 @@ from moelane.commands.common import add_model_args, load_model, paged, usable_co
 T = TypeVar("T")
 
 MAX_DEPTH = 64  # most draft rows a stream may hold in a round (each is a row of the pass)
+API_KEY_ENV = "MOELANE_API_KEY"
+KEY_PARAM = re.compile(r"([?&]key=)[^&\s]*")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -70,6 +73,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="seconds running requests get to finish on shutdown (default 30)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default info: one line per request)")  # fmt: skip
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"a key every endpoint but /health asks for, as 'Authorization: Bearer KEY' (OpenAI clients' "
+                   f"api_key); the dashboard takes it once as /dashboard?key=KEY. Default: ${API_KEY_ENV} if set, "
+                   "else none (the environment keeps the key out of the process list)")  # fmt: skip
+    p.add_argument("--dashboard-show-text", action="store_true",
+                   help="the dashboard's request log shows each prompt's first characters (default: counts only)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -106,15 +115,20 @@ def build(args: argparse.Namespace) -> Any:
     # while it lives, and with more teams' threads than cores libgomp barely spins: every parallel op of the engine
     # thread then waits on a futex (measured ~3x slower here). So they run on a thread that ends when they are done.
     lm, engine = off_main_thread(make)
-    cost_of, pager_stats = pager_hooks(lm)
+    pager = pager_hooks(lm)
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
     try:
-        return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, cost_of=cost_of,
-                          pager_stats=pager_stats)  # fmt: skip
+        return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, pager=pager,
+                          api_key=api_key(args), show_text=args.dashboard_show_text)  # fmt: skip
     except BaseException:  # (a chat template that cannot be compiled): an expert store's threads end first
         lm.close()
         raise
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key the server asks for: --api-key, else $MOELANE_API_KEY, else none."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
 
 
 def say(message: str) -> None:
@@ -149,6 +163,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(f"{name} must be a finite number of seconds > 0, got {value}")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key must not be empty")
 
 
 def bind(host: str, port: int) -> list[socket.socket]:
@@ -224,6 +240,16 @@ class QuietCancels(logging.Filter):
         return True
 
 
+class HiddenKey(logging.Filter):
+    """uvicorn's access log shows `/dashboard?key=KEY` as `/dashboard?key=...`: a key does not belong in a log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str) and "key=" in args[2]:
+            record.args = (*args[:2], KEY_PARAM.sub(r"\1...", args[2]), *args[3:])
+        return True
+
+
 CUT_OFF = "a request still running at shutdown was cut off"
 ENDING_S = 2.0  # after the grace, how long requests have to send the error that ends them before uvicorn cuts them
 
@@ -260,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.grace + ENDING_S)
             logging.getLogger("uvicorn.error").addFilter(QuietCancels())  # (after Config, which sets logging up)
+            logging.getLogger("uvicorn.access").addFilter(HiddenKey())
             try:  # (connections wait in the backlog until uvicorn's loop takes them)
                 for sock in sockets:
                     sock.listen(config.backlog)

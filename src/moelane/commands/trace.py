@@ -57,6 +57,12 @@ def add_parser(subparsers: Any) -> None:
     an.add_argument("file", metavar="FILE", help="trace file (.trc)")
     an.add_argument("--json", action="store_true", help="print the report as one JSON object")
     an.add_argument("--plot", metavar="OUT.png", help="also draw the coverage to OUT.png (needs matplotlib)")
+    an.add_argument("--html", metavar="OUT.html",
+                    help="also write the dashboard's pager views of the trace to OUT.html, one self-contained page: "
+                    "the planner replayed over it (hit rates, stall and bytes per token, the decay bandit, the plan, "
+                    "the pool's experts by layer)")  # fmt: skip
+    an.add_argument("--pool", type=float, default=0.5, metavar="F",
+                    help="the replay's pool for --html, as a fraction of all experts (default 0.5)")  # fmt: skip
     an.set_defaults(func=cmd_analyze)
 
     rp = sub.add_parser("replay", help="replay residency policies over a trace",
@@ -225,7 +231,14 @@ def _check_request(req: dict[str, Any], name: Callable[[str], str]) -> dict[str,
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     _check_plot(args.plot)
-    report = analyze(_load(args.file))
+    if args.html:
+        check_output(args.html, "--html")
+        if not 0 < args.pool <= 1:
+            raise InputError(f"--pool must be in (0, 1], got {args.pool}")
+    trace = _load(args.file)
+    if args.html:
+        write_html(trace, args.file, args.pool, args.html)
+    report = analyze(trace)
     if args.plot:
         from moelane.pager.lab.plots import plot_analysis
 
@@ -236,6 +249,18 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write(format_analysis(report))
     return 0
+
+
+def write_html(trace: Trace, name: str, pool: float, out: str) -> None:
+    """The dashboard's pager views of `trace` (the planner replayed with a pool of `pool` of its experts) as one
+    self-contained page at `out`."""
+    from moelane.pager.lab.report import trace_views
+    from moelane.server.dashboard import report_html
+
+    capacity = max(1, round(pool * trace.header.n_total))
+    page = report_html(trace_views(trace, capacity), f"moelane trace {Path(name).name}")
+    Path(out).write_text(page, encoding="utf-8")
+    log.info("wrote the trace's pager views to %s (pool of %d of %d experts)", out, capacity, trace.header.n_total)
 
 
 def format_analysis(report: dict[str, Any]) -> str:

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelane.kernels import Pool
+from moelane.kernels import linear as kernel_linear
+
 TILE = 16
 # PyTorch's CPU elementwise kernels run two vectors at a time and finish the last `numel % (2 x lanes)` elements with
 # scalar code, whose exp (silu, sigmoid) can differ from the vectorised one in the last bit; above GRAIN elements the
@@ -33,11 +36,16 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Pool, b: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T + b`, batch-invariant: rows are computed in tiles of TILE whatever their count.
 
     Under torch.compile it is written as a fixed-order reduction instead, which the compiler fuses into one kernel at
-    the memory roofline (a matrix-vector product through the BLAS reaches about half of it here; ANCHORS.md)."""
+    the memory roofline (a matrix-vector product through the BLAS reaches about half of it here; ANCHORS.md). A
+    weight that is a kernels' `Pool` (bf16 or quantised: `model/weights.py`) goes through the kernels, eager or
+    compiled: fp32 products of each row in a fixed order, rounded to x's dtype once."""
+    if isinstance(w, Pool):
+        y = kernel_linear(x.float(), w).to(x.dtype)
+        return y if b is None else y + b
     if torch.compiler.is_compiling():
         y = (x[:, None, :] * w[None]).sum(-1)
         return y if b is None else y + b

@@ -32,6 +32,7 @@ from moelane.model.family import FAMILIES, Family, family_of
 from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
+from moelane.model.weights import prepare_weights
 
 __all__ = ["FAMILIES", "load"]
 log = logging.getLogger(__name__)
@@ -45,10 +46,12 @@ def load(
     provider: ProviderFactory | None = None,
     compile: bool = False,
     progress: bool = False,
+    quantize: str = "none",
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": `checkpoint_dtype`).
     `provider` builds the expert provider from the experts' handles (default: all experts resident). `compile`
-    compiles the one-token decode step."""
+    compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections quantised
+    (`weights.prepare_weights`)."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     if path is None:
@@ -73,6 +76,7 @@ def load(
         if (ref.path, ref.offset) not in expert_starts and not family.ignored(config, name)
     }
     load_dense(model, family, dense, compute, fp8_block)
+    prepare_weights(model, quantize, progress)
     tokenizer = Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)

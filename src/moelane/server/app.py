@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,11 +28,14 @@ from starlette.concurrency import run_in_threadpool
 
 from moelane.model.grammar import Grammar
 from moelane.server import errors
+from moelane.server.auth import ApiKey
 from moelane.server.chat_request import ChatCompletionRequest
+from moelane.server.cost import PagerHooks
+from moelane.server.dashboard import add_dashboard
 from moelane.server.errors import ClientGone, Overloaded, sse_event
 from moelane.server.events import Collected, EventStream, merged, whole_replies
 from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning, ServerStopping
-from moelane.server.metrics import PagerStats, ServerMetrics
+from moelane.server.metrics import ServerMetrics
 from moelane.server.openapi import openapi_schema
 from moelane.server.prompts import Prompts, bad_request, check_chat_template
 from moelane.server.protocol import CompletionRequest, SamplingFields, ToolCall
@@ -50,6 +53,7 @@ from moelane.server.responses import (
     Reply,
     logprobs_body,
 )
+from moelane.server.sampler import REQUEST_LOG, RequestLog, Sampler, prompt_text, request_row
 from moelane.server.tools import HARMONY, ToolUse, split_reply
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left in context
@@ -69,14 +73,17 @@ class ServerState:
         max_streams: int,
         max_queue: int,
         limits: Limits,
-        cost_of: Callable[[Any], PagerCost] | None,
-        pager_stats: PagerStats | None,
+        pager: PagerHooks | None,
+        show_text: bool = False,
+        request_log: int = REQUEST_LOG,
     ) -> None:
-        self.engine, self.lm, self.model_name, self.limits, self.cost_of = engine, lm, model_name, limits, cost_of
+        self.engine, self.lm, self.model_name, self.limits, self.pager = engine, lm, model_name, limits, pager
         self.prompts = Prompts(lm, model_name)
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
-        self.metrics = ServerMetrics(engine, pager_stats)
+        self.metrics = ServerMetrics(engine, pager.stats if pager else None)
+        self.requests = RequestLog(request_log)
+        self.sampler = Sampler(engine, lm, model_name, self.requests, pager.stats if pager else None, show_text)
         self.in_flight = 0
         self.stopping = False
         self.live: set[Generation] = set()
@@ -158,7 +165,7 @@ class ServerState:
                 self.metrics.cancelled.inc()
             self._close_sync(gens, endpoint, str(errors.describe(e)[0]) if isinstance(e, Exception) else "499")
             raise
-        self._account(gens, started, n_prompt)
+        self._account(gens, started, n_prompt, header)
         self._close_sync(gens, endpoint, "200")
         replies = [
             self._reply(gen, echo, collected, chat, tools)
@@ -193,8 +200,11 @@ class ServerState:
         gens: list[Generation] = []
         try:
             for p in params:
-                gen = Generation(self.engine, self.lm.tokenizer, p, self.limits, self.cost_of)
+                cost_of = self.pager.cost_of if self.pager is not None else None
+                gen = Generation(self.engine, self.lm.tokenizer, p, self.limits, cost_of)
                 gen.submit()
+                if self.pager is not None:
+                    self.pager.track(gen.stream)
                 gens.append(gen)
                 self.live.add(gen)
         except BaseException:
@@ -215,7 +225,7 @@ class ServerState:
                     yield chunk
             if header.include_usage:
                 yield header.usage_chunk(header.usage(n_prompt, sum(gen.n_tokens for gen in gens), gens))
-            self._account(gens, started, n_prompt, count_rate=False)
+            self._account(gens, started, n_prompt, header, count_rate=False)
         except asyncio.CancelledError:
             self.metrics.cancelled.inc()
             status[0] = "499"
@@ -289,12 +299,16 @@ class ServerState:
             return entries
         return gen.prompt_logprobs() + [(t, e, at + n_echo) for t, e, at in entries]
 
-    def _account(self, gens: list[Generation], started: float, n_prompt: int, count_rate: bool = True) -> None:
-        """A finished request in the metrics, once, however many choices it had."""
+    def _account(self, gens: list[Generation], started: float, n_prompt: int, header: Header,
+                 count_rate: bool = True) -> None:  # fmt: skip
+        """A finished request in the metrics and the dashboard's request log, once, however many choices it had."""
         if count_rate:
             self.metrics.rate.add(sum(gen.n_tokens for gen in gens))
         choices = [(gen.n_tokens, gen.first_token_at) for gen in gens]
-        self.metrics.observe_request(n_prompt, started, choices, total_cost(gens))
+        cost = total_cost(gens)
+        self.metrics.observe_request(n_prompt, started, choices, cost)
+        text = prompt_text(self.lm.tokenizer, gens[0].params.prompt_ids) if self.sampler.show_text else None
+        self.requests.add(request_row(header.id, header.chat, gens, started, n_prompt, cost, text))
 
     async def _close(self, gens: list[Generation], endpoint: str, status: str) -> None:
         self._close_sync(gens, endpoint, status)
@@ -337,21 +351,26 @@ def create_app(
     max_queue: int = 64,
     max_streams: int | None = None,
     limits: Limits | None = None,
-    cost_of: Callable[[Any], PagerCost] | None = None,
-    pager_stats: PagerStats | None = None,
+    pager: PagerHooks | None = None,
     manage_engine: bool = True,
     max_body_bytes: int = errors.MAX_BODY_BYTES,
+    api_key: str | None = None,
+    show_text: bool = False,
+    request_log: int = REQUEST_LOG,
 ) -> FastAPI:
     """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
-    `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `cost_of(stream)` gives one request's
-    pager cost (default zeros); `pager_stats()` the store's counters per level. `manage_engine`: the app's lifespan
-    starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. ModelLoadError if the
-    model's chat template cannot be compiled."""
+    `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `pager`: an expert store's ledger
+    (`cost.pager_hooks`): each request's pager cost (default zeros) and the store's counters. `manage_engine`: the
+    app's lifespan starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. With
+    `api_key`, every endpoint but /health wants it as a bearer token (auth.py). The dashboard (`/dashboard`,
+    `/v1/stats`) lists the last `request_log` requests, with their prompts' first characters if `show_text`.
+    ModelLoadError if the model's chat template cannot be compiled."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     check_chat_template(lm.tokenizer)
     streams = max_streams if max_streams is not None else engine.config.max_streams
-    state = ServerState(engine, lm, model_name, streams, max_queue, limits or Limits(), cost_of, pager_stats)
+    state = ServerState(engine, lm, model_name, streams, max_queue, limits or Limits(), pager,
+                        show_text, request_log)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -367,7 +386,10 @@ def create_app(
     app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
     app.state.moelane = state
     errors.install(app, max_body_bytes)
+    if api_key is not None:  # (added last: the outermost middleware, so a refused request is never read)
+        app.add_middleware(ApiKey, key=api_key)
     add_routes(app, state)
+    add_dashboard(app, state.sampler)
     app.openapi = lambda: openapi_schema(  # type: ignore[method-assign]
         app, model_name, int(lm.max_context), state.prompts.tools.why_not or None
     )

@@ -23,6 +23,7 @@ for all other policies, step by step. Tests check both paths against straightfor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +192,7 @@ class Simulator:
         self.warm_bytes = 0
         self.ids_desc = m - 1 - np.arange(m, dtype=np.int64)  # tie-break: larger id evicted first
         self.tokens: list[tuple[int, int, float, int]] = []
+        self.tier_read: IntArray | None = None  # bytes loaded at each tier, when a report asks (`count_tiers`)
         policy.bind(self)
 
     # --- keys and eviction ---
@@ -243,7 +245,16 @@ class Simulator:
         self.resident[miss] = True
         self.units[miss] = need
         self.used += int(need.sum())
+        self._count_tiers(miss)
         return victims, int(self.tier_bytes[self.load_tier[miss]].sum())
+
+    def count_tiers(self) -> None:
+        """From now on, add the bytes of every load to its tier in `tier_read`."""
+        self.tier_read = np.zeros(self.tier_bytes.size, np.int64)
+
+    def _count_tiers(self, loaded: IntArray) -> None:
+        if self.tier_read is not None and loaded.size:
+            np.add.at(self.tier_read, self.load_tier[loaded], self.tier_bytes[self.load_tier[loaded]])
 
     def _evict(self, victims: IntArray) -> None:
         self.used -= int(self.units[victims].sum())
@@ -297,6 +308,7 @@ class Simulator:
             return None
         self._evict(out.evicted)
         miss = ids[~out.hit]
+        self._count_tiers(miss)
         self.resident[miss] = True
         self.units[miss] = load_units[~out.hit]
         self.used += int(load_units[~out.hit].sum())
@@ -375,9 +387,15 @@ class Simulator:
 
 
 def replay(
-    trace: Trace, policy: Policy, capacity: int, unit: str = "slots", cost: CostModel | None = None
+    trace: Trace,
+    policy: Policy,
+    capacity: int,
+    unit: str = "slots",
+    cost: CostModel | None = None,
+    after_segment: Callable[[Simulator, Segment], None] | None = None,
 ) -> ReplayResult:
-    """Run `policy` over `trace` with a pool of `capacity` slots or bytes."""
+    """Run `policy` over `trace` with a pool of `capacity` slots or bytes; `after_segment(sim, seg)`, if given, is
+    called after each segment has run (a report samples the simulator's counters there)."""
     cost = cost or CostModel()
     if policy.lookahead and trace.lookahead is None:
         raise MoelaneError(
@@ -385,6 +403,8 @@ def replay(
             "(record it with `moelane trace record`, whose traces do where the model's routers allow)"
         )
     sim = Simulator(trace.header, capacity, unit, policy, cost)
+    if after_segment is not None:
+        sim.count_tiers()
     policy.prepare(trace)
     decode_pos: dict[int, int] = {}
     for seg in trace.segments():
@@ -396,6 +416,8 @@ def replay(
         sim.run_segment(seg, pos)
         if is_decode(seg):
             decode_pos[stream] = pos + 1
+        if after_segment is not None:
+            after_segment(sim, seg)
     toks = np.array(sim.tokens, np.float64).reshape(-1, 4)
     hits_cum = toks[:, 0].astype(np.int64)
     acc_cum = toks[:, 1].astype(np.int64)

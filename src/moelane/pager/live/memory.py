@@ -85,31 +85,8 @@ def format_bytes(n: int | float) -> str:
 
 
 def available_memory() -> int:
-    """Bytes this process can still take: the system's available memory (Linux `MemAvailable`, else free pages), or
-    less where a cgroup (a container) limits the process."""
-    import os
-    from pathlib import Path
+    """Bytes this process can still take: the machine's available memory, or less where a memory cgroup (a
+    container, a systemd unit) limits the process (`limits.memory_limit`)."""
+    from moelane.pager.live.limits import memory_limit
 
-    room: int | None = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                room = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        room = None
-    if room is None:
-        try:
-            room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            room = 1 << 62  # (unknown: no limit found)
-    for limit, used in (
-        ("memory.max", "memory.current"),
-        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
-    ):
-        try:
-            cap = Path("/sys/fs/cgroup", limit).read_text().strip()
-            if cap.isdigit():
-                room = min(room, int(cap) - int(Path("/sys/fs/cgroup", used).read_text().strip()))
-        except (OSError, ValueError):
-            continue
-    return max(room, 0)
+    return memory_limit().room

@@ -18,11 +18,23 @@ Invariant (`check`): `slot_of[key[s]] == s` for every held slot, and no key is h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
 EMPTY, LOADING, READY = 0, 1, 2
 IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """A copy of the table's per-key view, for people watching the pool (a dashboard's sample, not the hot path)."""
+
+    tier: npt.NDArray[np.int8]  # the tier a held key was loaded at (loading or ready); -1: not held
+    pinned: npt.NDArray[np.bool_]  # the applied plan pins it (eviction credit or hard)
+    hard: npt.NDArray[np.bool_]  # ... hard: never evicted
+    count: IntArray  # passes that used it (LFU's count)
 
 
 class SlotTable:
@@ -107,6 +119,13 @@ class SlotTable:
         held = self.key >= 0
         self.credit[held] = self.credit_of[self.key[held]]
         self.hard[held] = self.hard_of[self.key[held]]
+
+    def residency(self) -> Residency:
+        """Copies of the per-key arrays (the caller holds the store's lock)."""
+        tier = np.full(self.slot_of.size, -1, np.int8)
+        held = self.slot_of >= 0
+        tier[held] = self.tier[self.slot_of[held]]
+        return Residency(tier, (self.credit_of > 0) | self.hard_of, self.hard_of.copy(), self.count.copy())
 
     def check(self) -> None:
         held = np.flatnonzero(self.key >= 0)

@@ -43,7 +43,7 @@ import torch
 from moelane.errors import MoelaneError
 from moelane.model.checkpoint import ExpertHandle
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
-from moelane.pager.live.slots import LOADING, READY, IntArray, SlotTable
+from moelane.pager.live.slots import LOADING, READY, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec
@@ -412,6 +412,12 @@ class ExpertStore:
     def high_water_bytes(self) -> int:
         """The most expert bytes ever held in the pool at once (counted at every admission)."""
         return self.table.high_water * self.slot_bytes
+
+    def residency(self) -> Residency:
+        """Which experts are held, at which tier, pinned, and how often used: copies taken under the lock, for a
+        dashboard's sample (at most once a second), never on the per-token path."""
+        with self._cond:
+            return self.table.residency()
 
     def check_invariants(self) -> None:
         """Slot table and expert table agree; nothing over budget (tests call this)."""

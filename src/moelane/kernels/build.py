@@ -1,0 +1,176 @@
+"""Compiles the C++ kernels (csrc/) on first use and caches the binary per source, torch, compiler and CPU.
+
+    key = sha256(sources, torch and Python versions, compiler version, CPU ISA flags, compile flags)
+    dir = $XDG_CACHE_HOME/moelane/kernels/<key>/    (~/.cache when XDG_CACHE_HOME is unset)
+    under an fcntl lock on dir/build.lock: import dir/<name>.so if dir/ready exists, else build it, then write ready
+
+A changed CPU or source gives another key, so a stale binary is never loaded. Processes that build the same key at
+once take turns on the lock: the first builds, the others then find `ready` and only import. A build killed midway
+leaves no `ready`, so the next process builds again (torch's own lock file, left behind by such a kill, is removed
+first: only the holder of build.lock builds in that directory).
+
+Nothing happens at import. The compiler is `$CXX` or `c++` (as torch.utils.cpp_extension uses); ninja comes from the
+`ninja` package, put on PATH for the build only. Failures raise `BuildError` with the reason in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("gather_linear.cpp",)
+COMPILE_MESSAGE = "compiling moelane's CPU kernels (once, ~30 s)"
+# -ffp-contract=off: no multiply-add fused behind our back (the tiles spell out every FMA); no -ffast-math.
+FLAGS = {
+    "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    "generic": ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp"],  # tests: the portable tiles
+}
+_lock = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built or loaded (no compiler, no ninja, a compile error); one line."""
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moelane" / "kernels"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _compiler_version() -> str:
+    cxx = _compiler()
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except OSError:
+        return f"{cxx}: not found"
+    return f"{cxx}: {out.splitlines()[0] if out else '?'}"
+
+
+def _cpu_flags() -> str:
+    """The CPU's ISA flags (x86 `flags`, Arm `Features`), sorted; the machine name where /proc/cpuinfo is missing."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("flags", "Features"):
+                return " ".join(sorted(value.split()))
+    return platform.machine()
+
+
+def build_key(variant: str = "native") -> str:
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    parts = [torch.__version__, sys.implementation.cache_tag, _compiler_version(), _cpu_flags(), *FLAGS[variant]]
+    h.update("\0".join(parts).encode())
+    return h.hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """PATH with the `ninja` package's binary first, for this build (torch runs `ninja` by name)."""
+    try:
+        import ninja
+    except ImportError:
+        yield  # maybe a system ninja; torch says so if not
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, folder: Path, variant: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    (folder / "lock").unlink(missing_ok=True)  # torch's baton, stale if a build was killed; we hold build.lock
+    with _ninja_on_path():
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=FLAGS[variant],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    assert isinstance(module, ModuleType)
+    return module
+
+
+def load(variant: str = "native", on_compile: Callable[[str], None] | None = None) -> ModuleType:
+    """The compiled extension, built first if this key has no finished build. `on_compile(message)` is called just
+    before a compile starts (the CLI shows it); the message is also logged at INFO. Raises `BuildError`."""
+    key = build_key(variant)
+    name = f"moelane_kernels_{key}"
+    folder = cache_root() / key
+    with _lock:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with _file_lock(folder / "build.lock"):
+                if (folder / "ready").exists():
+                    return _import(name, folder / f"{name}.so")
+                if shutil.which(_compiler()) is None:
+                    raise BuildError(f"no C++ compiler: {_compiler()} not found (set CXX or install g++)")
+                log.info(COMPILE_MESSAGE)
+                if on_compile is not None:
+                    on_compile(COMPILE_MESSAGE)
+                module = _compile(name, folder, variant)
+                (folder / "ready").write_text(key + "\n")
+                return module
+        except BuildError:
+            raise
+        except Exception as e:  # the build's own errors come as RuntimeError, OSError, ImportError, ...
+            raise BuildError(one_line(e)) from e
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message in one line: a compiler's first `error:` line, else a `not found` line, else the
+    first line (torch's build errors start with the whole compile command)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for marker in ("error:", "not found"):
+        found = [line for line in lines if marker in line]
+        if found:
+            return f"{type(e).__name__}: {found[0]}"[:400]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]

@@ -1,0 +1,253 @@
+// moelane's CPU weight product: y[p] = x[rows[p]] @ W[slots[p]].T for P (row, slot) pairs, W a pool of S matrices
+// [Out, In] at f32, bf16, int8 or int4 (see moelane/kernels/pool.py for the layouts).
+//
+// Shapes: R activation rows, In columns (C padded columns for int8/int4), S slots, Out output rows, P pairs,
+// U distinct slots among the pairs.
+//
+// Batch invariance: y[p, o] is computed by one tile call (tiles_*.h) whose arithmetic for that (pair, output row)
+// depends only on x[rows[p]] and the weight row: the pairs of a slot go through in blocks of up to 4 (a block's rows
+// never mix), output rows in groups of 4 (which rows share a tile changes no row's arithmetic: accumulators and the
+// final tree are per row), and every dot product uses the same chunks, accumulators and tree, fixed by In. Threads
+// split work items (slot, block of output rows), never a dot product; so y[p] is the same bits whatever P, the other
+// pairs or the thread count.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "tiles_avx512.h"
+#else
+#include "tiles_generic.h"
+#endif
+
+namespace moelane {
+namespace {
+
+enum class Kind { F32, BF16, INT8, INT4 };
+
+// Work items: (slot, block of output rows of about kItemBytes of weights). A tile's 4 rows are taken a quarter of the
+// block apart, so each thread reads 4 sequential streams: with short rows (192 columns) one stream of consecutive rows
+// left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against 18-21, 2 threads). Rows of at
+// most kPrefetchRowBytes are also prefetched kPrefetchBytes ahead in each stream (int8 192-column rows: +15%); longer
+// rows lost up to 20% to it (a burst of prefetches per tile).
+constexpr int64_t kItemBytes = 128 * 1024;
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchRowBytes = 768;
+
+struct Weights {
+  Kind kind;
+  int64_t out, cols, group;  // cols: columns per row as stored (padded for int8 / int4)
+  int64_t row_bytes, n_groups;  // bytes of codes per row; scales per row
+  const uint8_t* data;
+  const uint16_t* scales;
+
+  const uint8_t* row(int64_t slot, int64_t r) const { return data + (slot * out + r) * row_bytes; }
+  const uint16_t* scale_row(int64_t slot, int64_t r) const { return scales + (slot * out + r) * n_groups; }
+};
+
+Kind kind_of(const torch::Tensor& data) {
+  switch (data.scalar_type()) {
+    case torch::kFloat32: return Kind::F32;
+    case torch::kBFloat16: return Kind::BF16;
+    case torch::kInt8: return Kind::INT8;
+    case torch::kUInt8: return Kind::INT4;
+    default: break;
+  }
+  TORCH_CHECK(false, "gather_linear: weights must be float32, bfloat16, int8 or uint8 (int4), got ",
+              data.scalar_type());
+}
+
+Weights weights_of(const torch::Tensor& data, const std::optional<torch::Tensor>& scales, int64_t in) {
+  TORCH_CHECK(data.dim() == 3 && data.is_contiguous(), "gather_linear: weights must be a contiguous [S, Out, In]");
+  Weights w{kind_of(data), data.size(1), data.size(2), 0, data.size(2) * data.element_size(), 0,
+            static_cast<const uint8_t*>(data.data_ptr()), nullptr};
+  if (w.kind == Kind::F32 || w.kind == Kind::BF16) {
+    TORCH_CHECK(w.cols == in, "gather_linear: x has ", in, " columns, the weights ", w.cols);
+    return w;
+  }
+  if (w.kind == Kind::INT4) w.cols *= 2;
+  TORCH_CHECK(scales.has_value(), "gather_linear: int8 / int4 weights need scales");
+  const auto& s = *scales;
+  TORCH_CHECK(s.scalar_type() == torch::kFloat16 && s.dim() == 3 && s.is_contiguous() && s.size(0) == data.size(0) &&
+                  s.size(1) == w.out && s.size(2) > 0 && w.cols % s.size(2) == 0,
+              "gather_linear: scales must be a contiguous float16 [S, Out, groups] dividing the row");
+  w.n_groups = s.size(2);
+  w.group = w.cols / w.n_groups;
+  const bool ok = w.kind == Kind::INT8 ? (w.group == 16 || w.group == 32 || w.group == 64)
+                                       : (w.group == 16 || w.group == 32);
+  TORCH_CHECK(ok, "gather_linear: unsupported group of ", w.group, " columns");
+  TORCH_CHECK(w.n_groups <= kMaxGroups, "gather_linear: at most ", kMaxGroups, " scale groups per row, got ",
+              w.n_groups);
+  TORCH_CHECK(in <= w.cols && w.cols - in < w.group, "gather_linear: x has ", in, " columns, the weights ", w.cols,
+              " (padded to groups of ", w.group, ")");
+  w.scales = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  return w;
+}
+
+// x rows as the tiles read them: int4 permuted within each 32 (16-column tail: 16) columns, evens then odds;
+// int8 zero-padded to whole groups. -> [R, cols] (empty when x can be read as it is).
+std::vector<float> prepare_x(const Weights& w, const float* x, int64_t n_rows, int64_t in) {
+  std::vector<float> buf;
+  if (w.kind == Kind::F32 || w.kind == Kind::BF16 || (w.kind == Kind::INT8 && w.cols == in)) return buf;
+  buf.assign(n_rows * w.cols, 0.0f);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const float* src = x + i * in;
+    float* dst = buf.data() + i * w.cols;
+    if (w.kind == Kind::INT8) {
+      std::copy(src, src + in, dst);
+      continue;
+    }
+    for (int64_t c = 0; c < w.cols; c += 32) {
+      const int64_t half = std::min<int64_t>(32, w.cols - c) / 2;
+      for (int64_t l = 0; l < half; ++l) {
+        if (c + 2 * l < in) dst[c + l] = src[c + 2 * l];
+        if (c + 2 * l + 1 < in) dst[c + half + l] = src[c + 2 * l + 1];
+      }
+    }
+  }
+  return buf;
+}
+
+template <int NM>
+void tile(const Weights& w, const float* const* xs, int64_t slot, const int64_t* r4, float* out) {
+  const uint8_t* rows[4];
+  const uint16_t* srows[4] = {nullptr, nullptr, nullptr, nullptr};
+  for (int r = 0; r < 4; ++r) {
+    rows[r] = w.row(slot, r4[r]);
+    if (w.scales) srows[r] = w.scale_row(slot, r4[r]);
+  }
+  switch (w.kind) {
+    case Kind::F32: return tile_float<NM>(xs, reinterpret_cast<const float* const*>(rows), w.cols, out);
+    case Kind::BF16: return tile_float<NM>(xs, reinterpret_cast<const uint16_t* const*>(rows), w.cols, out);
+    case Kind::INT8: {
+      auto q = reinterpret_cast<const int8_t* const*>(rows);
+      if (w.group == 64) return tile_int8<NM, 64>(xs, q, srows, w.cols, out);
+      if (w.group == 32) return tile_int8<NM, 32>(xs, q, srows, w.cols, out);
+      return tile_int8<NM, 16>(xs, q, srows, w.cols, out);
+    }
+    case Kind::INT4:
+      if (w.group == 32) return tile_int4<NM, 32>(xs, rows, srows, w.cols, out);
+      return tile_int4<NM, 16>(xs, rows, srows, w.cols, out);
+  }
+}
+
+void run_tile(int nm, const Weights& w, const float* const* xs, int64_t slot, const int64_t* r4, float* out) {
+  switch (nm) {
+    case 1: return tile<1>(w, xs, slot, r4, out);
+    case 2: return tile<2>(w, xs, slot, r4, out);
+    case 3: return tile<3>(w, xs, slot, r4, out);
+    default: return tile<4>(w, xs, slot, r4, out);
+  }
+}
+
+// Pairs of one slot: order[first .. first + count) are their pair indices, ascending.
+struct SlotPairs {
+  int64_t slot, first, count;
+};
+
+// What every work item reads: the pairs grouped by slot, each pair's activation row, the output.
+struct Plan {
+  std::vector<int64_t> order, rows;
+  std::vector<SlotPairs> groups;
+  const float* x;  // activation rows as the tiles read them, ldx apart
+  int64_t ldx;
+  float* y;  // [P, Out]
+};
+
+// Output rows r0 .. r1 of one slot for all its pairs: tiles of 4 rows a quarter of the block apart, pairs in blocks
+// of up to 4.
+void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0, int64_t r1) {
+  const float* xs[4];
+  int64_t r4[4];
+  float out[16];
+  const int64_t n_tiles = (r1 - r0 + 3) / 4;
+  for (int64_t t = 0; t < n_tiles; ++t) {
+    int nr = 0;  // tile rows r0 + t + k * n_tiles that exist; the others repeat the first (results dropped)
+    for (int k = 0; k < 4; ++k) {
+      const int64_t r = r0 + t + k * n_tiles;
+      if (r < r1) nr = k + 1;
+      r4[k] = r < r1 ? r : r4[0];
+    }
+    if (w.row_bytes <= kPrefetchRowBytes)
+      for (int k = 0; k < 4; ++k)
+        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, r4[k]) + kPrefetchBytes + b);
+    for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
+      const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
+      for (int m = 0; m < nm; ++m) xs[m] = plan.x + plan.rows[plan.order[g.first + m0 + m]] * plan.ldx;
+      run_tile(nm, w, xs, g.slot, r4, out);
+      for (int m = 0; m < nm; ++m) {
+        float* yrow = plan.y + plan.order[g.first + m0 + m] * w.out;
+        for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[4 * m + k];
+      }
+    }
+  }
+}
+
+std::vector<int64_t> indices(const std::optional<torch::Tensor>& t, int64_t n, int64_t fill_arange, int64_t bound,
+                             const char* what) {
+  std::vector<int64_t> out(n);
+  if (!t.has_value()) {
+    for (int64_t i = 0; i < n; ++i) out[i] = fill_arange ? i : 0;
+  } else {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->numel() == n,
+                "gather_linear: ", what, " must be int64 [P]");
+    auto c = t->contiguous();
+    const int64_t* p = c.data_ptr<int64_t>();
+    std::copy(p, p + n, out.begin());
+  }
+  for (int64_t v : out) TORCH_CHECK(v >= 0 && v < bound, "gather_linear: ", what, " index ", v, " out of range");
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch::Tensor>& rows_in,
+                            const std::optional<torch::Tensor>& slots_in, const torch::Tensor& data,
+                            const std::optional<torch::Tensor>& scales) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "gather_linear: x must be float32 [R, In]");
+  auto x = x_in.contiguous();
+  const int64_t n_rows = x.size(0), in = x.size(1);
+  const Weights w = weights_of(data, scales, in);
+  const int64_t n_pairs = rows_in.has_value() ? rows_in->numel() : n_rows;
+  auto rows = indices(rows_in, n_pairs, 1, n_rows, "rows");
+  const auto slots = indices(slots_in, n_pairs, 0, data.size(0), "slots");
+  auto y = torch::empty({n_pairs, w.out}, x.options());
+  if (n_pairs == 0 || w.out == 0) return y;
+
+  Plan plan{std::vector<int64_t>(n_pairs), std::move(rows), {}, nullptr, 0, y.data_ptr<float>()};
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    const int64_t slot = slots[plan.order[i]];
+    if (plan.groups.empty() || slot != plan.groups.back().slot) plan.groups.push_back({slot, i, 0});
+    ++plan.groups.back().count;
+  }
+  const std::vector<float> xbuf = prepare_x(w, x.data_ptr<float>(), n_rows, in);
+  plan.x = xbuf.empty() ? x.data_ptr<float>() : xbuf.data();
+  plan.ldx = xbuf.empty() ? in : w.cols;
+
+  const int64_t per_item = std::max<int64_t>(4, kItemBytes / std::max<int64_t>(1, w.row_bytes) / 4 * 4);
+  const int64_t n_blocks = (w.out + per_item - 1) / per_item;
+  at::parallel_for(0, static_cast<int64_t>(plan.groups.size()) * n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item % n_blocks) * per_item;
+      run_item(w, plan, plan.groups[item / n_blocks], r0, std::min(w.out, r0 + per_item));
+    }
+  });
+  return y;
+}
+
+}  // namespace moelane
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // without the GIL: other Python threads (the store's readers, the server) run while a product streams weights
+  m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
+}

@@ -1,0 +1,165 @@
+// AVX-512 tiles: the dot products of NM (1..4) activation rows with 4 weight rows, one fp32 accumulator per
+// (activation row, weight row), reduced by `reduce4`'s fixed tree. tiles_generic.h is the same arithmetic lane for lane
+// in plain C++ (it documents the lane layout); both give the same bits where the CPU has FMA.
+//
+// A weight is widened to its exact fp32 value before it meets x (bf16 -> fp32; int8 code * fp16 scale and
+// int4 (nibble - 8) * fp16 scale are exact in fp32: at most 19 significant bits), so every kind is the same fp32
+// dot product of x with the dequantised row: chunk c of 16 columns into lane c % 16 by FMA, in column order.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace moelane {
+
+constexpr const char* kIsa = "avx512";
+
+// A row's fp16 scales as fp32, so each group's scale is one broadcast from memory (no shuffle-port work).
+constexpr int kMaxGroups = 1024;  // scales per row held on the stack (a multiple of 16)
+inline void widen_scales(const uint16_t* s, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+  if (i < n) {  // a whole vector stored (out has room): a masked store would not forward to the loads that follow
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + i)));
+  }
+}
+
+inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_w(const uint16_t* p) {  // bf16 bits -> fp32
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load_w(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load_w(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+// The sums of v0..v3's lanes to out[0..3]: per row, s[l] = v[l] + v[l+8], t[l] = s[l] + s[l+4], (t0+t2) + (t1+t3).
+inline void reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3, float* out) {
+  __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+  __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
+  __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  c = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
+  c = _mm512_add_ps(c, _mm512_permute_ps(c, 0xB1));
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, c)));
+}
+
+template <int NM>
+inline void finish(__m512 (&acc)[NM][4], float* out) {
+  for (int m = 0; m < NM; ++m) reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3], out + 4 * m);
+}
+
+// f32 or bf16 rows of n columns; the last chunk masked.
+template <int NM, class W>
+inline void tile_float(const float* const* xs, const W* const* w, int64_t n, float* out) {
+  __m512 acc[NM][4];
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c);
+    for (int m = 0; m < NM; ++m) {
+      __m512 xv = _mm512_loadu_ps(xs[m] + c);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (c < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - c)) - 1);
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c, k);
+    for (int m = 0; m < NM; ++m) {
+      __m512 xv = _mm512_maskz_loadu_ps(k, xs[m] + c);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+// int8 codes, one fp16 scale per G columns (G in 16, 32, 64); n (padded) a multiple of G.
+template <int NM, int G>
+inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint16_t* const* s, int64_t n,
+                      float* out) {
+  __m512 acc[NM][4];
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  float sf[4][kMaxGroups];
+  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
+  for (int64_t g = 0; g < n / G; ++g) {
+    __m512 sv[4];
+    for (int r = 0; r < 4; ++r) sv[r] = _mm512_set1_ps(sf[r][g]);
+    for (int k = 0; k < G / 16; ++k) {
+      const int64_t c = g * G + 16 * k;
+      __m512 wv[4];
+      for (int r = 0; r < 4; ++r) {
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + c));
+        wv[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv[r]);
+      }
+      for (int m = 0; m < NM; ++m) {
+        __m512 xv = _mm512_loadu_ps(xs[m] + c);
+        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+      }
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+// int4, tiers' layout (byte j = code 2j | code 2j+1 << 4, stored + 8), one fp16 scale per G columns (G in 16, 32).
+// x is prepared per 32 columns as [16 even columns, 16 odd columns] (per 16-column tail: [8 even, 8 odd]), so low
+// nibbles meet the first half and high nibbles the second. A nibble becomes its weight by one permute of the
+// 16-entry table (-8..7) * scale.
+template <int NM, int G>
+inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uint16_t* const* s, int64_t n,
+                      float* out) {
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  __m512 acc[NM][4];
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  float sf[4][kMaxGroups];
+  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    __m512 lo[4], hi[4];
+    for (int r = 0; r < 4; ++r) {
+      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + c / 2)));
+      if constexpr (G == 32) {
+        __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 32]));
+        lo[r] = _mm512_permutexvar_ps(b, t);  // the index's low 4 bits only
+        hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+      } else {  // lanes 0-7 in group c/16, lanes 8-15 in the next: two tables, picked by index bit 4
+        __m512 ta = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16]));
+        __m512 tb = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16 + 1]));
+        lo[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_and_si512(b, low4), second), tb);
+        hi[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_srli_epi32(b, 4), second), tb);
+      }
+    }
+    for (int m = 0; m < NM; ++m) {
+      __m512 xl = _mm512_loadu_ps(xs[m] + c), xh = _mm512_loadu_ps(xs[m] + c + 16);
+      for (int r = 0; r < 4; ++r) {
+        acc[m][r] = _mm512_fmadd_ps(xl, lo[r], acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(xh, hi[r], acc[m][r]);
+      }
+    }
+  }
+  if (c < n) {  // G == 16 and an odd number of groups: 8 bytes; lanes 0-7 low nibbles, lanes 8-15 high nibbles
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) {
+      __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[r] + c / 2));
+      __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
+      b = _mm512_mask_srli_epi32(b, 0xFF00, b, 4);
+      wv[r] = _mm512_permutexvar_ps(b, _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16])));
+    }
+    for (int m = 0; m < NM; ++m) {
+      __m512 xv = _mm512_loadu_ps(xs[m] + c);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+}  // namespace moelane

@@ -1,0 +1,137 @@
+// Portable tiles (no AVX-512): the arithmetic of tiles_avx512.h lane for lane, in plain C++ that the compiler may
+// vectorise (it never reassociates: the build passes -ffp-contract=off and no -ffast-math).
+//
+// Lane layout of one dot product x . w over n columns: 16 lanes; chunk c (columns 16c .. 16c+15) meets lane l with
+// column 16c + l, acc[l] = fma(x, w, acc[l]) in chunk order (a missing column counts as x = w = 0). The row's sum is
+// the fixed tree s[l] = acc[l] + acc[l+8], t[l] = s[l] + s[l+4], (t0 + t2) + (t1 + t3). int4 permutes the columns
+// within each 32 (x is prepared to match, see tile_int4). Without hardware FMA, fma is a multiply then an add:
+// other bits than the AVX-512 build, still the same for a row whatever else is in the call.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace moelane {
+
+constexpr const char* kIsa = "generic";
+constexpr int kMaxGroups = 1024;  // scales per row (the AVX-512 tiles hold a row's on the stack; same limit here)
+
+inline float fma_lane(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact
+    const float v = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  if (exp == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
+  return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+inline float widen(float w) { return w; }
+inline float widen(uint16_t bf16) { return bits_to_float(static_cast<uint32_t>(bf16) << 16); }
+
+inline float reduce16(const float* v) {
+  float s[8], t[4];
+  for (int l = 0; l < 8; ++l) s[l] = v[l] + v[l + 8];
+  for (int l = 0; l < 4; ++l) t[l] = s[l] + s[l + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+// One chunk: acc[m][r][l] = fma(x[m][l], w[r][l], acc[m][r][l]).
+template <int NM>
+inline void chunk(float (&acc)[NM][4][16], const float (&xv)[NM][16], const float (&wv)[4][16]) {
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int l = 0; l < 16; ++l) acc[m][r][l] = fma_lane(xv[m][l], wv[r][l], acc[m][r][l]);
+}
+
+template <int NM>
+inline void load_x(float (&xv)[NM][16], const float* const* xs, int64_t c, int len) {
+  for (int m = 0; m < NM; ++m)
+    for (int l = 0; l < 16; ++l) xv[m][l] = l < len ? xs[m][c + l] : 0.0f;
+}
+
+template <int NM>
+inline void finish(const float (&acc)[NM][4][16], float* out) {
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) out[4 * m + r] = reduce16(acc[m][r]);
+}
+
+template <int NM, class W>
+inline void tile_float(const float* const* xs, const W* const* w, int64_t n, float* out) {
+  float acc[NM][4][16] = {};
+  float xv[NM][16], wv[4][16];
+  for (int64_t c = 0; c < n; c += 16) {
+    const int len = static_cast<int>(std::min<int64_t>(16, n - c));
+    for (int r = 0; r < 4; ++r)
+      for (int l = 0; l < 16; ++l) wv[r][l] = l < len ? widen(w[r][c + l]) : 0.0f;
+    load_x<NM>(xv, xs, c, len);
+    chunk<NM>(acc, xv, wv);
+  }
+  finish<NM>(acc, out);
+}
+
+template <int NM, int G>
+inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint16_t* const* s, int64_t n,
+                      float* out) {
+  float acc[NM][4][16] = {};
+  float xv[NM][16], wv[4][16];
+  for (int64_t c = 0; c < n; c += 16) {
+    for (int r = 0; r < 4; ++r) {
+      const float scale = half_to_float(s[r][c / G]);
+      for (int l = 0; l < 16; ++l) wv[r][l] = static_cast<float>(q[r][c + l]) * scale;
+    }
+    load_x<NM>(xv, xs, c, 16);
+    chunk<NM>(acc, xv, wv);
+  }
+  finish<NM>(acc, out);
+}
+
+// int4: per 32 columns, chunk 1 holds the low nibbles of the 16 bytes (even columns), chunk 2 the high nibbles (odd
+// columns); a 16-column tail (G == 16) is one chunk: low nibbles of its 8 bytes, then their high nibbles.
+template <int NM, int G>
+inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uint16_t* const* s, int64_t n,
+                      float* out) {
+  float acc[NM][4][16] = {};
+  float xv[NM][16], wv[4][16];
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32)
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < 4; ++r)
+        for (int l = 0; l < 16; ++l) {
+          const uint8_t byte = p[r][c / 2 + l];
+          const int code = (half ? byte >> 4 : byte & 15) - 8;
+          wv[r][l] = static_cast<float>(code) * half_to_float(s[r][(c + 2 * l) / G]);
+        }
+      load_x<NM>(xv, xs, c + 16 * half, 16);
+      chunk<NM>(acc, xv, wv);
+    }
+  if (c < n) {
+    for (int r = 0; r < 4; ++r) {
+      const float scale = half_to_float(s[r][c / G]);
+      for (int l = 0; l < 16; ++l) {
+        const uint8_t byte = p[r][c / 2 + l % 8];
+        wv[r][l] = static_cast<float>((l < 8 ? byte & 15 : byte >> 4) - 8) * scale;
+      }
+    }
+    load_x<NM>(xv, xs, c, 16);
+    chunk<NM>(acc, xv, wv);
+  }
+  finish<NM>(acc, out);
+}
+
+}  // namespace moelane

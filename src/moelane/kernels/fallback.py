@@ -1,0 +1,88 @@
+"""`gather_linear` in plain PyTorch, for where the C++ extension cannot be built. Slow, same semantics.
+
+Batch invariance here: a pair's y comes from element-wise ops only (no matmul, no torch reduction, whose order
+can depend on shapes and threads): its x row and each dequantised weight row are cut into chunks of LANES columns,
+accumulated chunk by chunk into LANES partial sums (a multiply then an add, in column order), then summed by halving
+(lanes l and l + n/2, n = LANES, LANES/2, ... 1). Which other pairs share the call only changes how many such rows go
+through each op together, never the arithmetic of one. Not the extension's bits (it fuses multiply-adds and uses 16
+lanes), but the same kind of bound against a float64 reference.
+
+Shape alphabet: R activation rows, I input columns, S slots, O output rows, P pairs, n pairs of one slot, B a block
+of output rows, L lanes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LANES = 64
+BLOCK_ELEMENTS = 1 << 20  # n * B * L per step
+
+
+def gather_linear(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [R, I] f32, rows / slots [P] int64 (None: arange(R) / all slot 0), data / scales a pool's -> y [P, O]."""
+    n_pairs = x.shape[0] if rows is None else rows.numel()
+    rows = torch.arange(n_pairs) if rows is None else rows
+    slots = torch.zeros(n_pairs, dtype=torch.int64) if slots is None else slots
+    _check(x, rows, slots, data)
+    y = x.new_empty(n_pairs, data.shape[1])
+    if n_pairs == 0:
+        return y
+    order = torch.argsort(slots, stable=True)
+    used, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    for slot, pairs in zip(used.tolist(), torch.split(order, counts.tolist()), strict=True):
+        xs = _pad(x[rows[pairs]].float())  # [n, I']
+        block = max(1, BLOCK_ELEMENTS // (len(pairs) * LANES))
+        for r0 in range(0, data.shape[1], block):
+            w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
+            y[pairs, r0 : r0 + w.shape[0]] = _dots(xs, w)
+    return y
+
+
+def _check(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise RuntimeError("gather_linear: x must be float32 [R, In]")
+    if rows.shape != slots.shape or rows.dim() != 1 or rows.dtype != torch.int64 or slots.dtype != torch.int64:
+        raise RuntimeError("gather_linear: rows and slots must be int64 [P]")
+    for name, index, bound in (("rows", rows, x.shape[0]), ("slots", slots, data.shape[0])):
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= bound):
+            raise RuntimeError(f"gather_linear: {name} index out of range")
+
+
+def _pad(t: torch.Tensor) -> torch.Tensor:
+    """[N, I] -> [N, I'] with I' the next multiple of LANES, zeros after column I."""
+    return F.pad(t, (0, -t.shape[1] % LANES))
+
+
+def _dequantize_rows(
+    data: torch.Tensor, scales: torch.Tensor | None, slot: int, r0: int, r1: int, n_in: int
+) -> torch.Tensor:
+    """Rows r0..r1 of one slot as float32 [B, I] (exact values, see pool.dequantize)."""
+    codes = data[slot, r0:r1]
+    if scales is None:
+        return codes.float()
+    if codes.dtype == torch.uint8:  # int4: low nibble first
+        values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float() - 8.0
+    else:
+        values = codes.float()
+    s = scales[slot, r0:r1].float()
+    group = values.shape[1] // s.shape[1]
+    return (values * s.repeat_interleave(group, dim=1))[:, :n_in]
+
+
+def _dots(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """xs [n, I'], w [B, I'] -> [n, B]: per (pair, row) LANES partial sums in column order, then halving."""
+    acc = torch.zeros(xs.shape[0], w.shape[0], LANES)
+    for c in range(0, xs.shape[1], LANES):
+        acc += xs[:, None, c : c + LANES] * w[None, :, c : c + LANES]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]

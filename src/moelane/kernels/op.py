@@ -1,0 +1,151 @@
+"""The custom op `moelane::gather_linear`, its two implementations, and the functions callers use.
+
+    torch.ops.moelane.gather_linear(x, rows?, slots?, data, scales?) -> y     (the schema; registered at import)
+        CPU: the C++ extension (build.py), or where it cannot be built, fallback.py
+        fake: y's shape [P, Out], so torch.compile(fullgraph=True) traces through it without a graph break
+
+Eager calls from `gather_linear` / `linear` go straight to the extension when it serves (no dispatcher hop); traced
+code (torch.compile) and the fallback go through the op. The extension is built on first use, not at import. Which
+implementation runs is decided once per process (the first call, `available()` or `ensure_built()`); a build failure
+is logged once as a WARNING and the fallback serves from then on. Tests may force the fallback with
+`use_fallback(True)`; nothing else chooses (no environment variable).
+
+Shape alphabet: R activation rows, In input columns, P pairs, Out output rows, S pool slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from moelane.kernels import build, fallback
+from moelane.kernels.pool import Pool
+
+log = logging.getLogger(__name__)
+
+torch.library.define(
+    "moelane::gather_linear", "(Tensor x, Tensor? rows, Tensor? slots, Tensor data, Tensor? scales) -> Tensor"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Which implementation serves `gather_linear`: "avx512" or "generic" (the extension's tiles) or "fallback";
+    `error` is the build failure in one line when the extension could not be used."""
+
+    backend: str
+    error: str | None = None
+
+
+class _Backend:
+    """The process's choice of implementation: the extension, loaded once, unless the fallback is forced."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.module: ModuleType | None = None
+        self.error: str | None = None
+        self.tried = False
+        self.forced = False
+
+    def extension(self, on_compile: Callable[[str], None] | None = None) -> ModuleType | None:
+        if not self.tried:
+            with self.lock:
+                if not self.tried:
+                    try:
+                        self.module = build.load(on_compile=on_compile)
+                    except build.BuildError as e:
+                        self.error = str(e)
+                        log.warning("moelane's CPU kernels are unavailable, using the slow fallback: %s", e)
+                    self.tried = True
+        return None if self.forced else self.module
+
+
+_backend = _Backend()
+
+
+def use_fallback(on: bool) -> None:
+    """Force (or stop forcing) the pure-PyTorch implementation. For tests."""
+    _backend.forced = on
+
+
+def ensure_built(on_compile: Callable[[str], None] | None = None) -> Availability:
+    """Build or load the extension now rather than at the first product; `on_compile(message)` is called before a
+    compile starts (the CLI prints it to stderr). -> which implementation serves."""
+    module = _backend.extension(on_compile)
+    if module is None:
+        return Availability("fallback", _backend.error)
+    return Availability(str(module.isa()))
+
+
+def available() -> Availability:
+    return ensure_built()
+
+
+@torch.library.impl("moelane::gather_linear", "cpu")
+def _gather_linear_cpu(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
+    module = _backend.extension()
+    if module is None:
+        return fallback.gather_linear(x, rows, slots, data, scales)
+    y = module.gather_linear(x, rows, slots, data, scales)
+    assert isinstance(y, torch.Tensor)
+    return y
+
+
+@torch.library.register_fake("moelane::gather_linear")  # type: ignore[untyped-decorator]
+def _gather_linear_fake(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    data: torch.Tensor,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
+    n_pairs = x.shape[0] if rows is None else rows.shape[0]
+    return x.new_empty((n_pairs, data.shape[1]))
+
+
+def gather_linear(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pool: Pool) -> torch.Tensor:
+    """y[p] = x[rows[p]] @ W[slots[p]].T: x [R, In] float32, rows / slots [P] int64 -> y [P, Out] float32.
+
+    Each y[p] is the same bits whatever P, the other pairs and the thread count (see moelane.kernels)."""
+    _check_x(x, pool, 2)
+    return _call(x, rows, slots, pool)
+
+
+def linear(x: torch.Tensor, pool: Pool) -> torch.Tensor:
+    """A dense layer: x [..., In] float32 @ W.T for a pool of one slot -> [..., Out] (no index tensors built)."""
+    if pool.n_slots != 1:
+        raise ValueError(f"linear takes a pool of one matrix, got {pool.n_slots}")
+    _check_x(x, pool, None)
+    if x.dim() == 2:
+        return _call(x, None, None, pool)
+    return _call(x.reshape(-1, x.shape[-1]), None, None, pool).view(*x.shape[:-1], pool.out_features)
+
+
+def _call(x: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor | None, pool: Pool) -> torch.Tensor:
+    """The op; in eager mode straight to the extension where it serves: the dispatcher's hop to a Python kernel
+    costs ~2 us a call (measured: 3.0 against 0.8 us for a [4, 64] product), ~0.7 ms a token at 300 products."""
+    if not torch.compiler.is_compiling():
+        module = _backend.extension()
+        if module is not None:
+            y: torch.Tensor = module.gather_linear(x, rows, slots, pool.data, pool.scales)
+            return y
+    y = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
+    return y
+
+
+def _check_x(x: torch.Tensor, pool: Pool, dims: int | None) -> None:
+    if x.dtype != torch.float32 or (dims is not None and x.dim() != dims) or x.shape[-1] != pool.in_features:
+        raise ValueError(
+            f"x must be float32 [{'R, ' if dims else '..., '}{pool.in_features}], got {x.dtype} {tuple(x.shape)}"
+        )

@@ -1,0 +1,116 @@
+"""Weight pools: S matrices [Out, In] in one storage format, as `gather_linear` reads them.
+
+Shape alphabet: S slots, O output rows (Out), I input columns (In), C stored columns (I padded to whole groups),
+G scale groups per row (C / group).
+
+    kind   data                          scales
+    f32    float32  [S, O, I]            None
+    bf16   bfloat16 [S, O, I]            None
+    int8   int8     [S, O, C]            float16 [S, O, G]   weight = code * scale of its group
+    int4   uint8    [S, O, C / 2]        float16 [S, O, G]   byte j = (code 2j + 8) | (code 2j+1 + 8) << 4
+
+int8 and int4 are moelane's tiers 1 and 2 (`formats.py`, the pager's tiers), exactly as `quantize` writes a matrix:
+groups of 64 (int8) or 32 (int4) along I, or half / a quarter of that where it divides I (at least 16), else I is
+zero-padded to whole groups. The int4 layout stays tiers' own: the half-group layout the kernel study tried
+(byte j = code j | code j + 16 << 4) was no faster here (one MoE layer, 2 threads: 0.95 ms tiers' against 0.98 ms on
+the inflated shape, 1.79 against 1.68 ms on Qwen3-30B-A3B's), so the store needs no conversion at admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelane.kernels.formats import FORMATS, QuantFormat
+from moelane.kernels.formats import quantize as tier_quantize
+
+KINDS = ("f32", "bf16", "int8", "int4")
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+QUANT = {"int8": FORMATS[1], "int4": FORMATS[2]}
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """S weight matrices [O, I] in one format (see the module docstring). `in_features` (I) defaults to the stored
+    row length for f32 / bf16; int8 / int4 need it to tell real columns from padding."""
+
+    kind: str
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    in_features: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown pool kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        data = self.data
+        if data.dtype != DTYPES[self.kind] or data.dim() != 3 or not data.is_contiguous():
+            raise ValueError(f"a {self.kind} pool's data must be a contiguous {DTYPES[self.kind]} [S, Out, In]")
+        if self.kind in QUANT:
+            self._check_quantised()
+        elif self.scales is not None or self.in_features not in (None, data.shape[2]):
+            raise ValueError(f"a {self.kind} pool has no scales, and in_features is its rows' length")
+        if self.in_features is None:
+            object.__setattr__(self, "in_features", data.shape[2])
+
+    def _check_quantised(self) -> None:
+        if self.in_features is None or self.in_features < 1:
+            raise ValueError(f"a {self.kind} pool needs in_features (the columns before padding)")
+        fmt = QUANT[self.kind]
+        cols, n_groups = padded_cols(self.in_features, fmt), fmt.n_groups(self.in_features)
+        stored = self.data.shape[2] * (2 if self.kind == "int4" else 1)
+        s = self.scales
+        if stored != cols:
+            raise ValueError(f"{self.kind} rows of {self.in_features} columns are stored as {cols}, got {stored}")
+        if s is None or s.dtype != torch.float16 or tuple(s.shape) != (*self.data.shape[:2], n_groups):
+            raise ValueError(f"{self.kind} scales must be float16 [S, Out, {n_groups}]")
+        if not s.is_contiguous():
+            raise ValueError(f"{self.kind} scales must be contiguous")
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one slot (codes and scales): what a product reads per distinct slot."""
+        scale_bytes = 0 if self.scales is None else self.scales[0].numel() * 2
+        return int(self.data[0].numel() * self.data.element_size() + scale_bytes)
+
+
+def padded_cols(in_features: int, fmt: QuantFormat) -> int:
+    return fmt.n_groups(in_features) * fmt.group_for(in_features)
+
+
+def quantize(w: torch.Tensor, kind: str) -> Pool:
+    """w [S, O, I] float -> a pool of `kind`. int8 / int4 codes and scales are `tiers.quantize`'s, matrix by
+    matrix; f32 / bf16 are a cast."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize takes weights [S, Out, In], got {tuple(w.shape)}")
+    if kind not in QUANT:
+        return Pool(kind, w.to(DTYPES[kind]).contiguous())
+    fmt = QUANT[kind]
+    n_slots, n_out, n_in = w.shape
+    codes, scales = zip(*(tier_quantize(w[s], fmt) for s in range(n_slots)), strict=True)
+    data = torch.stack(codes).view(n_slots, n_out, -1)
+    if kind == "int8":
+        data = data.view(torch.int8)
+    return Pool(kind, data.contiguous(), torch.stack(scales).contiguous(), n_in)
+
+
+def dequantize(pool: Pool) -> torch.Tensor:
+    """The pool's weights as float32 [S, O, I] (every value exact: codes times fp16 scales fit fp32)."""
+    if pool.kind not in QUANT:
+        return pool.data.float()
+    assert pool.scales is not None and pool.in_features is not None
+    if pool.kind == "int8":
+        values = pool.data.float()
+    else:
+        values = torch.stack([pool.data & 0x0F, pool.data >> 4], dim=-1).flatten(-2).float() - 8.0
+    group = values.shape[-1] // pool.scales.shape[-1]
+    w = values * pool.scales.float().repeat_interleave(group, dim=-1)
+    return w[..., : pool.in_features].contiguous()

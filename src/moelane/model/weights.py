@@ -1,0 +1,64 @@
+"""Dense weights as the kernels read them (`moelane.kernels`).
+
+After a model's weights load, each projection (every `nn.Linear` of the model: attention, dense MLPs, shared
+experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.linear` multiplies with the kernels:
+- quantised (`quantize="int8"` or `"int4"`): as a llama.cpp Q8_0 / Q4_0 file holds a model, so a decode step reads a
+  half or a quarter of the bytes; embeddings stay as stored;
+- in bfloat16, where the C++ extension serves: it reads bf16 at the memory's speed and reduces each row in a fixed
+  order, where oneDNN's bf16 products gave a row other bits among other row counts on an AMX Xeon
+  (docs/batch-invariance.md). Without the extension bf16 weights stay tensors: its fallback is 25-70x slower.
+float32 weights stay tensors: F.linear on row tiles (eager) and fixed-order reductions (compiled) already read them at
+the memory's speed, batch-invariant. A tied LM head that is quantised gets its own copy; the embeddings keep theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from torch import nn
+
+from moelane import kernels
+from moelane.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+QUANTIZE = ("none", "int8", "int4")
+
+
+def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = False) -> int:
+    """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
+    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s)."""
+    if quantize not in QUANTIZE:
+        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
+    wanted = quantize != "none" or any(m.weight.dtype == torch.bfloat16 for m in linears)
+    if not wanted or (quantize == "none" and build_kernels(progress).backend == "fallback"):
+        return 0
+    build_kernels(progress)
+    n = 0
+    with torch.no_grad():
+        for module in linears:
+            weight = module.weight.detach()
+            if quantize != "none":
+                pool = kernels.quantize(weight.float()[None], quantize)
+            elif weight.dtype == torch.bfloat16:
+                pool = kernels.Pool("bf16", weight.contiguous()[None])
+            else:
+                continue
+            del module.weight  # (the Parameter; a plain attribute takes its place)
+            module.weight = pool  # type: ignore[assignment]
+            n += 1
+    log.debug("%d projections read through the kernels (%s)", n, quantize if quantize != "none" else "bf16")
+    return n
+
+
+def build_kernels(progress: bool) -> kernels.Availability:
+    """The kernels, compiled first if this machine has no build of them yet (a line on stderr with `progress`)."""
+    return kernels.ensure_built(on_compile=say if progress else None)
+
+
+def say(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)

@@ -1,0 +1,124 @@
+"""gather_linear on both implementations (`impl`: the extension, then the forced fallback): every kind against a
+float64 reference, batch invariance (a pair alone against the same pair among 2..16 others, its slot repeated or
+not, at 1 and 2 threads), odd sizes, `linear`, and errors at the edge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelane import kernels
+from tests.kernels.helpers import random_pool, reference
+
+# (In, Out): int8 groups of 64 / 32 / 16 / 64 padded (36, 100), int4 32 / 16 with a tail (48) / padded; f32 and bf16
+# with a masked last chunk (36, 100, 17)
+SIZES = [(192, 9), (96, 5), (36, 3), (48, 1), (100, 4), (17, 6), (2048, 2)]
+
+
+def pairs(n: int, n_rows: int, n_slots: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n_rows, (n,), generator=g), torch.randint(0, n_slots, (n,), generator=g)
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize(("n_in", "n_out"), SIZES)
+def test_matches_float64_reference(impl: str, kind: str, n_in: int, n_out: int) -> None:
+    pool = random_pool(kind, 3, n_out, n_in, seed=n_in * 10 + n_out)
+    x = torch.randn(4, n_in, generator=torch.Generator().manual_seed(1))
+    rows, slots = pairs(11, 4, 3, seed=2)
+    y = kernels.gather_linear(x, rows, slots, pool)
+    want, bound = reference(x, rows, slots, pool)
+    assert y.dtype == torch.float32 and y.shape == (11, n_out)
+    assert torch.all((y.double() - want).abs() <= bound), (y.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+@pytest.mark.parametrize("n_in", [192, 48])
+def test_pair_bits_do_not_depend_on_the_call(impl: str, kind: str, n_in: int, threads: None) -> None:
+    """Pair (row 3, slot 2) alone, then among 2..16 pairs of other rows and slots interleaved, of its own slot
+    repeated, with x holding its row at another index, at 2 and at 1 thread: always the same bits."""
+    n_slots, n_out = 6, 37  # 37: a tail group of output rows
+    pool = random_pool(kind, n_slots, n_out, n_in, seed=7)
+    x = torch.randn(16, n_in, generator=torch.Generator().manual_seed(8))
+    torch.set_num_threads(2)
+    alone = kernels.gather_linear(x[3:4], torch.tensor([0]), torch.tensor([2]), pool)[0]
+    for n_threads in (2, 1):
+        torch.set_num_threads(n_threads)
+        for n in range(2, 17):
+            rows, slots = pairs(n, 16, n_slots, seed=n)
+            at = n // 2
+            rows[at], slots[at] = 3, 2
+            y = kernels.gather_linear(x, rows, slots, pool)
+            assert torch.equal(y[at], alone), (n_threads, n, "mixed slots")
+            same = kernels.gather_linear(x, rows, torch.full_like(slots, 2), pool)
+            assert torch.equal(same[at], alone), (n_threads, n, "one slot")
+            moved = torch.roll(x, 5, dims=0)  # row 3 is now row 8
+            y = kernels.gather_linear(moved, (rows + 5) % 16, slots, pool)
+            assert torch.equal(y[at], alone), (n_threads, n, "x rows moved")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_extension_reads_every_kind_as_its_dequantised_f32(extension: kernels.Availability, kind: str) -> None:
+    """bf16 and int8 weights are widened exactly, then the same fp32 dot product as an f32 pool: the same bits."""
+    for n_in in (192, 96, 48, 36):
+        pool = random_pool(kind, 2, 9, n_in, seed=n_in)
+        as_f32 = kernels.Pool("f32", kernels.dequantize(pool))
+        x = torch.randn(5, n_in)
+        rows, slots = pairs(7, 5, 2, seed=3)
+        assert torch.equal(kernels.gather_linear(x, rows, slots, pool), kernels.gather_linear(x, rows, slots, as_f32))
+
+
+def test_extension_int4_is_f32_over_permuted_columns(extension: kernels.Availability) -> None:
+    """int4 meets x with each 32 columns (a 16-column tail: 16) taken evens first, then odds: the f32 product over
+    columns so permuted, of x and of the dequantised weights padded to whole groups, gives the same bits."""
+    for n_in in (192, 48, 36):
+        pool = random_pool("int4", 2, 9, n_in, seed=n_in)
+        cols = pool.data.shape[2] * 2
+        perm = torch.cat([torch.arange(c, min(c + 32, cols)).view(-1, 2).t().flatten() for c in range(0, cols, 32)])
+        w = torch.nn.functional.pad(kernels.dequantize(pool), (0, cols - n_in))[..., perm].contiguous()
+        x = torch.randn(5, n_in)
+        xp = torch.nn.functional.pad(x, (0, cols - n_in))[:, perm].contiguous()
+        rows, slots = pairs(7, 5, 2, seed=3)
+        got = kernels.gather_linear(x, rows, slots, pool)
+        assert torch.equal(got, kernels.gather_linear(xp, rows, slots, kernels.Pool("f32", w)))
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_odd_sizes(impl: str, kind: str) -> None:
+    """No pairs, one slot, one output row, one activation row."""
+    pool = random_pool(kind, 1, 1, 36, seed=5)
+    x = torch.randn(1, 36)
+    none = torch.zeros(0, dtype=torch.int64)
+    assert kernels.gather_linear(x, none, none, pool).shape == (0, 1)
+    assert kernels.gather_linear(x[:0], none, none, pool).shape == (0, 1)
+    rows = torch.zeros(3, dtype=torch.int64)
+    y = kernels.gather_linear(x, rows, rows, pool)
+    want, bound = reference(x, rows, rows, pool)
+    assert y.shape == (3, 1) and torch.all((y.double() - want).abs() <= bound)
+    assert torch.equal(y[0], y[2])
+
+
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_linear_is_gather_linear_over_one_slot(impl: str, kind: str) -> None:
+    pool = random_pool(kind, 1, 21, 96, seed=6)
+    x = torch.randn(2, 3, 96)
+    flat = x.reshape(6, 96)
+    want = kernels.gather_linear(flat, torch.arange(6), torch.zeros(6, dtype=torch.int64), pool)
+    y = kernels.linear(x, pool)
+    assert y.shape == (2, 3, 21) and torch.equal(y.reshape(6, 21), want)
+    with pytest.raises(ValueError, match="one matrix"):
+        kernels.linear(x, random_pool(kind, 2, 21, 96, seed=6))
+
+
+def test_bad_inputs_are_refused(impl: str) -> None:
+    pool = random_pool("int8", 2, 4, 64, seed=1)
+    x = torch.randn(3, 64)
+    ok = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="float32"):
+        kernels.gather_linear(x.bfloat16(), ok, ok, pool)
+    with pytest.raises(ValueError, match="64"):
+        kernels.gather_linear(torch.randn(3, 65), ok, ok, pool)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gather_linear(x, torch.tensor([0, 3]), ok, pool)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gather_linear(x, ok, torch.tensor([2, 0]), pool)

@@ -1,0 +1,83 @@
+"""Dense projections through the kernels (`moelane.model.weights`): bf16 and quantised (int8, int4) weights become
+kernel pools, hold exactly the quantised codes, give logits near the unquantised model's, keep every row's numbers
+independent of the other rows of the pass, and compile with no graph break."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import moelane
+from moelane import kernels
+from moelane.errors import ModelLoadError
+from moelane.model.cache import Rows
+from moelane.model.weights import prepare_weights
+from tests.helpers import random_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("weights"))
+
+
+def projections(lm: moelane.LM) -> list[nn.Linear]:
+    return [m for m in lm.model.modules() if isinstance(m, nn.Linear)]
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantised_projections_compute_as_the_model_with_their_dequantised_weights(folder: Path, quantize: str) -> None:
+    """Each projection holds its weight's tier codes and scales, and the logits are those of the float32 model whose
+    projections hold the dequantised weights (the reference), within float32 rounding."""
+    reference = moelane.load(folder)
+    lm = moelane.load(folder, quantize=quantize)
+    pairs = list(zip(projections(reference), projections(lm), strict=True))
+    assert pairs and all(isinstance(q.weight, kernels.Pool) and q.weight.kind == quantize for _, q in pairs)
+    with torch.no_grad():
+        for f, q in pairs:
+            want = kernels.quantize(f.weight[None], quantize)
+            assert torch.equal(q.weight.data, want.data) and torch.equal(q.weight.scales, want.scales)
+            f.weight.copy_(kernels.dequantize(want)[0])
+    assert isinstance(lm.model.model.embed_tokens.weight, torch.Tensor)  # embeddings as stored
+    ids = list(range(3, 40))
+    want_logits, got = reference.logits(ids), lm.logits(ids)
+    assert (got - want_logits).abs().max() <= 1e-4 * want_logits.abs().max()
+
+
+@pytest.mark.skipif(kernels.ensure_built().backend == "fallback", reason="bf16 pools need the C++ kernels")
+def test_bf16_projections_read_through_the_kernels_and_rows_stay_batch_invariant(folder: Path) -> None:
+    lm = moelane.load(folder, torch.bfloat16)
+    assert all(isinstance(m.weight, kernels.Pool) and m.weight.kind == "bf16" for m in projections(lm))
+    a, b, extra = list(range(3, 40)), list(range(100, 120)), [5, 6, 7, 8]
+    cache = lm.new_cache(256)
+    solo = [lm.forward([Rows(cache, a, 0)])[0][-1]]
+    solo += [lm.forward([Rows(cache, [t], 37 + i)])[0][0] for i, t in enumerate(extra)]
+    ca, cb = lm.new_cache(256), lm.new_cache(256)
+    lm.forward([Rows(ca, a[:13], 0), Rows(cb, b, 0)])
+    last = lm.forward([Rows(cb, [3], 20), Rows(ca, a[13:], 13)])[1][-1:]
+    drafted = lm.forward([Rows(ca, extra, 37), Rows(cb, [4, 5, 6], 21)])[0]
+    assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
+
+
+@pytest.mark.slow
+def test_a_quantised_model_compiles_its_decode_step_whole(folder: Path) -> None:
+    lm = moelane.load(folder, quantize="int8", compile=True)
+    cache = lm.new_cache(256)
+    lm.forward([Rows(cache, list(range(3, 20)), 0)])
+    explained = torch._dynamo.explain(lm._compiled)  # type: ignore[attr-defined]
+    rows = torch.tensor([[5, 17, cache.slot]])
+    keys = torch.arange(256)
+    result = explained(rows, cache.pool, keys)
+    assert result.graph_break_count == 0
+    eager = moelane.load(folder, quantize="int8")
+    want = eager.forward([Rows(eager.new_cache(256), [*range(3, 20), 5], 0)])[0][-1]
+    got = lm.step(5, 17, cache)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_an_unknown_quantisation_is_refused(folder: Path) -> None:
+    lm = moelane.load(folder)
+    with pytest.raises(ModelLoadError, match="quantize must be one of none, int8, int4"):
+        prepare_weights(lm.model, "int3")
