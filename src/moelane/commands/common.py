@@ -8,7 +8,9 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ log = logging.getLogger("moelane")
 
 MAX_THREADS = 256  # (OpenMP crashes on tens of thousands)
 SIGNED = re.compile(r"-[\d.]")  # a value such as -5% or -1GiB, which argparse would take for an option
+PROGRESS_DELAY_S = 1.0  # a progress bar shows once its work has taken this long (none for quick work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +169,53 @@ def check_output(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: no such folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: cannot write in {folder} (permission denied)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken as Ctrl-C is (`terminated_as_interrupt`): the command stops the same way and says the same;
+    `main` exits 143 for it (128 + SIGTERM), 130 for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt() -> Iterator[None]:
+    """While the block runs, SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises KeyboardInterrupt, so a
+    command that writes a file as it goes ends it the same way (what was written stays, and it says so); the previous
+    handler is put back after. Elsewhere than in the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done (a file's record and its count stay whole), then are taken."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def progress(total: int, what: str, unit: str) -> Any:
+    """A progress bar on stderr (`what: done/total [elapsed<left, rate unit/s]`) moved by `.update(n)`; shown once
+    the work has taken `PROGRESS_DELAY_S` and cleared when it ends, so that the line after it is the last one."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr)
+
+
+def say_written(path: str, requests: int, segments: int, tokens: int) -> None:
+    """The one line a command that wrote a trace ends with: the file, what it holds, its size."""
+    size = format_bytes(Path(path).stat().st_size)
+    print(f"wrote {path}: {requests} requests, {segments} segments, {tokens} tokens, {size}", file=sys.stderr,
+          flush=True)  # fmt: skip
