@@ -418,7 +418,21 @@ def test_replay_of_a_trace_without_prefill_shows_no_prefill_hit_rate(
     assert main(["trace", "synth", "--out", trace, "--prefill", "0", "--decode", "8", "--requests", "1"]) == 0
     assert main(["trace", "replay", trace, "--slots", "40", "--policy", "lru"]) == 0
     row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[:2] == ["lru", "40"] and row[3] == "-"  # (was 100.0% of nothing)
+    assert row[:2] == ["lru", "40"] and row[4] == "-"  # (was 100.0% of nothing)
+
+
+def test_replay_shows_the_pool_in_slots_and_bytes_however_it_was_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pool's columns say their units, and the same pool given as --slots or as --budget reads the same."""
+    from moelane.pager.live.memory import format_bytes
+
+    size = 40 * read_trace(TRACE).header.expert_bytes
+    rows = []
+    for flags in (["--slots", "40"], ["--budget", str(size)], ["--budget", f"{size / 2**20}MiB"]):
+        assert main(["trace", "replay", str(TRACE), "--policy", "lru", *flags]) == 0
+        head, row = capsys.readouterr().out.splitlines()
+        assert "slots" in head and "bytes" in head
+        rows.append(row.split())
+    assert rows[0][:3] == ["lru", "40", format_bytes(size).replace(" ", "")] and rows[0] == rows[1] == rows[2]
 
 
 def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from moelane.pager.lab.analyze import analyze
 from moelane.pager.lab.policies import make_policy
 from moelane.pager.lab.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
 from moelane.pager.lab.sweep import default_capacities, sweep
+from moelane.pager.live.memory import format_bytes
 from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         capacity, unit = _capacity(args, trace)
         specs = args.policy or ["planner"]
-        rows = [replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict() for p in specs]
+        share = capacity / (trace.header.n_total * (trace.header.expert_bytes if unit == "bytes" else 1))
+        rows = [{**replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict(),
+                 "fraction": share} for p in specs]  # fmt: skip
     if args.plot:
         from moelane.pager.lab.plots import plot_sweep
 
@@ -358,19 +361,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for row in rows:
             sys.stdout.write(json.dumps(row) + "\n")
         return 0
-    sys.stdout.write(format_rows(rows))
+    sys.stdout.write(format_rows(rows, trace.header.expert_bytes))
     return 0
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = f"{'policy':<22}{'pool':>8}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}{'stall ms':>10}{'tok/s':>8}"
+def format_rows(rows: list[dict[str, Any]], expert_bytes: int) -> str:
+    """The replay's rows as a table; the pool in slots (experts) and in bytes (experts at their full size), whichever
+    of them it was given in."""
+    head = (f"{'policy':<22}{'pool:slots':>11}{'pool:bytes':>11}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}"
+            f"{'stall ms':>10}{'tok/s':>8}")  # fmt: skip
     out = [head]
     for r in rows:
         n = max(1, r["decode"]["n_tokens"])
+        slots, size = r["capacity"], r["capacity"] * expert_bytes
+        if r["unit"] == "bytes":
+            slots, size = r["capacity"] // expert_bytes, r["capacity"]
         out.append(
-            f"{r['policy']:<22}{r['capacity']:>8}{rate(r['decode']):>10}{rate(r['prefill']):>10}"
-            f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}"
-            f"{r['tok_s_aggregate']:>8.1f}"
+            f"{r['policy']:<22}{slots:>11}{format_bytes(size).replace(' ', ''):>11}{rate(r['decode']):>10}"
+            f"{rate(r['prefill']):>10}{r['decode_bytes_per_token'] / 1e6:>9.2f}"
+            f"{r['decode']['stall_s'] / n * 1e3:>10.2f}{r['tok_s_aggregate']:>8.1f}"
         )
     return "\n".join(out) + "\n"
 
