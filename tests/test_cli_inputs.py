@@ -257,6 +257,21 @@ def test_bench_refuses_more_tokens_than_the_context_holds(capsys: pytest.Capture
     assert "--tokens must be at most" in cli_error(["bench", "--tokens", "99999999", "--rounds", "1"], capsys)
 
 
+def test_bench_prints_a_table_and_json_lines_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """By default a table a person reads (a line of what was measured, each round, their medians); with --json, one
+    JSON object a line (each round, then the summary)."""
+    assert main(["bench", "--tokens", "4", "--rounds", "2"]) == 0
+    said, head, *rounds, median = capsys.readouterr().out.splitlines()
+    assert "1 stream" in said and "4 tokens each" in said and "eager" in said
+    assert head.split() == ["round", "prefill", "tok/s", "decode", "tok/s"]
+    assert [r.split()[0] for r in rounds] == ["1", "2"] and median.split()[0] == "median"
+    assert all(float(x) > 0 for r in [*rounds, median] for x in r.split()[1:])
+    assert main(["bench", "--tokens", "4", "--rounds", "2", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [x.get("round") for x in lines] == [0, 1, None] and lines[-1]["summary"] is True
+    assert set(lines[-1]["median"]) == {"prefill_tok_s", "decode_tok_s"} and lines[-1]["tokens"] == 4
+
+
 def test_a_decode_step_that_cannot_compile_runs_eagerly(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
