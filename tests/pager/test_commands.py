@@ -16,7 +16,7 @@ import torch
 
 import moelane.commands.trace as trace_commands
 from moelane.commands import common, main
-from moelane.commands.trace import add_parser
+from moelane.commands.trace import AHEAD_POLICIES, SWEEP_POLICIES, add_parser
 from moelane.errors import MoelaneError
 from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.provider import RoutingRecord
@@ -113,6 +113,27 @@ def test_plot_needs_matplotlib_or_writes_a_png(tmp_path: Path) -> None:
             run(argv)
         return
     assert run(argv) == 0 and out.stat().st_size > 0
+
+
+def test_every_policy_of_the_sweep_plot_looks_different(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twelve policies a sweep of a trace with the look-ahead replays, drawn: no two lines alike (lru and
+    planner+ahead were the same blue), and the axes say their units."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from moelane.pager.lab.plots import plot_sweep
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    policies = SWEEP_POLICIES + AHEAD_POLICIES
+    rows = [{"policy": p, "fraction": f, "decode_hit_rate": f * (1 + i / 20), "tok_s_aggregate": 100 * f + i}
+            for i, p in enumerate(policies) for f in (0.25, 0.5)]  # fmt: skip
+    out = tmp_path / "sweep.png"
+    plot_sweep(rows, str(out))
+    assert out.stat().st_size > 0
+    hit_rate, speed = figures[0].axes
+    looks = [(line.get_color(), line.get_linestyle(), line.get_marker(), str(line.get_markerfacecolor()))
+             for line in hit_rate.get_lines()]  # fmt: skip
+    assert len(looks) == len(policies) == 12 and len(set(looks)) == 12
+    assert "%" in hit_rate.get_xlabel() and "%" in hit_rate.get_ylabel() and "tokens/s" in speed.get_ylabel()
 
 
 class Bar:
