@@ -5,7 +5,13 @@ unless --model is given, then alternates the engines round by round and prints o
 summary line with medians and ratios. llama.cpp runs only when `llama_cpp` is importable and a converter is found
 (--llama-cpp DIR, the llama.cpp tree in llama-cpp-python's sdist); it uses an f32 KV cache.
 
-    python bench/decode_bench.py --rounds 3 --tokens 128 --dtype float32
+    python bench/decode_bench.py --rounds 3 --tokens 128
+    python bench/decode_bench.py --model /tmp/inflated --quant bf16,int8,int4,experts-int4 --tokens 64 \\
+        --gguf-dir /tmp/gguf --llama-python /path/to/venv/bin/python
+
+`--quant` runs each precision in both engines (bf16 against llama.cpp's BF16, int8 and int4 of all weights against
+Q8_0 and Q4_0; experts-int4 has no llama.cpp match); llama.cpp runs in a worker process (bench/llama_worker.py) under
+`--llama-python`, so a build of one's choice can be compared. Each summary says how many greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tests.helpers import save_model
 
-import gguf
+import llama_gguf
 
-PROMPT = [17, 4242, 99, 1234, 5678, 31000, 12, 7, 8080, 4000, 15, 16]
+PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    "  # (code: the shipped and inflated models know it)
+PROMPT: list[int] = []  # its ids in the model's tokenizer (`main`)
 
 
 def git_rev() -> str:
@@ -53,19 +61,44 @@ def build_model(folder: Path) -> Path:
     return folder
 
 
-def moelane_runner(folder: Path, dtype: torch.dtype, compiled: bool, tokens: int) -> Callable[[], float]:
+@dataclass(frozen=True)
+class Setting:
+    """One precision as both engines run it: moelane's load settings, and llama.cpp's GGUF type (None: no match)."""
+
+    dtype: torch.dtype
+    default_tier: str
+    quantize: str
+    gguf: str | None
+
+
+# int8 / int4 compute in float32 between the products (activations, KV cache), as llama.cpp does with an f32 KV cache.
+SETTINGS = {
+    "float32": Setting(torch.float32, "native", "none", "f32"),
+    "bf16": Setting(torch.bfloat16, "native", "none", "bf16"),
+    "int8": Setting(torch.float32, "int8", "int8", "q8_0"),
+    "int4": Setting(torch.float32, "int4", "int4", "q4_0"),
+    "experts-int4": Setting(torch.bfloat16, "int4", "none", None),
+}
+
+
+def moelane_runner(folder: Path, setting: Setting, compiled: bool, tokens: int) -> Callable[[], float]:
     import moelane
 
-    lm = moelane.load(folder, dtype, compile=compiled)
+    lm = moelane.load(folder, setting.dtype, compile=compiled, default_tier=setting.default_tier,
+                      quantize=setting.quantize)  # fmt: skip
+    last: list[list[int]] = []
 
     def run() -> float:
         gen = lm.generate_ids(PROMPT, tokens, stop_ids=frozenset())
-        next(gen)  # prefill + first token
+        ids = [next(gen)]  # prefill + first token
         t0 = time.perf_counter()
-        n = sum(1 for _ in gen)
-        return n / (time.perf_counter() - t0)
+        ids.extend(gen)
+        tps = (len(ids) - 1) / (time.perf_counter() - t0)
+        last[:] = [ids]
+        return tps
 
     run()  # warm-up (compiles when compiled)
+    run.tokens = last  # type: ignore[attr-defined]
     return run
 
 
@@ -89,74 +122,125 @@ def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int) -> Callab
     return run
 
 
-def llama_runner(folder: Path, dtype: torch.dtype, tokens: int, llama_tree: str | None) -> Callable[[], float] | None:
-    try:
-        import llama_cpp
-    except ImportError:
+def gguf_file(folder: Path, kind: str, gguf_dir: Path | None, llama_tree: str | None) -> Path | None:
+    """The model as a llama.cpp GGUF of `kind`: found in `gguf_dir` (`*-{kind}.gguf`), or converted (and quantised
+    from the bf16 conversion) into the model folder with llama.cpp's own tools."""
+    if gguf_dir is not None and (found := sorted(gguf_dir.glob(f"*-{kind}.gguf"))):
+        return found[0]
+    made = folder / f"model-{kind}.gguf"
+    if made.exists():
+        return made
+    if not llama_tree:
         return None
-    outtype = "f32" if dtype == torch.float32 else "bf16"
-    gguf_path = folder / f"model-{outtype}.gguf"
-    if not gguf_path.exists() and not llama_tree:
-        return None
-    gguf.convert(folder, gguf_path, Path(llama_tree or "."), outtype)
-    llm = llama_cpp.Llama(
-        str(gguf_path), n_ctx=512, n_threads=torch.get_num_threads(), type_k=0, type_v=0, verbose=False
-    )
+    if kind in llama_gguf.FTYPES:
+        bf16 = llama_gguf.convert(folder, folder / "model-bf16.gguf", Path(llama_tree), "bf16")
+        return llama_gguf.quantize(bf16, made, kind)
+    return llama_gguf.convert(folder, made, Path(llama_tree), kind)
+
+
+def llama_runner(gguf_path: Path, python: str, tokens: int) -> Callable[[], float]:
+    """A worker process (bench/llama_worker.py) under `python`, one round a call."""
+    worker = subprocess.Popen(
+        [python, str(Path(__file__).parent / "llama_worker.py"), str(gguf_path), "--threads",
+         str(torch.get_num_threads()), "--tokens", str(tokens), "--prompt", ",".join(map(str, PROMPT))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert worker.stdin is not None and worker.stdout is not None
+    if not json.loads(worker.stdout.readline()).get("ready"):
+        raise SystemExit(f"llama.cpp could not load {gguf_path}")
+    last: list[list[int]] = []
 
     def run() -> float:
-        llm.reset()
-        llm.eval(PROMPT)
-        t0 = time.perf_counter()
-        for _ in range(tokens - 1):
-            token = llm.sample(temp=0.0)
-            llm.eval([token])
-        return (tokens - 1) / (time.perf_counter() - t0)
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        line = worker.stdout.readline()
+        if not line:
+            raise SystemExit(f"the llama.cpp worker on {gguf_path} died")
+        answer = json.loads(line)
+        last[:] = [answer["tokens"]]
+        return float(answer["decode_tok_s"])
 
     run()
+    run.tokens = last  # type: ignore[attr-defined]
     return run
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=Path("/tmp/moelane-bench-qwen3moe-115m"))
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quant", default="float32",
+                   help=f"precisions, comma-separated, each run by both engines where they match: {', '.join(SETTINGS)}"
+                   " (bf16 against llama.cpp BF16, int8 and int4 (all weights) against Q8_0 and Q4_0)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--llama-cpp", help="llama.cpp tree with convert_hf_to_gguf.py (vendor/llama.cpp in its sdist)")
+    p.add_argument("--gguf-dir", type=Path, help="GGUFs of the model made already, named *-{f32,bf16,q8_0,q4_0}.gguf")
+    p.add_argument("--llama-python", default=sys.executable,
+                   help="the Python whose llama-cpp-python runs llama.cpp (default this one)")  # fmt: skip
     p.add_argument("--engines", default="moelane,moelane-compiled,transformers,llama.cpp")
     args = p.parse_args()
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     folder = build_model(args.model)
+    from tokenizers import Tokenizer
+
+    PROMPT[:] = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT_TEXT).ids
     wanted = args.engines.split(",")
-    runners: dict[str, Callable[[], float]] = {}
-    if "moelane" in wanted:
-        runners["moelane"] = moelane_runner(folder, dtype, False, args.tokens)
-    if "moelane-compiled" in wanted:
-        t0 = time.perf_counter()
-        runners["moelane-compiled"] = moelane_runner(folder, dtype, True, args.tokens)
-        print(json.dumps({"event": "compiled", "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    if "transformers" in wanted:
-        runners["transformers"] = transformers_runner(folder, dtype, args.tokens)
-    if "llama.cpp" in wanted and (run := llama_runner(folder, dtype, args.tokens, args.llama_cpp)) is not None:
-        runners["llama.cpp"] = run
-    results: dict[str, list[float]] = {name: [] for name in runners}
+    runners: dict[tuple[str, str], Callable[[], float]] = {}
+    for quant in args.quant.split(","):
+        if quant not in SETTINGS:
+            raise SystemExit(f"unknown --quant {quant!r}: use {', '.join(SETTINGS)}")
+        setting = SETTINGS[quant]
+        if "moelane" in wanted:
+            runners[(quant, "moelane")] = moelane_runner(folder, setting, False, args.tokens)
+        if "moelane-compiled" in wanted:
+            t0 = time.perf_counter()
+            runners[(quant, "moelane-compiled")] = moelane_runner(folder, setting, True, args.tokens)
+            print(json.dumps({"event": "compiled", "quant": quant, "seconds": round(time.perf_counter() - t0, 1)}),
+                  flush=True)  # fmt: skip
+        if "transformers" in wanted and setting.quantize == "none" and setting.default_tier == "native":
+            runners[(quant, "transformers")] = transformers_runner(folder, setting.dtype, args.tokens)
+        if "llama.cpp" in wanted and setting.gguf is not None:
+            path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp)
+            if path is not None:
+                runners[(quant, "llama.cpp")] = llama_runner(path, args.llama_python, args.tokens)
+    results: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
     for r in range(args.rounds):
-        for name, run in runners.items():
+        for (quant, name), run in runners.items():
             tps = run()
-            results[name].append(tps)
-            print(
-                json.dumps({"round": r, "engine": name, "dtype": args.dtype, "decode_tok_s": round(tps, 1)}), flush=True
-            )
-    medians = {name: statistics.median(v) for name, v in results.items()}
-    summary: dict[str, object] = {
-        "summary": True, "git": git_rev(), "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
-    }  # fmt: skip
-    best = max((v for k, v in medians.items() if k.startswith("moelane")), default=None)
-    for ref in ("transformers", "llama.cpp"):
-        if best is not None and ref in medians:
-            summary[f"moelane_vs_{ref}"] = round(best / medians[ref], 2)
-    print(json.dumps(summary), flush=True)
+            results[(quant, name)].append(tps)
+            print(json.dumps({"round": r, "quant": quant, "engine": name, "decode_tok_s": round(tps, 1)}), flush=True)
+    print_summary(args, results, runners)
+
+
+def print_summary(
+    args: argparse.Namespace,
+    results: dict[tuple[str, str], list[float]],
+    runners: dict[tuple[str, str], Callable[[], float]],
+) -> None:
+    """A JSON summary line per precision (medians, moelane's best against each reference, whether its greedy tokens
+    equal llama.cpp's), then a table."""
+    rows = []
+    for quant in args.quant.split(","):
+        medians = {name: statistics.median(v) for (q, name), v in results.items() if q == quant}
+        summary: dict[str, object] = {
+            "summary": True, "git": git_rev(), "quant": quant, "threads": torch.get_num_threads(),
+            "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
+        }  # fmt: skip
+        best = max((v for k, v in medians.items() if k.startswith("moelane")), default=None)
+        for ref in ("transformers", "llama.cpp"):
+            if best is not None and ref in medians:
+                summary[f"moelane_vs_{ref}"] = round(best / medians[ref], 2)
+        ours = [runners[(quant, k)] for k in ("moelane-compiled", "moelane") if (quant, k) in runners]
+        if ours and (quant, "llama.cpp") in runners:
+            a, b = ours[0].tokens[0], runners[(quant, "llama.cpp")].tokens[0]  # type: ignore[attr-defined]
+            agree = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+            summary["same_tokens_as_llama.cpp"] = agree[0] if agree else len(a)
+        print(json.dumps(summary), flush=True)
+        rows.append((quant, medians, summary.get("moelane_vs_llama.cpp")))
+    print(f"\n{'quant':<14}{'moelane':>10}{'compiled':>10}{'llama.cpp':>11}{'ratio':>7}")
+    for quant, m, ratio in rows:
+        cells = [f"{m[k]:.1f}" if k in m else "-" for k in ("moelane", "moelane-compiled", "llama.cpp")]
+        print(f"{quant:<14}{cells[0]:>10}{cells[1]:>10}{cells[2]:>11}{ratio if ratio is not None else '-':>7}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gguf
+import llama_gguf
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -163,7 +163,7 @@ def to_gguf(args: argparse.Namespace, out_dir: Path) -> Path:
     if not args.llama_cpp:
         raise SystemExit("give --gguf FILE or --llama-cpp DIR (llama.cpp tree with convert_hf_to_gguf.py)")
     folder = args.model or str(Path(__import__("moelane.assets", fromlist=["x"]).default_model_path()))
-    return gguf.convert(Path(folder), out_dir / "model-f32.gguf", Path(args.llama_cpp))
+    return llama_gguf.convert(Path(folder), out_dir / "model-f32.gguf", Path(args.llama_cpp))
 
 
 class Server:

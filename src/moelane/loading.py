@@ -1,8 +1,9 @@
 """`moelane.load`: a model folder -> an `LM` ready to run, its experts resident or paged as the settings say.
 
-Without a budget every expert is resident where they all fit in the memory still free, and paged within it otherwise
-(`fitting_factory`); with one (`expert_memory`, `host_memory`, or a quantised `default_tier`) an expert store holds
-them under it (`store_factory`). A store built here is attached to the model before it is returned (lease release
+Without a budget every expert is resident, at the default tier, where they all fit in the memory still free, and
+paged within it otherwise (`fitting_factory`); with one (`expert_memory`, `host_memory`) an expert store holds them
+under it, or, at a quantised `default_tier` whose experts all fit the budget, they are all resident at that tier
+(`store_factory`). A store built here is attached to the model before it is returned (lease release
 after each MoE block, the predictors, and the live planner under the "planner" policy) and the model's prefill chunk
 is fitted to its pool: a library caller gets what `moelane run` and `moelane serve` run. `provider=` takes a factory of
 one's own instead, and its provider is used as it comes (nothing attached, nothing fitted).
@@ -41,9 +42,10 @@ def load(
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
 
     `expert_memory`: the expert pool's budget, bytes (`"2GiB"`) or a share of all expert bytes in the compute dtype
-    (`"25%"`); `host_memory`: for host-RAM copies of experts' stored forms (bytes, or a share of the bytes as stored);
-    `policy`: what the pool evicts ("planner", "lru", "lfu"); `default_tier`: the precision of experts fetched on a
-    miss ("native", "int8", "int4"). `compile` compiles the one-token decode step; `progress` shows a progress bar
+    (`"25%"`; experts held at a quantised tier take fewer of those bytes each); `host_memory`: for host-RAM copies
+    of experts' stored forms (bytes, or a share of the bytes as stored); `policy`: what the pool evicts ("planner",
+    "lru", "lfu"); `default_tier`: the precision experts are held at unless a plan pins them at another ("native",
+    "int8", "int4"). `compile` compiles the one-token decode step; `progress` shows a progress bar
     while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
     handles and the compute dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the
     dense projections (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file
@@ -53,7 +55,7 @@ def load(
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
     pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
-    if pool is None and host is None and default_tier == "native":
+    if pool is None and host is None:
         factory = fitting_factory(None, policy, default_tier, progress=progress)
     else:
         factory = store_factory(pool, host, policy, default_tier)

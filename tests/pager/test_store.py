@@ -76,13 +76,22 @@ def test_greedy_tokens_identical_at_every_budget(
         assert totals.misses > 0 and (share == "100%") == (store.stats.evictions == 0)
         # every resident slot holds exactly what the resident provider holds
         resident = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
-        for slot, key in enumerate(store.table.key.tolist()):
-            if key >= 0:
-                layer, expert = store.layers[key // store.n_experts], key % store.n_experts
-                assert torch.equal(store.w13[slot], resident.weights(layer)[0][expert])
-                assert torch.equal(store.w2[slot], resident.weights(layer)[1][expert])
+        for layer, expert, kind, (w13, w2) in held_experts(store):
+            assert kind == "native"
+            assert torch.equal(w13, resident.weights(layer)[0][expert])
+            assert torch.equal(w2, resident.weights(layer)[1][expert])
     finally:
         lm.close()
+
+
+def held_experts(store: ExpertStore) -> list[tuple[int, int, str, tuple[torch.Tensor, ...]]]:
+    """(layer, expert, tier name, slot tensors) of every expert the store holds."""
+    out = []
+    for slot, key in enumerate(store.table.key.tolist()):
+        if key >= 0:
+            kind, parts = store.expert_parts(slot)
+            out.append((store.layers[key // store.n_experts], key % store.n_experts, kind, parts))
+    return out
 
 
 def test_closing_the_lm_ends_its_stores_threads(wide: Path) -> None:
@@ -174,11 +183,9 @@ def test_every_read_path_fills_the_slots_exactly(
             assert not any(in_place)
         if dtype == torch.bfloat16:  # one buffer per loading thread, reused for every later load on it
             assert len(buffers) == len(in_place) and len(set(buffers)) <= threading.active_count() < len(buffers)
-        for slot, key in enumerate(store.table.key.tolist()):
-            if key >= 0:
-                layer, expert = store.layers[key // store.n_experts], key % store.n_experts
-                assert torch.equal(store.w13[slot], ref.provider.weights(layer)[0][expert])
-                assert torch.equal(store.w2[slot], ref.provider.weights(layer)[1][expert])
+        for layer, expert, _, (w13, w2) in held_experts(store):
+            assert torch.equal(w13, ref.provider.weights(layer)[0][expert])
+            assert torch.equal(w2, ref.provider.weights(layer)[1][expert])
     finally:
         store.close()
 
@@ -260,7 +267,8 @@ def test_lfu_evicts_the_least_used(reference: Reference) -> None:
 
 def test_a_layer_call_larger_than_the_pool_is_a_clear_error(reference: Reference) -> None:
     store = store_of(reference[0], 2, io_threads=0)
-    with pytest.raises(StoreError, match="needs 3 experts at once but the expert memory holds 2"):
+    with pytest.raises(StoreError, match=rf"needs 3 experts at once \({3 * store.slot_bytes} bytes at their tiers\) "
+                       rf"but the expert memory holds {2 * store.slot_bytes} bytes"):  # fmt: skip
         call(store, store.layers[0], [0, 1, 2])
     assert store.max_rows(top_k=2) == 1
     store.close()
@@ -324,12 +332,9 @@ def test_plan_tiers_decide_the_precision_of_each_fetch(wide: Path, reference: Re
     reads = store.stats.reads
     assert reads[("disk", "int8")] > 0 and reads[("disk", "native")] > 0
     resident_pool = ResidentProvider.from_handles(lm.expert_handles, lm.dtype)
-    for slot, key in enumerate(store.table.key.tolist()):
-        if key < 0:
-            continue
-        layer, expert = store.layers[key // store.n_experts], key % store.n_experts
-        exact = torch.equal(store.w13[slot], resident_pool.weights(layer)[0][expert])
-        assert exact == (layer == first)
+    for layer, expert, kind, parts in held_experts(store):
+        assert kind == ("native" if layer == first else "int8")
+        assert kind == "int8" or torch.equal(parts[0], resident_pool.weights(layer)[0][expert])
     hidden, width = lm.expert_handles[first][0].tensors["down"].shape
     stored = store.stats.bytes_read[("disk", "int8")] / reads[("disk", "int8")]
     assert stored == ExpertCodec(1, width, hidden).nbytes

@@ -67,7 +67,9 @@ def test_eight_streams_at_ten_percent(
     attached.detach()
     assert got == want
     assert 0 < store.high_water_bytes <= store.config.budget_bytes
-    assert store.w13.nbytes + store.w2.nbytes <= store.config.budget_bytes
+    (pool,) = store.pools(store.layers[0])  # native only: one pool of exactly the slots the budget holds
+    assert pool.kind == "native" and pool.n_slots == store.n_slots
+    assert pool.w13[0].nbytes + pool.w2[0].nbytes <= store.config.budget_bytes
     store.check_invariants()
     assert store.stats.evictions > 0
     if predictors:

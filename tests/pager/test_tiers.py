@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.model.provider import ResidentProvider
 from moelane.pager.live.build import store_factory
 from moelane.pager.live.memory import parse_memory
 from moelane.pager.live.storage import (
@@ -134,20 +135,32 @@ def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp
     files.close()
 
 
-@pytest.mark.parametrize(("tier", "tolerance"), [("int8", 0.02), ("int4", 0.3)])
-def test_store_serves_every_expert_at_a_lower_tier(folder: Path, tmp_path: Path, tier: str, tolerance: float) -> None:
+@pytest.mark.parametrize(("tier", "tolerance", "share"), [("int8", 0.02, "30%"), ("int4", 0.3, "12%")])
+def test_every_expert_at_a_lower_tier_resident_or_paged(
+    folder: Path, tmp_path: Path, tier: str, tolerance: float, share: str
+) -> None:
+    """Every expert at int8 / int4: within the tier's rounding of the native logits. All resident at the tier where
+    they fit (no budget); paged by a store at the tier under a budget that holds about 70% of them at it (in the
+    compute dtype `share` holds 20%): the same logits bit for bit, a pair's result depending on its expert's codes
+    and scales only, read from the tier file straight into the slots."""
     model = tmp_path / "m"
     shutil.copytree(folder, model)
     ids = list(range(3, 60))
     want = moelane.load(model).logits(ids)
-    lm = moelane.load(model, provider=store_factory(parse_memory("100%"), None, "planner", tier))
-    store = lm.provider
-    assert isinstance(store, ExpertStore)
-    got = lm.logits(ids)
+    resident = moelane.load(model, default_tier=tier)
+    assert isinstance(resident.provider, ResidentProvider) and resident.provider.kind == tier
+    got = resident.logits(ids)
     rel = float((got - want).norm() / want.norm())
     assert 0 < rel < tolerance
+    lm = moelane.load(model, provider=store_factory(parse_memory(share), None, "planner", tier))
+    store = lm.provider
+    assert isinstance(store, ExpertStore)
+    assert store.n_slots < store.table.slot_of.size <= 1.5 * store.n_slots
+    assert torch.equal(lm.logits(ids), got)
     (level_tier,) = store.stats.bytes_read
     assert level_tier == ("disk", tier)
+    assert {name for name, n in store.held_by_tier().items() if n} == {tier}
+    store.check_invariants()
     store.close()
 
 

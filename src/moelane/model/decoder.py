@@ -105,7 +105,7 @@ class Decoder(nn.Module):
         return cast(torch.Tensor, self.model.norm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # (a bias where a family gives one)
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias, exact_out=True).float()  # (a family's bias too)
 
 
 def dense_width(config: Config) -> int:

@@ -2,15 +2,21 @@
 and compute the weighted sum of the experts' outputs. This is the one place expert kernels live.
 
 The provider never runs an expert: `provider.slots(layer, ids)` makes the routed experts resident and names their pool
-slots, `provider.weights(layer)` hands over the pool tensors, and the functions here gather by slot. A provider with
-`slots_staged` (the pager's store) names the slots before the misses have loaded; eager dispatch then computes the
-resident experts first and waits only before the late ones (`dispatch_staged`), so a miss's read overlaps compute.
+slots, `provider.pools(layer)` hands over the pool tensors (one pool per precision tier, provider.py), and the
+functions here gather by slot. A provider with `slots_staged` (the pager's store) names the slots before the misses
+have loaded; eager dispatch then computes the resident experts first and waits only before the late ones
+(`dispatch_staged`), so a miss's read overlaps compute.
 
-In both dispatch paths a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
+Which path runs (`run_experts`): where every pair's slot is in one native pool that starts at slot 0 (an all-resident
+provider; a store whose pairs are all at tier 0), the native paths below; otherwise (int8 or int4 slots, or tiers
+mixed within one call) `dispatch_tiers`, a reference path in plain torch that dequantises the slots the pairs use.
+
+In every dispatch path a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
 - eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
   would (one grouped product over the slots' range, or one product per used slot where they are sparse);
 - compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
-  pairs whatever their number, no Python scalar from a tensor, so decode compiles whole.
+  pairs whatever their number, no Python scalar from a tensor, so decode compiles whole;
+- tiers: each used slot dequantised on its own, element by element, then the eager or compiled path above.
 
 An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
 family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows), and the biases, where a family has them
@@ -18,7 +24,8 @@ family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows), and the
 biases (`PairBias`) ride along with the pairs into whichever dispatch path runs. A pair's input `x` is its token's row
 [T, H], or one row per pair [T, K, H] where a family scales the input rather than the output (Llama 4).
 
-Shape alphabet: T tokens, K top-k, E experts, S pool slots, H hidden, I expert width, P (token, expert) pairs.
+Shape alphabet: T tokens, K top-k, E experts, S pool slots, U used slots, H hidden, I expert width, P (token, expert)
+pairs, Out and In a matrix's rows and columns, G scale groups a row.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from typing import NamedTuple
 
 import torch
 
+from moelane import kernels
 from moelane.model.layers import TILE, linear, silu_mul
-from moelane.model.provider import ExpertProvider
+from moelane.model.provider import ExpertProvider, TierPool
 
 Act = Callable[[torch.Tensor], torch.Tensor]  # gate_up [..., 2I] -> [..., I], batch-invariant
 
@@ -95,12 +103,20 @@ def gathered(
     """The compiled path: each (token, expert) pair's output, its weights gathered by slot inside fixed-order
     reductions over the input dim (the compiler reads them in place, no copy). x [T, H] or [T, K, H]; slots [T, K]
     -> [T, K, H]."""
+    return pair_products(x, w13[slots], w2[slots], act, bias)
+
+
+def pair_products(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: Act, bias: PairBias | None
+) -> torch.Tensor:
+    """Each pair's expert output from its own weights w13 [T, K, 2I, H], w2 [T, K, H, I], in fixed-order reductions
+    over the input dim. x [T, H] or [T, K, H] -> [T, K, H]."""
     rows = x[:, None, None, :] if x.dim() == 2 else x[:, :, None, :]  # [T, 1 or K, 1, H]
-    gate_up = (rows * w13[slots]).sum(-1)  # [T, K, 2I]
+    gate_up = (rows * w13).sum(-1)  # [T, K, 2I]
     if bias is not None:
-        gate_up = gate_up + bias.b13.view(*slots.shape, -1)
-    out = (act(gate_up)[:, :, None, :] * w2[slots]).sum(-1)
-    return out if bias is None else out + bias.b2.view(*slots.shape, -1)
+        gate_up = gate_up + bias.b13.view(*w13.shape[:2], -1)
+    out = (act(gate_up)[:, :, None, :] * w2).sum(-1)
+    return out if bias is None else out + bias.b2.view(*w13.shape[:2], -1)
 
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -224,8 +240,202 @@ def run_experts(
     (b13 [E, 2I], b2 [E, H]) or None."""
     staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
     slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
-    w13, w2 = provider.weights(layer)
+    pools = provider.pools(layer)
     pairs = pair_bias(bias, ids)
+    if computes_in_kernels(pools):
+        return kernel_dispatch(x, slots, weights, pools, act, pairs, pending, wait)
+    native = native_pool(pools, slots)
+    if native is None:
+        if wait is not None:
+            wait()  # (the reference path computes once every slot has loaded)
+        return dispatch_tiers(x, slots, weights, pools, act, pairs)
+    w13, w2 = native
     if pending is None or wait is None:
         return dispatch(x, slots, weights, w13, w2, act, pairs)
     return dispatch_staged(x, slots, pending, weights, w13, w2, wait, act, pairs)
+
+
+def native_pool(pools: tuple[TierPool, ...], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(w13, w2) of the first pool when it is native from slot 0 and holds every pair's slot, else None. A provider
+    with that one pool (all resident in the compute dtype) is decided without looking at the slots, so its compiled
+    step has nothing data-dependent here."""
+    head = pools[0]
+    if head.kind != "native" or head.first != 0:
+        return None
+    if len(pools) > 1 and (torch.compiler.is_compiling() or int(slots.max()) >= head.n_slots):
+        return None
+    return head.w13[0], head.w2[0]
+
+
+# ---- the kernels' path: products from the pools' own bytes -------------------------------------------------------
+
+
+def computes_in_kernels(pools: tuple[TierPool, ...]) -> bool:
+    """Whether the pools are computed by `moelane.kernels` (`kernel_dispatch`): where the extension serves (every pool
+    has its `kernel` view) and any pool is quantised or bf16. All-fp32 native pools keep the BLAS paths above, which
+    read fp32 at the memory's speed already (and, compiled, fuse the gather)."""
+    if any(p.kernel is None for p in pools):
+        return False
+    return any(p.kind != "native" or p.w13[0].dtype != torch.float32 for p in pools)
+
+
+def kernel_dispatch(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+    pending: torch.Tensor | None = None,
+    wait: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """`dispatch` through the kernels' `gather_linear`, which reads each used slot's bytes once per call, at any tier,
+    dequantising in registers. With `pending` (pairs whose experts are still loading) the others compute first,
+    then `wait()`, then the rest, as `dispatch_staged` does. A pair's numbers depend only on its row and its slot:
+    gather_linear's products are batch-invariant (moelane.kernels), each rounded once to x's dtype, the activation
+    and biases element-wise."""
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    flat, xf = slots.reshape(-1), rows.float()
+    if pending is None or wait is None:
+        return weighted_sum(pool_pairs(xf, rows_of, flat, pools, act, bias, x.dtype), weights)
+    y = x.new_empty(flat.numel(), x.shape[-1])
+    late = pending.reshape(-1)
+    pairs = torch.arange(flat.numel())
+    for part in (pairs[~late], None, pairs[late]):
+        if part is None:
+            wait()
+        elif part.numel():
+            y[part] = pool_pairs(xf, rows_of[part], flat[part], pools, act, None if bias is None else bias.take(part),
+                                 x.dtype)  # fmt: skip
+    return weighted_sum(y, weights)
+
+
+def pool_pairs(
+    xf: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act,
+    bias: PairBias | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Each pair's expert output [P, H] in `dtype`, from whichever pool holds its slot. xf [R, H] float32."""
+    if len(pools) == 1:  # (no data-dependent split: the compiled step's case, one resident pool)
+        head = pools[0]
+        return slot_pairs(xf, rows_of, flat if head.first == 0 else flat - head.first, head, act, bias, dtype)
+    y = xf.new_empty(flat.numel(), xf.shape[1], dtype=dtype)
+    for pool in pools:
+        inside = ((flat >= pool.first) & (flat < pool.first + pool.n_slots)).nonzero().reshape(-1)
+        if inside.numel():
+            y[inside] = slot_pairs(xf, rows_of[inside], flat[inside] - pool.first, pool, act,
+                                   None if bias is None else bias.take(inside), dtype)  # fmt: skip
+    return y
+
+
+def slot_pairs(
+    xf: torch.Tensor,
+    rows_of: torch.Tensor,
+    local: torch.Tensor,
+    pool: TierPool,
+    act: Act,
+    bias: PairBias | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The expert outputs [P, H] of pairs (row rows_of[p] of xf, slot local[p] of `pool`): down(act(gate_up + b13))
+    + b2, each product in fp32 and rounded to `dtype` once, as a `dtype` matrix product with fp32 sums rounds it."""
+    assert pool.kernel is not None
+    w13, w2 = pool.kernel
+    gate_up = kernels.gather_linear(xf, rows_of, local, w13).to(dtype)
+    if bias is not None:
+        gate_up = gate_up + bias.b13
+    h = act(gate_up).float()
+    out = kernels.gather_linear(h, torch.arange(local.numel()), local, w2).to(dtype)
+    return out if bias is None else out + bias.b2
+
+
+# ---- the reference path for quantised and mixed tiers ------------------------------------------------------------
+
+
+def dispatch_tiers(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """`dispatch` for pairs whose slots lie in any of `pools`, at any tier: the REFERENCE PATH, in plain torch, that
+    the `gather_linear` kernel (which reads codes and scales in place) is to replace.
+
+    Eager: the distinct slots the pairs use are dequantised into the compute dtype (`dequantized_slots`), then
+    computed as `grouped` computes native slots. Compiled: each pair's weights are dequantised by slot
+    (`pair_weights`) and meet its row in `pair_products`' fixed-order reductions, with nothing data-dependent, so the
+    step compiles whole. A pair's result depends only on its row and its slot's weights: each weight's value is
+    code * scale in fp32 (exact), rounded once to the compute dtype, whichever other slots share the call."""
+    n_in = (x.shape[-1], pools[0].w13[0].shape[1] // 2)  # (H, I): the input widths of w13 and w2
+    if torch.compiler.is_compiling():
+        w13, w2 = pair_weights(pools, slots, x.dtype, n_in)
+        y = pair_products(x, w13, w2, act, bias)
+        return weighted_sum(y.reshape(-1, y.shape[-1]), weights)
+    rows, rows_of = pair_rows(x, slots.shape[1])
+    used, local = torch.unique(slots.reshape(-1), return_inverse=True)  # used slots ascending; each pair's index
+    w13, w2 = dequantized_slots(pools, used, x.dtype, n_in)
+    return weighted_sum(grouped(rows, rows_of, local, w13, w2, act, bias), weights)
+
+
+def dequantized(
+    kind: str, part: tuple[torch.Tensor, torch.Tensor | None], index: torch.Tensor, n_in: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The matrices `part` holds at pool slots `index` [...], in `dtype`: [..., Out, In]. int8: code * scale; int4:
+    (nibble - 8) * scale, low nibble first; each product exact in fp32, then rounded to `dtype` once, as
+    `tiers.dequantize` followed by a copy into a `dtype` tensor gives."""
+    data, scales = part
+    if kind == "native":
+        return data[index]
+    assert scales is not None, f"a {kind} pool without scales"
+    codes = data[index]  # [..., Out, In_p] int8, or [..., Out, In_p / 2] uint8
+    if kind == "int8":
+        values = codes.float()
+    else:
+        values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).float() - 8.0
+    s = scales[index].float()  # [..., Out, G]
+    w = (values.view(*values.shape[:-1], s.shape[-1], -1) * s[..., None]).flatten(-2)
+    out: torch.Tensor = w[..., :n_in].to(dtype)
+    return out
+
+
+def dequantized_slots(
+    pools: tuple[TierPool, ...], used: torch.Tensor, dtype: torch.dtype, n_in: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The used slots' matrices, each from its own pool, in `dtype`: (w13 [U, 2I, H], w2 [U, H, I])."""
+    n_used, (hidden, width) = used.numel(), n_in
+    w13 = torch.empty(n_used, 2 * width, hidden, dtype=dtype)
+    w2 = torch.empty(n_used, hidden, width, dtype=dtype)
+    for pool in pools:
+        inside = ((used >= pool.first) & (used < pool.first + pool.n_slots)).nonzero().reshape(-1)
+        if inside.numel():
+            local = used[inside] - pool.first
+            w13[inside] = dequantized(pool.kind, pool.w13, local, hidden, dtype)
+            w2[inside] = dequantized(pool.kind, pool.w2, local, width, dtype)
+    return w13, w2
+
+
+def pair_weights(
+    pools: tuple[TierPool, ...], slots: torch.Tensor, dtype: torch.dtype, n_in: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's matrices, from whichever pool holds its slot, in `dtype`: (w13 [T, K, 2I, H], w2 [T, K, H, I]).
+    Every pool is read at every pair (its index clamped into range) and the pair's own pool chosen with `where`:
+    tensor ops only, for the compiled step."""
+    hidden, width = n_in
+    w13 = w2 = None
+    for pool in pools:
+        local = slots - pool.first if len(pools) == 1 else (slots - pool.first).clamp(0, pool.n_slots - 1)
+        a = dequantized(pool.kind, pool.w13, local, hidden, dtype)
+        b = dequantized(pool.kind, pool.w2, local, width, dtype)
+        if w13 is None or w2 is None:
+            w13, w2 = a, b
+            continue
+        inside = ((slots >= pool.first) & (slots < pool.first + pool.n_slots))[..., None, None]
+        w13, w2 = torch.where(inside, a, w13), torch.where(inside, b, w2)
+    assert w13 is not None and w2 is not None
+    return w13, w2

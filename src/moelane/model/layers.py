@@ -36,15 +36,20 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Pool, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor | Pool, b: torch.Tensor | None = None, exact_out: bool = False
+) -> torch.Tensor:
     """`x @ w.T + b`, batch-invariant: rows are computed in tiles of TILE whatever their count.
 
     Under torch.compile it is written as a fixed-order reduction instead, which the compiler fuses into one kernel at
     the memory roofline (a matrix-vector product through the BLAS reaches about half of it here; ANCHORS.md). A
     weight that is a kernels' `Pool` (bf16 or quantised: `model/weights.py`) goes through the kernels, eager or
-    compiled: fp32 products of each row in a fixed order, rounded to x's dtype once."""
+    compiled: fp32 products of each row in a fixed order, rounded to x's dtype once, or (`exact_out`: LM heads)
+    left in fp32, as llama.cpp leaves its logits: bf16 logits tie often (8 bits of mantissa over a vocabulary), and
+    argmax would then break the tie by token id."""
     if isinstance(w, Pool):
-        y = kernel_linear(x.float(), w).to(x.dtype)
+        y = kernel_linear(x.float(), w)
+        y = y if exact_out else y.to(x.dtype)
         return y if b is None else y + b
     if torch.compiler.is_compiling():
         y = (x[:, None, :] * w[None]).sum(-1)

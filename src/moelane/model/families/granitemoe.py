@@ -80,7 +80,7 @@ class GraniteDecoder(Decoder):
         return cast(torch.Tensor, self.model.norm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (linear(hidden, self.lm_head.weight) / self.logits_scaling).float()
+        return (linear(hidden, self.lm_head.weight, exact_out=True) / self.logits_scaling).float()
 
 
 class GraniteMoe(Family[GraniteMoeConfig]):

@@ -3,10 +3,12 @@
 `store_factory` and `fitting_factory` turn a run's settings (expert and host memory, eviction policy, default tier)
 into the provider factory that `moelane.model.load.load` calls with the model's expert handles and compute dtype;
 `moelane.load` chooses between them. `store_factory` checks its settings when called, before any weight is loaded;
-its pool budget is bytes or a share of all expert bytes in the compute dtype (`expert_count_and_bytes`), host-memory
-shares refer to the bytes as stored. `fitting_factory` keeps every expert resident where they all fit in the memory
-still free (less `HEADROOM`), else pages them within it through `store_factory`. Budgets arrive parsed, as
-`MemorySpec`s. `format_stats` is the text `moelane run --stats` prints.
+its pool budget is bytes or a share of all expert bytes in the compute dtype (`expert_count_and_bytes`; so 25% holds
+~3.5x the experts at int4 that it holds at bf16), host-memory shares refer to the bytes as stored. Both decide by the
+experts' bytes at the default tier: where every expert fits at a quantised tier (in the budget, or without one in the
+memory still free, less `HEADROOM`), they are all resident at that tier (`resident_at_tier`: one pool a layer, slot ==
+expert id, no pager); otherwise a store pages them (at native, `store_factory` builds a store even for a budget that
+holds every expert). Budgets arrive parsed, as `MemorySpec`s. `format_stats` is the text `moelane run --stats` prints.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from collections.abc import Callable
 import torch
 
 from moelane.model.checkpoint import ExpertHandle
-from moelane.model.provider import ExpertProvider, ResidentProvider
+from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool, tier_pool
 from moelane.pager.live.memory import MemorySpec, available_memory, format_bytes
 from moelane.pager.live.stats import format_counts
+from moelane.pager.live.storage import Storage
 from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.live.tiers import TIER_NAMES, parse_tier
+from moelane.pager.live.tiers import TIER_NAMES, parse_tier, slot_bytes, slot_parts
 
 log = logging.getLogger(__name__)
+NO_EXPERTS = ("this model has no experts (a dense model): --expert-memory, --host-memory and --default-tier apply "
+              "to mixture-of-experts models only")  # fmt: skip
 
 
 def store_factory(
@@ -31,9 +36,10 @@ def store_factory(
     host_memory: MemorySpec | None = None,
     policy: str = "planner",
     default_tier: str = "native",
-) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertStore]:
-    """The provider factory of a run with an expert store. `expert_memory`: bytes or a share of all expert bytes in
-    the compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache)."""
+) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
+    """The provider factory of a run with an expert budget: an expert store, or every expert resident at a quantised
+    `default_tier` where they all fit the budget at it. `expert_memory`: bytes or a share of all expert bytes in the
+    compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache)."""
     pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
     host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
@@ -42,28 +48,57 @@ def store_factory(
     except ValueError as e:
         raise StoreError(str(e)) from None
 
-    def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertStore:
+    def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
         if not any(handles.values()):
-            raise StoreError("this model has no experts (a dense model): --expert-memory, --host-memory and "
-                             "--default-tier apply to mixture-of-experts models only")  # fmt: skip
+            raise StoreError(NO_EXPERTS)
         n_experts, each = expert_count_and_bytes(handles, dtype)
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
         if budget < 1:
             raise StoreError(f"an expert memory of {pool} holds no expert ({each} bytes each)")
+        if tier > 0 and budget >= n_experts * expert_count_and_bytes(handles, dtype, tier)[1]:
+            return resident_at_tier(handles, dtype, tier)
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
         return ExpertStore(handles, dtype, config)
 
     return build
 
 
-def expert_count_and_bytes(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> tuple[int, int]:
-    """How many routed experts the model has, and the bytes of one in the compute dtype (its pool slot)."""
+def expert_count_and_bytes(
+    handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int = 0
+) -> tuple[int, int]:
+    """How many routed experts the model has, and the bytes of one in a pool slot at `tier` (native: in the compute
+    dtype)."""
     n_experts = sum(len(hs) for hs in handles.values())
     if not n_experts:
         return 0, 0
-    hidden, width = next(iter(handles.values()))[0].dims
-    return n_experts, 3 * hidden * width * dtype.itemsize
+    return n_experts, slot_bytes(tier, *next(iter(handles.values()))[0].dims, dtype)
+
+
+def resident_at_tier(
+    handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int, progress: bool = False
+) -> ResidentProvider:
+    """Every expert resident at `tier`: at native, read in the compute dtype; quantised, each expert's codes and
+    scales read from the tier's file (built first if missing) into one pool a layer, slot == expert id."""
+    if tier == 0:
+        return ResidentProvider.from_handles(handles, dtype, progress=progress)
+    from tqdm import tqdm
+
+    parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype)
+    storage = Storage(handles, 0, check_finite=True)
+    pools: dict[int, TierPool] = {}
+    try:
+        with tqdm(total=sum(len(hs) for hs in handles.values()), desc=f"loading experts at {TIER_NAMES[tier]}",
+                  unit="expert", disable=not progress, leave=False, delay=1.0) as bar:  # fmt: skip
+            for layer, experts in handles.items():
+                t = [torch.empty(len(experts), *shape, dtype=part_dtype) for part_dtype, shape in parts]
+                for e, handle in enumerate(experts):
+                    storage.load_into(handle, tier, tuple(part[e] for part in t))
+                    bar.update(1)
+                pools[layer] = tier_pool(0, TIER_NAMES[tier], (t[0], t[1]), (t[2], t[3]), experts[0].dims)
+    finally:
+        storage.close()
+    return ResidentProvider(pools)
 
 
 # What a fitting expert pool leaves of the memory still free: KV caches, the passes' work and the allocator's slack.
@@ -78,13 +113,16 @@ def fitting_factory(
     that much, with a warning that says so. A model that does not fit then runs paged instead of being killed for
     memory halfway through loading."""
     store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
+    tier = parse_tier(default_tier)
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
-        n_experts, each = expert_count_and_bytes(handles, dtype)
+        n_experts, each = expert_count_and_bytes(handles, dtype, tier)
         need, free_bytes = n_experts * each, available_memory()
         room = int(free_bytes * (1 - HEADROOM))
+        if not n_experts and tier > 0:
+            raise StoreError(NO_EXPERTS)
         if need <= room:  # (a dense model needs nothing)
-            return ResidentProvider.from_handles(handles, dtype, progress=progress)
+            return resident_at_tier(handles, dtype, tier, progress) if n_experts else ResidentProvider({})
         free = format_bytes(free_bytes)
         if room < each:
             raise StoreError(f"{free} of memory is free, less than one expert takes ({format_bytes(each)}): free some "
@@ -100,14 +138,17 @@ def fitting_factory(
 def format_stats(store: object) -> str:
     """The text `moelane run --stats` prints (any provider; only a store has statistics)."""
     if not isinstance(store, ExpertStore):
-        return "expert store: not in use (all experts resident)"
+        kind = getattr(store, "kind", "native")
+        return f"expert store: not in use (all experts resident{'' if kind == 'native' else f' at {kind}'})"
     c = store.config
+    held = ", ".join(f"{n} at {name}" for name, n in store.held_by_tier().items() if n)
+    sizes = ", ".join(f"{format_bytes(b)} at {name}" for name, b in zip(TIER_NAMES, store.tier_bytes, strict=True))
     head = (
-        f"expert store: {store.n_slots} slots x {format_bytes(store.slot_bytes)} = "
-        f"{format_bytes(store.n_slots * store.slot_bytes)} of {format_bytes(store.total_bytes)} "
-        f"({store.n_slots * store.slot_bytes / store.total_bytes:.0%}), policy {c.policy}, "
-        f"default tier {TIER_NAMES[c.default_tier]}, host cache {format_bytes(store.storage.host.nbytes)} "
-        f"of {format_bytes(c.host_bytes)}, resident high water {format_bytes(store.high_water_bytes)}"
+        f"expert store: {format_bytes(c.budget_bytes)} of {format_bytes(store.total_bytes)} "
+        f"({c.budget_bytes / store.total_bytes:.0%}; {store.n_slots} experts at the default tier "
+        f"{TIER_NAMES[c.default_tier]}), policy {c.policy}, host cache {format_bytes(store.storage.host.nbytes)} of "
+        f"{format_bytes(c.host_bytes)}\n  held {format_bytes(store.resident_bytes)} ({held or 'none'}), high water "
+        f"{format_bytes(store.high_water_bytes)}; an expert is {sizes}"
     )
     with store._cond:
         return "\n".join(format_counts(store.stats, head))

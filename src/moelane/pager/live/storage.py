@@ -11,7 +11,9 @@
 - `HostCache`: stored forms (any tier) kept in host RAM under their own byte budget, least recently used dropped first.
 
 An expert's *stored form* is a flat uint8 buffer: at tier 0 its checkpoint tensors' raw bytes back to back in handle
-order, at tier > 0 its `ExpertCodec` blob. Decoding writes straight into a pool slot.
+order, at tier > 0 its `ExpertCodec` blob. Tier 0 is decoded straight into a pool slot (converted to the compute
+dtype); a blob is the bytes of its slot's four parts back to back, so it is read straight into them, or copied from
+host RAM: never dequantised.
 """
 
 from __future__ import annotations
@@ -225,15 +227,25 @@ class TierFile:
         return cls(bin_path, codec, order, crcs)
 
     def read(self, handle: ExpertHandle) -> torch.Tensor:
+        """The expert's blob (uint8 [codec.nbytes])."""
+        buf = torch.empty(self.codec.nbytes, dtype=torch.uint8)
+        self.read_into(handle, (buf,))
+        return buf
+
+    def read_into(self, handle: ExpertHandle, parts: tuple[torch.Tensor, ...]) -> None:
+        """The expert's blob, read straight into `parts` (contiguous tensors whose bytes, back to back, are the
+        blob's: its pool slot's parts), CRC-checked."""
         i, n = self._order[(handle.layer, handle.expert)], self.codec.nbytes
-        buf = torch.empty(n, dtype=torch.uint8)
+        views = [byte_view(part) for part in parts]
         try:
-            got = os.preadv(self._fd, [byte_view(buf)], i * n)
+            got = os.preadv(self._fd, views, i * n)
         except OSError as e:
             raise ExpertReadError(f"{expert_name(handle)}: cannot read tier file {self.path}: {e}") from None
-        if got != n or zlib.crc32(buf.numpy().data) != self._crcs[i]:
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        if got != n or crc != self._crcs[i]:
             raise ExpertReadError(f"{expert_name(handle)}: tier file {self.path} is truncated or corrupt (delete it)")
-        return buf
 
     def close(self) -> None:
         os.close(self._fd)
@@ -313,12 +325,36 @@ class Storage:
                 self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files)
             return self._tiers[tier]
 
-    def load_into(self, handle: ExpertHandle, tier: int, w13: torch.Tensor, w2: torch.Tensor) -> tuple[str, int]:
-        """Fetch the stored form (host RAM, else disk) and decode it into the slot views. -> (level, bytes read)."""
+    def load_into(self, handle: ExpertHandle, tier: int, parts: tuple[torch.Tensor, ...]) -> tuple[str, int]:
+        """Fetch the expert's stored form at `tier` (host RAM, else disk) into its pool slot's `parts` (`tiers.
+        slot_parts`: w13, w2 at tier 0; codes and scales at a quantised tier). -> (level, bytes read)."""
+        if tier == 0:
+            return self._load_native(handle, parts[0], parts[1])
+        source = self.tier_source(tier)
+        assert source is not None
         cache_key = (handle.layer, handle.expert, tier)
         buf, level = self.host.get(cache_key), "host"
-        source = self.tier_source(tier)
-        if buf is None and source is None and self.host.budget == 0:
+        if buf is None and self.host.budget == 0:
+            level = "disk"
+            source.read_into(handle, parts)
+        else:
+            if buf is None:
+                level = "disk"
+                buf = source.read(handle)
+                self.host.put(cache_key, buf)
+            blob, pos = byte_view(buf), 0
+            for part in parts:
+                view = byte_view(part)
+                view[:] = blob[pos : pos + len(view)]
+                pos += len(view)
+        if self.check_finite and not all(all_finite(scales) for scales in parts[1::2]):
+            raise ExpertReadError(f"{expert_name(handle)}: non-finite scales read from {source.path} (corrupt file?)")
+        return level, source.codec.nbytes
+
+    def _load_native(self, handle: ExpertHandle, w13: torch.Tensor, w2: torch.Tensor) -> tuple[str, int]:
+        cache_key = (handle.layer, handle.expert, 0)
+        buf, level = self.host.get(cache_key), "host"
+        if buf is None and self.host.budget == 0:
             # Nothing to keep in host RAM: straight into the slot, or through this thread's reused buffer (one big
             # buffer a miss, allocated and freed, fragmented the heap: ~100 MiB of peak RSS on a 2.4 GB model).
             level = "disk"
@@ -326,17 +362,13 @@ class Storage:
                 buf = read_native(self.files, handle, self._scratch(handle.nbytes))
         elif buf is None:
             level = "disk"
-            buf = read_native(self.files, handle) if source is None else source.read(handle)
+            buf = read_native(self.files, handle)
             self.host.put(cache_key, buf)
         if buf is not None:  # (None: read in place)
-            if source is None:
-                decode_native(handle, buf, w13, w2)
-            else:
-                source.codec.decode_into(buf, w13, w2)
+            decode_native(handle, buf, w13, w2)
         if self.check_finite and not (all_finite(w13) and all_finite(w2)):
-            where = handle.path if source is None else source.path
-            raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {where} (corrupt file?)")
-        return level, handle.nbytes if buf is None else buf.numel()
+            raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {handle.path} (corrupt file?)")
+        return level, handle.nbytes
 
     def _scratch(self, n_bytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `n_bytes` owned by the calling thread, kept for its next read."""

@@ -1,29 +1,43 @@
-"""The live expert store: the pager's mechanism (SPEC 2.9), an `ExpertProvider` with a pool under a hard byte budget.
+"""The live expert store: the pager's mechanism (SPEC 2.9), an `ExpertProvider` with pools under one hard byte budget.
 
-Pool: one global pair of tensors shared by all MoE layers, `w13 [S, 2I, H]` and `w2 [S, H, I]` in the compute dtype,
-with S = budget // (bytes of one expert in that dtype), allocated once (pages are touched only as slots fill, so RSS
-grows with use). `weights(layer)` returns the same pool for every layer; `slots(layer, ids)` returns global slot
-indices. Resident bytes = occupied slots x slot bytes <= S x slot bytes <= budget, whatever happens.
+Pools: one per precision tier (pools.py), each in the tier's format (native: the compute dtype; int8, int4: codes and
+scales as the tier file stores them), shared by all MoE layers; `pools(layer)` returns them all, `slots(layer, ids)`
+global slot numbers. Each expert is admitted at the tier the applied plan gives it (its pin's tier, else the plan's
+`default_tier`; before any plan, `StoreConfig.default_tier`) and held in its slot at that tier, so a lower tier holds
+more experts in the same bytes. One budget for all tiers: the slot table (slots.py) counts the bytes of every held
+slot and admits an expert only after evicting, in policy order across tiers, until its bytes fit, so held bytes never
+pass the budget (`high_water_bytes`, checked under load by the tests); a slot freed and not reused at once returns
+its pages, so the process's resident memory follows the held bytes.
 
 `slots(layer, ids)` (the only per-layer Python on the hot path): under one lock it leases the routed experts' slots,
-picks victims for the misses as one batch (`victims`), marks them loading; outside the lock the misses are read in
-parallel (storage.py) and decoded straight into their slots; it then waits for its own and any in-flight loads.
-`slots_staged` (what eager MoE dispatch calls) returns before that wait, with the pairs still loading marked, so the
-resident experts compute while the misses load; the stall counted is only the time then spent waiting.
-At tier 0 a slot holds exactly `read_expert(handle, dtype)`, so greedy tokens equal the all-resident run bitwise.
+evicts and admits the misses as one batch, marks them loading; outside the lock the misses are read in parallel
+(storage.py) straight into their slots; it then waits for its own and any in-flight loads. `slots_staged` (what eager
+MoE dispatch calls) returns before that wait, with the pairs still loading marked, so the resident experts compute
+while the misses load; the stall counted is only the time then spent waiting. At tier 0 a slot holds exactly
+`read_expert(handle, dtype)`, so greedy tokens equal the all-resident run bitwise; at a quantised tier it holds exactly
+the tier file's codes and scales.
+
+Tiers changing: a resident expert whose planned tier changed is re-admitted at the new tier at its next demand use (a
+miss there). Its old copy leaves the table's live entries at once and is freed as soon as no lease holds it (at once
+when none does); while a pass still computes on it, both copies count against the budget. Prefetches leave such
+experts alone.
 
 Leases (why a slot being computed on is never overwritten): every slot handed out by `slots` is leased by the calling
 thread and cannot be a victim until released. A thread's lease is released at its next `slots` call (its previous MoE
 layer has finished computing by then: one thread runs one pass's layers in order), by the post-block hook `attach`
 installs, by `release()`, or when the thread has died. A thread that waits for room holds no lease (it releases its
-old lease first and leases nothing until its whole batch fits), so waiting threads cannot deadlock each other; a
-single layer call that needs more experts than the pool can ever hold raises `StoreError` instead of waiting.
+old lease first and leases nothing until its whole batch fits), so waiting threads cannot deadlock each other.
+
+Room: one layer call needs the bytes of all its experts, at their planned tiers, held at once. When they fit in the
+budget less the hard-pinned experts it does not use, the call waits (holding nothing) until other passes' leases and
+loads leave that much evictable, which they do when they end; when they do not fit, waiting cannot help and it raises
+`StoreError`. `max_rows` is the prefill chunk whose experts always fit, counted at the largest tier the store can hold.
 
 Eviction (`policy`): "planner" (the source's): the oldest token generation first, then least recent access; a token
 generation is one pass, counted at each `slots` call of the first MoE layer; pins from the applied plan get a credit of
-`2 * window_k` generations ("bias") or are never evicted ("hard", at most half the slots). "lru" and "lfu" ignore pins
-and serve as baselines. Prefetches (prefetch.py) only take free slots or slots not used in the current generation, and
-never wait. Precision tiers come from the plan (pin tiers, `default_tier`); the pool always holds the compute dtype.
+`2 * window_k` generations ("bias") or are never evicted ("hard", at most half the budget's bytes). "lru" and "lfu"
+ignore pins and serve as baselines. Prefetches (prefetch.py) only evict slots not used in the current generation, load
+at the planned tier, and never wait.
 """
 
 from __future__ import annotations
@@ -42,16 +56,18 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.checkpoint import ExpertHandle
+from moelane.model.provider import TierPool, native_weights
+from moelane.pager.live.pools import TierPools
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
-from moelane.pager.live.slots import LOADING, READY, IntArray, Residency, SlotTable
+from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
-from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec
+from moelane.pager.live.tiers import TIER_NAMES, slot_bytes
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 
 POLICIES = ("planner", "lru", "lfu")
-# Misses of experts smaller than this (in the compute dtype) are read by the computing thread itself, one after
+# Misses of experts smaller than this (at the default tier) are read by the computing thread itself, one after
 # another: from the page cache a 110 KB expert decodes in ~130 us alone, but four at once on the I/O threads took
 # ~2.2 ms (they and the computing thread queue for the GIL between torch ops). Larger reads go to the I/O threads,
 # in parallel, while the resident experts compute.
@@ -60,6 +76,9 @@ SMALL_EXPERT_BYTES = 1 << 20
 
 def _nothing() -> None:
     """The wait of a call whose experts were all resident."""
+
+
+NOTHING = Admission([], [], [], [])  # (a call with no misses admits nothing)
 
 
 Key = int  # flat expert id: layer index * E + expert
@@ -71,7 +90,7 @@ class StoreError(MoelaneError):
 
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
-    budget_bytes: int  # resident pool, in the compute dtype
+    budget_bytes: int  # every tier's pool together: the bytes of the experts held, each at its tier
     host_bytes: int = 0  # host-RAM copies of stored forms (0: every miss reads storage)
     policy: str = "planner"
     default_tier: int = 0
@@ -102,16 +121,18 @@ class ExpertStore:
         self.n_experts = len(self._handles[0])
         if any(len(hs) != self.n_experts for hs in self._handles):
             raise StoreError("every MoE layer must have the same number of routed experts")
-        hidden, width = self._handles[0][0].dims
-        self.slot_bytes = 3 * width * hidden * dtype.itemsize
+        self._dims = self._handles[0][0].dims  # (hidden, width)
+        self.tier_bytes = tuple(slot_bytes(t, *self._dims, dtype) for t in range(len(TIER_NAMES)))
+        self.slot_bytes = self.tier_bytes[config.default_tier]  # one expert at the default tier
         n_total = len(self.layers) * self.n_experts
-        self.total_bytes = n_total * self.slot_bytes  # all experts in the compute dtype (what "100%" means)
-        self.n_slots = min(config.budget_bytes // self.slot_bytes, n_total)
-        if self.n_slots < 1:
-            raise StoreError(f"expert memory of {config.budget_bytes} bytes holds no expert ({self.slot_bytes} bytes)")
-        self.w13 = torch.empty(self.n_slots, 2 * width, hidden, dtype=dtype)
-        self.w2 = torch.empty(self.n_slots, hidden, width, dtype=dtype)
-        self.table = SlotTable(self.n_slots, n_total, config.policy, config.default_tier)
+        self.total_bytes = n_total * self.tier_bytes[0]  # all experts in the compute dtype (what "100%" means)
+        capacity = [config.budget_bytes // b for b in self.tier_bytes]
+        if capacity[config.default_tier] < 1:
+            raise StoreError(f"expert memory of {config.budget_bytes} bytes holds no expert ({self.slot_bytes} bytes "
+                             f"at tier {TIER_NAMES[config.default_tier]})")  # fmt: skip
+        self.table = SlotTable(capacity, self.tier_bytes, config.budget_bytes, n_total, config.policy,
+                               config.default_tier)  # fmt: skip
+        self._pools = TierPools(self._dims, dtype, self.table.first.tolist(), self.table.capacity.tolist())
         self._futures: dict[int, Future[None]] = {}  # slot -> its load in flight
         self._leases: dict[threading.Thread, IntArray] = {}
         self.plan: Plan | None = None
@@ -123,13 +144,22 @@ class ExpertStore:
         self._cond = threading.Condition()
         self._local = threading.local()
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
-        self.storage.tier_source(config.default_tier)
+        self._use_tier(config.default_tier)
         self._pool = FetchPool(config.io_threads)
+
+    @property
+    def n_slots(self) -> int:
+        """How many experts the budget holds at the default tier (at most all of them)."""
+        return min(int(self.table.capacity[self.config.default_tier]), int(self.table.slot_of.size))
 
     # ---- the provider protocol ----------------------------------------------------------------------------------
 
+    def pools(self, layer: int) -> tuple[TierPool, ...]:
+        """Every tier's pool made so far (the same for every layer: slots are global)."""
+        return self._pools.tier_pools
+
     def weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13, self.w2
+        return native_weights(self._pools.tier_pools)
 
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         return self._route(layer, expert_ids, staged=False)[0]
@@ -158,7 +188,7 @@ class ExpertStore:
                 counts[k] = counts.get(k, 0) + 1
         start = time.perf_counter()
         slots, jobs, waits = self._acquire(keys, phase)
-        small = self.slot_bytes < SMALL_EXPERT_BYTES
+        small = self.slot_bytes < SMALL_EXPERT_BYTES  # (at the default tier)
         staged = staged and not small  # small experts: nothing worth hiding, they are read here one after another
         self._start_loads(jobs, n_here=len(jobs) if small else 0 if staged else 1)
         if self.listeners:
@@ -182,24 +212,22 @@ class ExpertStore:
     def _acquire(
         self, keys: IntArray, phase: str
     ) -> tuple[IntArray, list[tuple[int, Key]], list[tuple[int, Future[None]]]]:
-        """Lease every routed expert's slot, admitting the misses as one batch.
-        -> (slots, loads to run, (slot, load) pairs to wait for)."""
+        """Lease every routed expert's slot, admitting the misses (and experts resident at another tier than
+        planned) as one batch. -> (slots, loads to run, (slot, load) pairs to wait for)."""
         thread, t = threading.current_thread(), self.table
         with self._cond:
             self._release_locked(thread)
             t.now_tick += 1
             while True:
+                stale = t.stale(keys)
+                if len(stale):
+                    self._free_pages_locked(t.retire_slots(stale))
                 have = t.slot_of[keys]
                 missing = keys[have < 0]
-                victims = t.victims(len(missing), have[have >= 0]) if len(missing) else []
-                if victims is not None:
+                admission = t.admit(missing, have[have >= 0]) if len(missing) else NOTHING
+                if admission is not None:
                     break
-                n_hard = int(t.hard.sum()) - int(t.hard[have[have >= 0]].sum())
-                if len(keys) + n_hard > self.n_slots:
-                    raise StoreError(
-                        f"one MoE layer call needs {len(keys)} experts at once but the expert memory holds "
-                        f"{self.n_slots - n_hard}; raise --expert-memory or prefill in smaller chunks"
-                    )
+                self._check_room_locked(keys, have[have >= 0])
                 self._reap_dead_locked()
                 self._cond.wait(0.05)
             counts = [stats.phase(phase) for stats in self._targets()]
@@ -217,26 +245,48 @@ class ExpertStore:
                 t.source[present] = 0
             loading = present[t.state[present] == LOADING].tolist() if self._futures else []
             waits = [(s, self._futures[s]) for s in loading]
-            jobs = [(self._assign_locked(s, int(k), 0), int(k)) for k, s in zip(missing, victims, strict=True)]
+            jobs = self._admitted_locked(admission)
             waits += [(slot, self._futures[slot]) for slot, _ in jobs]
             slots = t.touch(keys)
             self._leases[thread] = slots
             return slots, jobs, waits
 
-    def _assign_locked(self, slot: int, key: Key, source: int) -> int:
-        """Give `slot` to `key` (evicting what it held); its load gets a future to wait on."""
-        old, old_source = self.table.assign(slot, key, source)
-        if old >= 0:
+    def _check_room_locked(self, keys: IntArray, present: IntArray) -> None:
+        """StoreError if this call's experts can never be held at once (so waiting for room would never end)."""
+        need, room = self.table.call_bytes(keys), self.table.room_for(present)
+        if need > room:
+            raise StoreError(
+                f"one MoE layer call needs {len(keys)} experts at once ({need} bytes at their tiers) but the expert "
+                f"memory holds {room} bytes for them; raise --expert-memory or prefill in smaller chunks"
+            )
+
+    def _admitted_locked(self, admission: Admission) -> list[tuple[int, Key]]:
+        """Count an admission's evictions, give each admitted slot a future to wait on, return the pages of the
+        victims not reused. -> the loads to run, (slot, key)."""
+        for _, old_source in admission.evicted:
             self.stats.evictions += 1
             if old_source:
                 self.stats.source(self.sources[old_source - 1]).wasted += 1
-        self._futures[slot] = Future()
-        return slot
+        self._free_pages_locked(admission.freed)
+        for slot in admission.slots:
+            self._futures[slot] = Future()
+        return list(zip(admission.slots, admission.keys, strict=True))
+
+    def _free_pages_locked(self, slots: list[int]) -> None:
+        """Return the pages of these emptied slots (before any later admission can write them: under the lock)."""
+        self._pools.release(slots, self.table.tier, self.table.state)
+
+    def _use_tier(self, tier: int) -> None:
+        """Experts may be admitted at `tier` from now on (its pool is made once)."""
+        with self._cond:
+            self._pools.use(tier)
+            self.table.use_tier(tier)
 
     def _release_locked(self, thread: threading.Thread) -> None:
         slots = self._leases.pop(thread, None)
         if slots is not None and len(slots):
             self.table.lease[slots] -= 1
+            self._free_pages_locked(self.table.finish_retired(slots))
             self._cond.notify_all()
 
     def _reap_dead_locked(self) -> None:
@@ -279,18 +329,18 @@ class ExpertStore:
         tier = int(self.table.tier[slot])
         start = time.perf_counter()
         try:
-            level, n_bytes = self.storage.load_into(handle, tier, self.w13[slot], self.w2[slot])
+            level, n_bytes = self.storage.load_into(handle, tier, self._pools.slot(tier, slot))
         except BaseException as e:
             with self._cond:
                 fut = self._futures.pop(slot)
-                self.table.free(slot)
+                self._free_pages_locked(self.table.failed(slot))
                 self._cond.notify_all()
             fut.set_exception(e)
             return
         seconds = time.perf_counter() - start
         with self._cond:
             fut = self._futures.pop(slot)
-            self.table.state[slot] = READY
+            self._free_pages_locked(self.table.loaded(slot))
             for stats in targets:
                 stats.add_read(level, TIER_NAMES[tier], n_bytes, seconds)
             self._cond.notify_all()
@@ -305,14 +355,16 @@ class ExpertStore:
         return self.prefetch_keys([base + int(e) for e in experts], source)
 
     def prefetch_keys(self, keys: Iterable[Key], source: str) -> int:
+        """Start loading these experts (at their planned tiers) where room can be made without waiting; experts
+        resident at any tier are left as they are. -> loads started."""
         with self._cond:
             if source not in self.sources:
                 self.sources.append(source)
             code = self.sources.index(source) + 1
-            missing = list(dict.fromkeys(k for k in keys if self.table.slot_of[k] < 0))
-            victims = self.table.victims(len(missing), np.zeros(0, np.int64), prefetch=True) if missing else []
-            assert victims is not None
-            jobs = [(self._assign_locked(s, k, code), k) for k, s in zip(missing, victims, strict=False)]
+            missing = np.asarray(list(dict.fromkeys(k for k in keys if self.table.slot_of[k] < 0)), np.int64)
+            admission = self.table.admit(missing, missing[:0], source=code) if len(missing) else NOTHING
+            assert admission is not None
+            jobs = self._admitted_locked(admission)
             self.stats.source(source).issued += len(jobs)
         for slot, key in jobs:
             self._pool.submit(1, functools.partial(self._load, slot, key, [self.stats]))
@@ -354,27 +406,25 @@ class ExpertStore:
         return self.prefetch_keys(keys[: self.n_slots // 2], "warm")
 
     def apply(self, plan: Plan) -> None:
-        """Obey a published plan from now on: pins (bias credit or hard), pin tiers, default tier, warm list."""
-        for tier in {plan.default_tier, *(t for _, _, t in plan.pins if t is not None)}:
+        """Obey a published plan from now on: pins (bias credit or hard), pin tiers, default tier, warm list. Experts
+        resident at another tier than the plan now gives them move at their next use (module docstring)."""
+        tiers = {plan.default_tier, *(t for _, _, t in plan.pins if t is not None)}
+        for tier in tiers:
             if tier >= len(TIER_NAMES):
                 raise StoreError(f"plan asks for precision tier {tier}; this store has {len(TIER_NAMES)} tiers")
+            if self.tier_bytes[tier] > self.config.budget_bytes:
+                raise StoreError(f"plan asks for tier {TIER_NAMES[tier]}, whose experts ({self.tier_bytes[tier]} "
+                                 f"bytes) are larger than the expert memory ({self.config.budget_bytes} "
+                                 "bytes)")  # fmt: skip
             self.storage.tier_source(tier)
-        n = self.table.slot_of.size
-        credit_of, hard_of, tier_of = np.zeros(n, np.int64), np.zeros(n, bool), np.full(n, plan.default_tier, np.int8)
-        n_hard = 0
-        for layer, expert, pin_tier in plan.pins:
-            if layer not in self._index or expert >= self.n_experts:
-                continue
-            key = self._index[layer] * self.n_experts + expert
-            if self.config.policy != "planner":
-                pass
-            elif plan.pin_mode == "hard" and n_hard < self.n_slots // 2:
-                hard_of[key], n_hard = True, n_hard + 1
-            else:
-                credit_of[key] = 2 * plan.window_k
-            tier_of[key] = plan.default_tier if pin_tier is None else pin_tier
+            self._use_tier(tier)
+        pins = [(self._index[layer] * self.n_experts + expert, plan.default_tier if tier is None else tier)
+                for layer, expert, tier in plan.pins if layer in self._index and expert < self.n_experts]  # fmt: skip
         with self._cond:
-            self.table.set_plan(credit_of, hard_of, tier_of)
+            if self.config.policy == "planner":
+                self.table.set_plan(pins, plan.default_tier, 2 * plan.window_k, plan.pin_mode == "hard")
+            else:  # (baselines: tiers only)
+                self.table.set_plan(pins, plan.default_tier, 0, False)
             self.plan = plan
         if plan.warm:
             self.warm_start()
@@ -406,12 +456,23 @@ class ExpertStore:
 
     @property
     def resident_bytes(self) -> int:
-        return self.table.n_held * self.slot_bytes
+        """The bytes of the experts held now, each at its tier (loads in flight and copies being retired included)."""
+        return self.table.held_bytes
 
     @property
     def high_water_bytes(self) -> int:
-        """The most expert bytes ever held in the pool at once (counted at every admission)."""
-        return self.table.high_water * self.slot_bytes
+        """The most expert bytes ever held at once (counted at every admission)."""
+        return self.table.high_water
+
+    def held_by_tier(self) -> dict[str, int]:
+        """Experts held now, by tier name."""
+        with self._cond:
+            return dict(zip(TIER_NAMES, self.table.held_by_tier(), strict=True))
+
+    def expert_parts(self, slot: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """The tier name and the tensors of pool slot `slot` (w13, w2; or codes13, scales13, codes2, scales2)."""
+        tier = int(self.table.tier[slot])
+        return TIER_NAMES[tier], self._pools.slot(tier, slot)
 
     def residency(self) -> Residency:
         """Which experts are held, at which tier, pinned, and how often used: copies taken under the lock, for a
@@ -431,9 +492,11 @@ class ExpertStore:
             self._cond.wait_for(lambda: not self._futures, timeout=60)
 
     def max_rows(self, top_k: int) -> int:
-        """Most rows one pass may route through a MoE layer so that its experts surely fit the pool (a prefill
-        chunk limit for small budgets; unlimited when one layer's experts all fit)."""
-        return 1 << 30 if self.n_slots >= self.n_experts else max(1, self.n_slots // max(1, top_k))
+        """Most rows one pass may route through a MoE layer so that its experts surely fit the budget at any tier a
+        plan may give them (the largest whose expert fits at all): a prefill chunk limit for small budgets,
+        unlimited when one layer's experts all fit."""
+        n_fit = self.table.n_fit()
+        return 1 << 30 if n_fit >= self.n_experts else max(1, n_fit // max(1, top_k))
 
     def attach(self, lm: Any, lookahead: bool = True, cooc: bool = True, planner: bool | None = None) -> Attachment:
         """Hook a loaded LM: release leases right after each MoE block, run the predictors, and (by default when
@@ -444,14 +507,11 @@ class ExpertStore:
         return self._attachment
 
     def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig:
-        """The planner's settings for this store: its shape, stored bytes per tier, a budget of exactly the pool's
-        slots at the default tier, the store's pin mode."""
-        hidden, width = self._handles[0][0].dims
-        native = self._handles[0][0].nbytes
-        tier_bytes = (native, ExpertCodec(1, width, hidden).nbytes, ExpertCodec(2, width, hidden).nbytes)
+        """The planner's settings for this store: its shape, a pool slot's bytes per tier (native: in the compute
+        dtype), the pool's byte budget, the store's default tier and pin mode."""
         settings: dict[str, Any] = dict(
-            n_layers=len(self.layers), n_experts=self.n_experts, top_k=top_k, tier_bytes=tier_bytes,
-            budget_bytes=self.n_slots * tier_bytes[self.config.default_tier], default_tier=self.config.default_tier,
+            n_layers=len(self.layers), n_experts=self.n_experts, top_k=top_k, tier_bytes=self.tier_bytes,
+            budget_bytes=self.config.budget_bytes, default_tier=self.config.default_tier,
             pin_mode=self.config.pin_mode,
         )  # fmt: skip
         return PlannerConfig(**{**settings, **overrides})

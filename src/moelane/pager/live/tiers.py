@@ -1,15 +1,18 @@
-"""Precision tiers: each expert can be stored and streamed at tier 0 (the checkpoint's own dtype), int8 or int4.
+"""Precision tiers: each expert can be stored, streamed and held resident at tier 0 (native: the compute dtype in the
+pool, the checkpoint's own form on disk), int8 or int4.
 
 Quantisation is symmetric and group-wise along each weight row (the input dimension), one float16 scale per group:
 int8 uses groups of 64 and codes in [-127, 127]; int4 groups of 32 and codes in [-7, 7], two codes per byte (low
 nibble first), stored offset by 8. A row whose length is not a multiple of the group uses half or a quarter of it
 when that divides the row (at least 16), else is zero-padded to whole groups.
-Quantisation happens once per expert (see `storage.TierFile`); the resident pool always holds the compute dtype, so
-an expert is dequantised when it is admitted. What a lower tier saves is therefore storage, host RAM and bytes read
-per miss -- never pool bytes -- and it costs the rounding error measured as held-out perplexity (docs/pager.md).
+Quantisation happens once per expert (see `storage.TierFile`). A quantised expert stays quantised in the pool: its
+slot holds its codes and scales as they are stored (`slot_parts`, the pool formats of `moelane.model.provider`), and
+compute dequantises them (`moelane.model.experts`). A lower tier so saves pool bytes as well as storage, host RAM and
+bytes read per miss, and costs the rounding error measured as held-out perplexity (docs/pager.md).
 
-An expert's stored form at tier > 0 is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H, I]); its size is
-fixed by the shapes, so a cache file holds experts at fixed offsets.
+An expert's stored form at tier > 0 is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H, I]), exactly the
+bytes of its four slot parts back to back; its size is fixed by the shapes, so a cache file holds experts at fixed
+offsets.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from moelane.kernels.formats import FORMATS, QuantFormat, dequantize, quantize
 from moelane.model.layers import GRAIN  # torch runs element-wise work of at most this many elements unthreaded
+from moelane.model.provider import TIER_KINDS
 
 
 def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
@@ -34,7 +38,7 @@ def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
         yield slice(start, min(start + step, n_rows))
 
 
-TIER_NAMES = ("native", "int8", "int4")
+TIER_NAMES = TIER_KINDS  # ("native", "int8", "int4"): tier t's name is the kind of its pools
 TIER_ALIASES = {"0": 0, "native": 0, "tier0": 0, "1": 1, "int8": 1, "2": 2, "int4": 2}
 
 
@@ -99,3 +103,24 @@ class ExpertCodec:
         s2h = s2.view(torch.float16).view(self.hidden, n2)
         dequantize_into(w13_out, q13, s13h, self.hidden, f)
         dequantize_into(w2_out, q2, s2h, self.width, f)
+
+
+Part = tuple[torch.dtype, tuple[int, int]]  # one tensor of a pool slot: its dtype and shape
+
+
+def slot_parts(tier: int, hidden: int, width: int, dtype: torch.dtype) -> tuple[Part, ...]:
+    """The tensors of one expert's pool slot at `tier`: native (w13 [2I, H], w2 [H, I]) in the compute `dtype`;
+    quantised (codes13, scales13, codes2, scales2), in the order and with the bytes of its blob (`ExpertCodec`)."""
+    if tier == 0:
+        return (dtype, (2 * width, hidden)), (dtype, (hidden, width))
+    fmt, parts = FORMATS[tier], []
+    code_dtype = torch.int8 if fmt.bits == 8 else torch.uint8
+    for rows, cols in ((2 * width, hidden), (hidden, width)):
+        padded = fmt.n_groups(cols) * fmt.group_for(cols)
+        parts += [(code_dtype, (rows, padded * fmt.bits // 8)), (torch.float16, (rows, fmt.n_groups(cols)))]
+    return tuple(parts)
+
+
+def slot_bytes(tier: int, hidden: int, width: int, dtype: torch.dtype) -> int:
+    """The bytes of one expert's pool slot at `tier` (quantised: its blob's size)."""
+    return sum(dt.itemsize * rows * cols for dt, (rows, cols) in slot_parts(tier, hidden, width, dtype))

@@ -29,3 +29,20 @@ def convert(folder: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> P
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp conversion failed: {done.stderr.strip().splitlines()[-1:]}")
     return out
+
+
+FTYPES = {"q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0
+
+
+def quantize(src: Path, out: Path, kind: str, threads: int = 2) -> Path:
+    """Quantise the GGUF `src` to `kind` (q8_0, q4_0) with llama.cpp's own quantiser (llama-cpp-python's binding), as
+    `llama-quantize` does: every 2-D weight but the token embeddings."""
+    if out.exists():
+        return out
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = FTYPES[kind], threads
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not quantise {src} to {kind}")
+    return out
