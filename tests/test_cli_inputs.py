@@ -235,6 +235,22 @@ def test_a_trace_writer_that_fails_before_recording_leaves_the_earlier_file(tmp_
     assert read_trace(path).n_segments == 0
 
 
+def test_the_shipped_model_is_said_to_be_a_demo_where_a_newcomer_looks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`moelane --help`, `moelane run --help`, and a --chat run of it: a demo that continues code, not a chat model,
+    and how to run a real one."""
+    for argv in ([], ["run"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        said = " ".join(capsys.readouterr().out.split())
+        assert "demo" in said and "not a chat model" in said
+    assert "def fibonacci(n):" in said and "--model" in said
+    assert main(["run", "--chat", "--max-tokens", "2", "hello"]) == 0
+    note = capsys.readouterr().err.splitlines()[0]
+    assert "demo" in note and "does not chat" in note and "--model" in note
+    assert main(["run", "--max-tokens", "2", "def fibonacci(n):"]) == 0
+    assert "demo" not in capsys.readouterr().err  # (a prompt it continues well: no note)
+
+
 # ---- bench ----------------------------------------------------------------------------------------------------
 
 

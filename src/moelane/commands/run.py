@@ -22,12 +22,18 @@ log = logging.getLogger("moelane")
 # Measured on the shipped model (2 cores): eager decode 93-151 tok/s, compiled 480-770, warm-up 10 s (cached) to 60 s
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
+DEMO = "14M-parameter demo model"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout",
+    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout (without --model: a demo "
+                       "model that continues code, not a chat model)",
                        description="Generate a reply to PROMPT and stream it to stdout; a summary line (tokens, "
-                       "prefill and decode speed) goes to stderr.")  # fmt: skip
+                       "prefill and decode speed) goes to stderr. Without --model it runs the shipped model: a "
+                       f"{DEMO}, there to show the engine at work, not a chat model. It continues code well (it was "
+                       "trained on Python's standard library, Shakespeare and Vim's help): try "
+                       "'def fibonacci(n):'. For real replies give --model a Hugging Face MoE folder (Qwen3-30B-A3B, "
+                       "say).")  # fmt: skip
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
     add_model_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
@@ -150,6 +156,9 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
         params.check_vocab(lm.vocab_size)
     opening = ""  # what a chat prompt ends with for the reply to be the answer at once (JSON: no reasoning first)
     if args.chat:
+        if args.model is None:  # (its chat replies read as noise: say why before them)
+            print(f"note: the shipped model is a {DEMO} that continues code and plays; it does not chat. Give --model "
+                  "a real model's folder for answers.", file=sys.stderr, flush=True)  # fmt: skip
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         opening = answer_opening(lm.tokenizer, prompt) if args.json else ""
     if args.json:
