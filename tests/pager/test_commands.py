@@ -165,7 +165,7 @@ def test_synth_shows_progress_by_tokens_and_ends_with_what_it_wrote(
     t = read_trace(out)
     err = capsys.readouterr().err
     assert "writing:" in err and "0/50 [" in err and "tok/s" in err  # (tqdm's own text: done/total, rate)
-    assert err.splitlines()[-1].rsplit("\r", 1)[-1] == (
+    assert err.rstrip("\n").rsplit("\n", 1)[-1].rsplit("\r", 1)[-1] == (
         f"wrote {out}: 2 requests, {t.n_segments} segments, 50 tokens, {format_bytes(out.stat().st_size)}"
     )
     Bar.made.clear()
@@ -200,7 +200,8 @@ def test_sigterm_stops_a_trace_command_as_ctrl_c_does(tmp_path: Path, signal_num
     finally:
         proc.kill()
     kept = read_trace(out).n_segments
-    lines = [line.rsplit("\r", 1)[-1] for line in err.splitlines() if line.strip()]
+    lines = [line.rsplit("\r", 1)[-1] for line in err.split("\n")]  # (a progress bar redraws itself with \r)
+    lines = [line for line in lines if line.strip()]
     assert proc.returncode == code and len(lines) == 1, err
     assert re.fullmatch(rf"WARNING \S+: writing stopped after \d+ of 400 requests: {out} keeps the "
                         rf"{kept} segments written so far", lines[0]), err  # fmt: skip

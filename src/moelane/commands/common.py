@@ -202,13 +202,23 @@ def terminated_as_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block is done (a file's record and its count stay whole), then are taken."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    """SIGINT and SIGTERM that come while the block runs are taken once it is done (a file's record and its count
+    stay together). Their handlers are swapped for the block's time: a thread mask would not do, since the kernel
+    hands a signal to any thread that does not block it (tqdm's monitor, say) and Python then runs the handler in
+    the main thread all the same. Elsewhere than in the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])  # (to the handler it would have reached)
 
 
 def progress(total: int, what: str, unit: str) -> Any:

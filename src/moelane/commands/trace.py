@@ -201,7 +201,8 @@ class PassCounter:
     def observe(self, record: Any) -> None:
         n = int(record.expert_ids.shape[1])  # ([layers, tokens, top-k])
         self.tokens += n
-        self.bar.update(n)
+        with signals_held():  # (a bar cut mid-line by Ctrl-C would not be cleared)
+            self.bar.update(n)
 
 
 def _encode_prompts(lm: Any, path: str, requests: list[tuple[int, dict[str, Any]]]) -> list[list[int]]:
@@ -414,10 +415,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
             with TraceWriter(args.out, cfg.header()) as writer, progress(total, "writing", "tok") as bar:
                 for seg in synth_segments(cfg):
                     done = int(seg.stream_ids[0])  # (the requests before this segment's are whole)
-                    with signals_held():  # (a segment and its count together)
+                    with signals_held():  # (a segment and its count together; the bar never cut mid-line)
                         writer.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids)
                         written, tokens = written + 1, tokens + seg.n_tokens
-                    bar.update(seg.n_tokens)
+                        bar.update(seg.n_tokens)
         except BaseException:  # (Ctrl-C or SIGTERM, or a failure: what was written stays, and the user is told so)
             if written:
                 log.warning("writing stopped after %d of %d requests: %s keeps the %d segments written so far",
