@@ -30,7 +30,7 @@ def sweep_styles(policies: list[str]) -> dict[str, dict[str, Any]]:
     from matplotlib import colormaps
 
     bases = list(dict.fromkeys(p.removesuffix(DASHED) for p in policies))
-    colours = colormaps["tab10" if len(bases) <= 10 else "tab20"].colors
+    colours = colormaps["tab10" if len(bases) <= 10 else "tab20"].colors  # type: ignore[attr-defined]
     styles = {}
     for p in policies:
         i = bases.index(p.removesuffix(DASHED))
