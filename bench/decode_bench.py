@@ -122,7 +122,7 @@ def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int) -> Callab
     return run
 
 
-def gguf_file(folder: Path, kind: str, gguf_dir: Path | None, llama_tree: str | None) -> Path | None:
+def gguf_file(folder: Path, kind: str, gguf_dir: Path | None, llama_tree: str | None, python: str) -> Path | None:
     """The model as a llama.cpp GGUF of `kind`: found in `gguf_dir` (`*-{kind}.gguf`), or converted (and quantised
     from the bf16 conversion) into the model folder with llama.cpp's own tools."""
     if gguf_dir is not None and (found := sorted(gguf_dir.glob(f"*-{kind}.gguf"))):
@@ -134,7 +134,7 @@ def gguf_file(folder: Path, kind: str, gguf_dir: Path | None, llama_tree: str | 
         return None
     if kind in llama_gguf.FTYPES:
         bf16 = llama_gguf.convert(folder, folder / "model-bf16.gguf", Path(llama_tree), "bf16")
-        return llama_gguf.quantize(bf16, made, kind)
+        return llama_gguf.quantize(bf16, made, kind, python)
     return llama_gguf.convert(folder, made, Path(llama_tree), kind)
 
 
@@ -200,7 +200,7 @@ def main() -> None:
         if "transformers" in wanted and setting.quantize == "none" and setting.default_tier == "native":
             runners[(quant, "transformers")] = transformers_runner(folder, setting.dtype, args.tokens)
         if "llama.cpp" in wanted and setting.gguf is not None:
-            path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp)
+            path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp, args.llama_python)
             if path is not None:
                 runners[(quant, "llama.cpp")] = llama_runner(path, args.llama_python, args.tokens)
     results: dict[tuple[str, str], list[float]] = {key: [] for key in runners}

@@ -32,17 +32,26 @@ def convert(folder: Path, out: Path, llama_cpp: Path, outtype: str = "f32") -> P
 
 
 FTYPES = {"q8_0": 7, "q4_0": 2}  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0 / _Q4_0
+GGML_TYPES = {"q4_0": 2, "q8_0": 8}  # GGML_TYPE_Q4_0 / _Q8_0
 
 
-def quantize(src: Path, out: Path, kind: str, threads: int = 2) -> Path:
-    """Quantise the GGUF `src` to `kind` (q8_0, q4_0) with llama.cpp's own quantiser (llama-cpp-python's binding), as
-    `llama-quantize` does: every 2-D weight but the token embeddings."""
+def quantize(
+    src: Path, out: Path, kind: str, python: str = sys.executable, threads: int = 2, output: str | None = None
+) -> Path:
+    """Quantise the GGUF `src` to `kind` (q8_0, q4_0) with llama.cpp's own quantiser, as `llama-quantize` does (every
+    2-D weight, the token embeddings too; norms and routers stay F32), through the llama-cpp-python binding of
+    `python`. The output tensor (LM head) gets llama.cpp's own choice for `kind` (for Q4_0: Q6_K, or Q8_0 where its
+    rows are not whole 256-blocks, as the shipped model's 192 are not) unless `output` names its type, as
+    `llama-quantize --output-tensor-type` does."""
     if out.exists():
         return out
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = FTYPES[kind], threads
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params) != 0:
+    code = (
+        "import sys, llama_cpp\n"
+        "params = llama_cpp.llama_model_quantize_default_params()\n"
+        f"params.ftype, params.nthread = {FTYPES[kind]}, {threads}\n"
+        + (f"params.output_tensor_type = {GGML_TYPES[output]}\n" if output is not None else "")
+        + f"sys.exit(llama_cpp.llama_model_quantize({str(src).encode()!r}, {str(out).encode()!r}, params))\n"
+    )
+    if subprocess.run([python, "-c", code]).returncode != 0:
         raise SystemExit(f"llama.cpp could not quantise {src} to {kind}")
     return out

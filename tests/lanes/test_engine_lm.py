@@ -43,10 +43,14 @@ def check_identity(lm: Any, draft: Any, cases: list[tuple[list[int], list[int]]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    root: Path = tmp_path_factory.mktemp("lanes_lm")
-    lm = moelane.load(random_model("qwen3_moe", root / "target"))
-    draft = moelane.load(random_model("qwen3_moe", root / "draft", seed=1))
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_model("qwen3_moe", tmp_path_factory.mktemp("lanes_lm") / "target")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder: Path) -> tuple[Any, Any]:
+    lm = moelane.load(tiny_folder)
+    draft = moelane.load(random_model("qwen3_moe", tiny_folder.parent / "draft", seed=1))
     return lm, draft
 
 
@@ -72,6 +76,23 @@ def test_tiny_model_replies_equal_solo_decode(tiny, tiny_cases, config: dict[str
     stats = check_identity(lm, draft, tiny_cases, 16, **config)
     if config["drafter"] == "model" and not config.get("guard"):
         assert stats.holds > 0
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(default_tier="int8"),  # every expert resident at int8, computed from its codes by the kernels
+        pytest.param(dict(default_tier="int4", quantize="int4"), marks=pytest.mark.slow),  # dense projections too
+        pytest.param(dict(dtype=torch.bfloat16), marks=pytest.mark.slow),  # bf16 pools, projections: the kernels
+        dict(expert_memory="40%", default_tier="int4"),  # a store paging experts held at int4
+    ],
+    ids=["int8", "int4-all", "bf16", "paged-int4"],
+)
+def test_replies_equal_solo_decode_at_every_precision(tiny_folder: Path, setting: dict[str, Any]) -> None:
+    lm = moelane.load(tiny_folder, **setting)
+    cases = [(p, list(lm.generate_ids(p, 12, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
+    for config in (dict(drafter="none", max_streams=6), dict(drafter="copy", max_streams=4, prefill_chunk=5)):
+        check_identity(lm, None, cases, 12, **config)
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(kernels.available().backend == "fallback", reaso
 
 
 def with_kernels(pool: TierPool, hidden: int, width: int) -> TierPool:
-    return tier_pool(pool.first, pool.kind, pool.w13, pool.w2, (hidden, width), mixed=True)
+    return tier_pool(pool.first, pool.kind, pool.w13, pool.w2, (hidden, width))
 
 
 def pools_of(kinds: tuple[str, ...], hidden: int, width: int, seed: int) -> tuple[TierPool, ...]:

@@ -37,9 +37,10 @@ def test_quantised_projections_compute_as_the_model_with_their_dequantised_weigh
     assert pairs and all(isinstance(q.weight, kernels.Pool) and q.weight.kind == quantize for _, q in pairs)
     with torch.no_grad():
         for f, q in pairs:
-            want = kernels.quantize(f.weight[None], quantize)
+            weight = f.weight.data  # (the reference's f32 Pool [1, Out, In], or its Parameter's tensor [Out, In])
+            want = kernels.quantize(weight.reshape(1, *weight.shape[-2:]), quantize)
             assert torch.equal(q.weight.data, want.data) and torch.equal(q.weight.scales, want.scales)
-            f.weight.copy_(kernels.dequantize(want)[0])
+            weight.copy_(kernels.dequantize(want).view_as(weight))
     assert isinstance(lm.model.model.embed_tokens.weight, torch.Tensor)  # embeddings as stored
     ids = list(range(3, 40))
     want_logits, got = reference.logits(ids), lm.logits(ids)

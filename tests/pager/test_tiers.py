@@ -176,3 +176,17 @@ def test_all_finite_reads_the_exponent_bits_of_every_float_dtype(dtype: torch.dt
         v[47, 39] = bad
         assert not all_finite(v)
         assert all_finite(v[:47])
+
+
+def test_the_shipped_models_tier_files_live_outside_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moelane.assets import default_model_path
+    from moelane.pager.live.storage import tier_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shipped = tier_dir(default_model_path())
+    assert shipped.is_relative_to(tmp_path) and not (default_model_path() / ".moelane").exists()
+    own = tmp_path / "model"
+    own.mkdir()
+    assert tier_dir(own) == own / ".moelane"

@@ -74,8 +74,9 @@ def joined(args: list[str], flags: set[str]) -> list[str]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: the shipped model, a small demo "
-                   "that continues code and plays, not a chat model)")  # fmt: skip
+    p.add_argument("--model", metavar="PATH", help="Hugging Face model folder, or GGUF file (a split one by any of "
+                   "its parts) (default: the shipped model, a small demo that continues code and plays, not a chat "
+                   "model)")  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (default auto: the checkpoint's own, bfloat16 for one saved in bfloat16 such "
                    "as Qwen3-30B-A3B, float32 otherwise and for the shipped models)")  # fmt: skip

@@ -50,7 +50,8 @@ def add_parser(subparsers: Any) -> None:
     rec.add_argument("--prompts", required=True, metavar="FILE", help='JSONL, one request a line: {"prompt": ...} '
                      'with optional "max_tokens", "prefill_chunk" and "temperature" overriding the flags')  # fmt: skip
     rec.add_argument("--out", required=True, metavar="FILE", help="trace file to write")
-    rec.add_argument("--model", default=None, metavar="DIR", help="model folder (default: the shipped default model)")
+    rec.add_argument("--model", default=None, metavar="PATH",
+                     help="model folder or GGUF file (default: the shipped default model)")  # fmt: skip
     rec.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default 64)")
     rec.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per prefill pass (default 64)")
     rec.add_argument("--temperature", type=float, default=0.0,

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 
 from moelane.errors import ModelLoadError
+from moelane.model.gguf.blocks import BLOCK_TYPES, dequantize, is_block_type, logical_shape
 
 T = TypeVar("T")
 LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensors (after a release's own prefix)
@@ -39,6 +40,7 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
+    **dict.fromkeys(BLOCK_TYPES, torch.uint8),  # a GGUF's block-quantised tensors, held as their bytes (gguf/blocks.py)
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -50,20 +52,28 @@ class TensorRef:
     path: str
     offset: int  # absolute byte offset in the file
     nbytes: int
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name, e.g. "BF16"; or a GGUF's block type, e.g. "Q8_0"
+    shape: tuple[int, ...]  # as stored: for a block type, [..., bytes per row]
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        """The shape of the values it holds: `shape`, but for a block type the number of values in a row last."""
+        return logical_shape(self.shape, self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertHandle:
-    """One routed expert's tensors, in one of three layouts:
+    """One routed expert's tensors, in one of these layouts:
 
     - "linear": `F.linear` weights, "gate", "up" and "down" (or "gate_up" and "down" for fused checkpoints);
     - "transposed": gpt-oss's fused "gate_up" [H, 2I] (gate and up columns interleaved) and "down" [I, H];
     - "mxfp4": the same as 4-bit floats in blocks of 32 with a shared power-of-two scale (gpt-oss's release),
       "gate_up_blocks" [2I, H/32, 16] and "gate_up_scales" [2I, H/32], "down_blocks" and "down_scales" (uint8);
     - "fp8": "gate", "up" and "down" as "linear", in float8 (e4m3), each with the fp32 scale of every `block` of
-      its weights ("gate_scale", ...: a checkpoint's `weight_scale_inv`), as DeepSeek, Qwen and GLM release them.
+      its weights ("gate_scale", ...: a checkpoint's `weight_scale_inv`), as DeepSeek, Qwen and GLM release them;
+    - "gguf": "gate", "up" and "down" (or "gate_up" and "down") as "linear", some or all of them blocks of a GGML type
+      (Q8_0, Q4_K, ...: `TensorRef.dtype`), decoded with the `gguf` package as an expert is loaded;
+    - "gguf_pairs": the same, with the gate and up rows interleaved in the pool (gpt-oss's activation reads them so).
     """
 
     layer: int
@@ -82,7 +92,7 @@ class ExpertHandle:
         if self.layout == "mxfp4":
             hidden, groups, half = self.tensors["down_blocks"].shape
             return hidden, groups * half * 2
-        rows, cols = self.tensors["down"].shape
+        rows, cols = self.tensors["down"].value_shape
         return (cols, rows) if self.layout == "transposed" else (rows, cols)
 
     @property
@@ -100,7 +110,7 @@ def expected_shapes(
     if layout == "mxfp4":
         return {"gate_up_blocks": (2 * width, hidden // 32, 16), "gate_up_scales": (2 * width, hidden // 32),
                 "down_blocks": (hidden, width // 32, 16), "down_scales": (hidden, width // 32)}  # fmt: skip
-    weights: dict[str, tuple[int, ...]] = {
+    weights: dict[str, tuple[int, ...]] = {  # (of the values: `TensorRef.value_shape`)
         "gate": (width, hidden),
         "up": (width, hidden),
         "gate_up": (2 * width, hidden),
@@ -217,10 +227,13 @@ def scan_checkpoint(folder: Path) -> dict[str, TensorRef]:
 
 
 def read_tensor(ref: TensorRef, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Read one tensor with a positioned read (no mmap of the file), converted to `dtype` if given."""
+    """Read one tensor with a positioned read (no mmap of the file): as stored, or its values in `dtype` if given
+    (a GGUF's blocks decoded)."""
     buf = torch.empty(ref.nbytes, dtype=torch.uint8)
     read_bytes(ref, buf)
     t = buf.view(DTYPES[ref.dtype]).reshape(ref.shape)
+    if dtype is not None and is_block_type(ref.dtype):
+        return dequantize(t, ref.dtype).to(dtype)
     return t if dtype is None else t.to(dtype)
 
 
@@ -262,6 +275,8 @@ def expert_tensors(
     rows of w13 are the gate_up projection's outputs in the checkpoint's order (gate then up, or interleaved for
     gpt-oss: the family's activation knows which)."""
     layout = handle.layout
+    if layout in ("gguf", "gguf_pairs"):
+        return gguf_expert(w, handle, dtype)
     if layout == "fp8":
         w = {
             name: fp8_to(w[name], w[f"{name}_scale"], handle.block, dtype) for name in w if not name.endswith("_scale")
@@ -275,6 +290,23 @@ def expert_tensors(
         return w["gate_up"].t().contiguous(), w["down"].t().contiguous()
     w13 = w["gate_up"] if "gate_up" in w else torch.cat([w["gate"], w["up"]], dim=0)
     return w13, w["down"]
+
+
+def gguf_expert(
+    w: dict[str, torch.Tensor], handle: ExpertHandle, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_tensors` of the "gguf" layouts: block-quantised tensors decoded, gate and up rows stacked (or
+    interleaved, "gguf_pairs")."""
+    values = {}
+    for name, t in w.items():
+        kind = handle.tensors[name].dtype
+        values[name] = (dequantize(t, kind) if is_block_type(kind) else t).to(dtype)
+    if handle.layout == "gguf" and "gate_up" in values:
+        return values["gate_up"], values["down"]
+    gate, up = values["gate_up"].chunk(2) if "gate_up" in values else (values["gate"], values["up"])
+    if handle.layout == "gguf_pairs":
+        return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1]), values["down"]
+    return torch.cat([gate, up], dim=0), values["down"]
 
 
 # The sixteen values of a 4-bit float (e2m1), by code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.

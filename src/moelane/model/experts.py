@@ -7,16 +7,19 @@ functions here gather by slot. A provider with `slots_staged` (the pager's store
 have loaded; eager dispatch then computes the resident experts first and waits only before the late ones
 (`dispatch_staged`), so a miss's read overlaps compute.
 
-Which path runs (`run_experts`): where every pair's slot is in one native pool that starts at slot 0 (an all-resident
-provider; a store whose pairs are all at tier 0), the native paths below; otherwise (int8 or int4 slots, or tiers
-mixed within one call) `dispatch_tiers`, a reference path in plain torch that dequantises the slots the pairs use.
+Which path runs (`run_experts`): where moelane's C++ kernels serve (every pool has its `kernel` view,
+provider.py's `tier_pool`), `kernel_dispatch`: `kernels.gather_linear` reads each used slot's bytes once a call at
+its tier (fp32, bf16, int8, int4, tiers mixed), dequantising in registers (docs/kernels.md). Where they cannot be
+built: over one native pool from slot 0, the BLAS paths below; otherwise (int8 or int4 slots, or tiers mixed within
+one call) `dispatch_tiers`, a reference path in plain torch that dequantises the slots the pairs use.
 
 In every dispatch path a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
 - eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
   would (one grouped product over the slots' range, or one product per used slot where they are sparse);
 - compiled: each (token, expert) pair's weights gathered by slot inside fixed-order reductions, one kernel for all
   pairs whatever their number, no Python scalar from a tensor, so decode compiles whole;
-- tiers: each used slot dequantised on its own, element by element, then the eager or compiled path above.
+- tiers: each used slot dequantised on its own, element by element, then the eager or compiled path above;
+- kernels: each (pair, output row) dot product computed whole, in an order fixed by the input width alone.
 
 An expert is `down(act(gate_up(x) + b13)) + b2`: `act` is SwiGLU over gate rows then up rows (`swiglu`) unless a
 family says otherwise (gpt-oss: a clamped SwiGLU over interleaved rows), and the biases, where a family has them
@@ -271,12 +274,10 @@ def native_pool(pools: tuple[TierPool, ...], slots: torch.Tensor) -> tuple[torch
 
 
 def computes_in_kernels(pools: tuple[TierPool, ...]) -> bool:
-    """Whether the pools are computed by `moelane.kernels` (`kernel_dispatch`): where the extension serves (every pool
-    has its `kernel` view) and any pool is quantised or bf16. All-fp32 native pools keep the BLAS paths above, which
-    read fp32 at the memory's speed already (and, compiled, fuse the gather)."""
-    if any(p.kernel is None for p in pools):
-        return False
-    return any(p.kind != "native" or p.w13[0].dtype != torch.float32 for p in pools)
+    """Whether the pools are computed by `moelane.kernels` (`kernel_dispatch`): wherever the extension serves (every
+    pool has its `kernel` view), at any tier and dtype; else the BLAS paths above (native pools) or the reference
+    path below (quantised ones)."""
+    return all(p.kernel is not None for p in pools)
 
 
 def kernel_dispatch(

@@ -1,7 +1,11 @@
-"""`load(path)`: a Hugging Face model folder -> `LM`, with experts left on disk for the provider to fetch.
+"""`load(path)`: a Hugging Face model folder, or a GGUF file -> `LM`, with experts left on disk for the provider to
+fetch.
 
     config.json -> its family (`family.family_of`, by `model_type`) -> its typed config, checked (`config.Config`)
     -> the family's decoder -> the experts' disk handles -> the dense weights read into the decoder -> LM
+
+A GGUF's metadata stands in for config.json (`gguf.hparams`), its tensors for the shards (`gguf.tensors`: llama.cpp's
+names and layouts mapped to the decoder's), its vocabulary for tokenizer.json (`gguf.vocab`): docs/gguf.md.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ from moelane.model.checkpoint import (
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
 from moelane.model.family import FAMILIES, Family, family_of
+from moelane.model.gguf.file import GgufFile, is_gguf, open_gguf
+from moelane.model.gguf.hparams import hf_config
+from moelane.model.gguf.tensors import Dense, dense_tensors
+from moelane.model.gguf.tensors import expert_handles as gguf_experts
+from moelane.model.gguf.vocab import gguf_tokenizer, stop_ids
 from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
@@ -48,10 +57,10 @@ def load(
     progress: bool = False,
     quantize: str = "none",
 ) -> LM:
-    """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": `checkpoint_dtype`).
-    `provider` builds the expert provider from the experts' handles (default: all experts resident). `compile`
-    compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections quantised
-    (`weights.prepare_weights`)."""
+    """Load a model folder or a GGUF file (None: the shipped default model) to compute in `dtype` ("auto":
+    `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
+    resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
+    quantised (`weights.prepare_weights`)."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     if path is None:
@@ -59,14 +68,32 @@ def load(
 
         path = default_model_path()
     folder = Path(path)
-    raw = read_config(folder)
+    gguf_file = open_gguf(folder) if is_gguf(folder) else None
+    raw = hf_config(gguf_file) if gguf_file else read_config(folder)
     family = family_of(raw["model_type"])
     config = family.config_class.from_dict(raw)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
     compute = checkpoint_dtype(config) if dtype == "auto" else dtype
     assert isinstance(compute, torch.dtype)
-    refs = scan_checkpoint(folder)
     model = family.build(config)
+    if gguf_file is None:
+        handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block)
+    else:
+        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute)
+    prepare_weights(model, quantize, progress)
+    build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
+    lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
+    if compile:
+        lm.enable_compile()
+    return lm
+
+
+def read_folder(
+    folder: Path, family: Family[Any], config: Config, model: Decoder, raw: dict[str, Any], dtype: torch.dtype,
+    fp8_block: tuple[int, int] | None,
+) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:  # fmt: skip
+    """A model folder's experts (handles) and tokenizer, its dense weights read into `model`."""
+    refs = scan_checkpoint(folder)
     handles = expert_handles(family, config, model.moe_layers, refs, fp8_block)
     # (a fused checkpoint's stacked tensor starts where its first expert's slice does)
     expert_starts = {(ref.path, ref.offset) for hs in handles.values() for h in hs for ref in h.tensors.values()}
@@ -75,14 +102,19 @@ def load(
         for name, ref in refs.items()
         if (ref.path, ref.offset) not in expert_starts and not family.ignored(config, name)
     }
-    load_dense(model, family, dense, compute, fp8_block)
-    prepare_weights(model, quantize, progress)
-    tokenizer = Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
-    build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
-    lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
-    if compile:
-        lm.enable_compile()
-    return lm
+    load_dense(model, family, dense, dtype, fp8_block)
+    return handles, Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
+
+
+def read_gguf(
+    f: GgufFile, family: Family[Any], config: Config, model: Decoder, dtype: torch.dtype
+) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:
+    """A GGUF's experts (handles into the file) and tokenizer, its dense weights decoded into `model`."""
+    handles = gguf_experts(f, config, model.moe_layers)
+    check_expert_shapes(config, handles)
+    fill_dense(model, family, dense_tensors(f, config, model), dtype)
+    tok, tokenizer_config = gguf_tokenizer(f, config.vocab_size)
+    return handles, Tokenizer.built(tok, tokenizer_config, stop_ids(f.metadata))
 
 
 def check_quantization(quant: dict[str, Any] | None, readable: tuple[str, ...] = ()) -> tuple[int, int] | None:
@@ -147,9 +179,9 @@ def check_expert_shapes(config: Config, handles: dict[int, list[ExpertHandle]]) 
                 if ref.dtype.startswith("F8") and h.layout != "fp8":
                     raise ModelLoadError(f"expert {h.expert} of layer {h.layer}: float8 {name} weights without "
                                          "block scales (weight_scale_inv, weight_block_size)")  # fmt: skip
-                if ref.shape != expect[name]:
+                if ref.value_shape != expect[name]:
                     raise ModelLoadError(
-                        f"expert {h.expert} of layer {h.layer}: {name} has shape {list(ref.shape)}, "
+                        f"expert {h.expert} of layer {h.layer}: {name} has shape {list(ref.value_shape)}, "
                         f"config.json implies {list(expect[name])} ({ref.path})"
                     )
 
@@ -164,10 +196,7 @@ def load_dense(
     scales = {
         name.removesuffix("_scale_inv"): refs.pop(name) for name in list(refs) if name.endswith(".weight_scale_inv")
     }
-    model.to(dtype)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if name.endswith(family.keep_fp32):
-            tensor.data = tensor.data.float()
+    cast(model, family, dtype)
     own = model.state_dict()
     for name, ref in refs.items():
         if name in own and tuple(own[name].shape) != ref.shape:
@@ -196,6 +225,29 @@ def load_dense(
                 read_tensor_into(ref, own[name])
         if head is not None:
             untie_if_different(model, head)
+    model.eval()
+
+
+def cast(model: Decoder, family: Family[Any], dtype: torch.dtype) -> None:
+    """The decoder's tensors to `dtype`, those the family keeps in fp32 (routers) to fp32."""
+    model.to(dtype)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(family.keep_fp32):
+            tensor.data = tensor.data.float()
+
+
+def fill_dense(model: Decoder, family: Family[Any], tensors: dict[str, Dense], dtype: torch.dtype) -> None:
+    """A GGUF's dense tensors (`gguf.tensors.dense_tensors`: one for each of the model's, by its names) decoded
+    into the model one at a time; shapes checked before anything is read."""
+    cast(model, family, dtype)
+    own = model.state_dict()
+    for name, tensor in tensors.items():
+        if tuple(own[name].shape) != tensor.shape:
+            raise ModelLoadError(f"tensor {name} has shape {list(tensor.shape)} in the GGUF, its metadata implies "
+                                 f"{list(own[name].shape)}")  # fmt: skip
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor.read())
     model.eval()
 
 

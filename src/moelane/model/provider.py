@@ -73,17 +73,13 @@ def tier_pool(
     w13: tuple[torch.Tensor, torch.Tensor | None],
     w2: tuple[torch.Tensor, torch.Tensor | None],
     dims: tuple[int, int],
-    mixed: bool = False,
 ) -> TierPool:
     """A pool with its kernels' view (no copy) where the extension serves: then `experts.run_experts` computes from
     its bytes as they are (`moelane.kernels`). dims: (H, I), the input widths of w13 and w2 (quantised rows are
-    padded to whole groups, so their stored length does not say). An fp32 native pool gets the view only when it
-    may be `mixed` with other tiers' pools (the store's): alone, the BLAS paths compute it, and a resident fp32
-    model need not build the extension."""
+    padded to whole groups, so their stored length does not say)."""
     dtype = w13[0].dtype
-    wanted = mixed or kind != "native" or dtype == torch.bfloat16
     usable = dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
-    if not (wanted and usable) or kernels.available().backend == "fallback":
+    if not usable or kernels.available().backend == "fallback":
         return TierPool(first, kind, w13, w2)
     names = {torch.float32: "f32", torch.bfloat16: "bf16"}
     name = names.get(dtype, kind)

@@ -1,4 +1,5 @@
-"""Text <-> token ids, and chat prompts, from the model folder's `tokenizer.json` and `tokenizer_config.json`.
+"""Text <-> token ids, and chat prompts, from the model folder's `tokenizer.json` and `tokenizer_config.json` (or a
+GGUF's vocabulary: `gguf/vocab.py`).
 
 The engine works on ids only; this is the one place text is turned into ids and back. The chat template is the
 folder's own Jinja template, rendered in a sandbox.
@@ -30,18 +31,33 @@ MAX_CHARS_PER_TOKEN = 32
 
 class Tokenizer:
     def __init__(self, folder: Path, eos_ids: frozenset[int]) -> None:
+        """The tokenizer of a model folder: tokenizer.json, tokenizer_config.json, the chat template."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise ModelLoadError(f"tokenizer.json not found in {folder}")
         try:
-            self._tok = HfTokenizer.from_file(str(path))
+            tok = HfTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises plain Exceptions on bad files
             raise ModelLoadError(f"cannot read {path}: {e}") from None
-        self.config: dict[str, Any] = {}
+        config: dict[str, Any] = {}
         cfg = folder / "tokenizer_config.json"
         if cfg.is_file():
-            self.config = read_json(cfg, "tokenizer_config.json")
-        self.chat_template = read_chat_template(folder, self.config)
+            config = read_json(cfg, "tokenizer_config.json")
+        self._init(tok, config, read_chat_template(folder, config), eos_ids)
+
+    @classmethod
+    def built(cls, tok: HfTokenizer, config: dict[str, Any], eos_ids: frozenset[int]) -> Tokenizer:
+        """A tokenizer built elsewhere (a GGUF's), with the tokenizer_config.json entries `config` says (eos_token,
+        bos_token, chat_template)."""
+        self = cls.__new__(cls)
+        chat_template = config.get("chat_template")
+        self._init(tok, config, chat_template if isinstance(chat_template, str) else None, eos_ids)
+        return self
+
+    def _init(
+        self, tok: HfTokenizer, config: dict[str, Any], chat_template: str | None, eos_ids: frozenset[int]
+    ) -> None:
+        self._tok, self.config, self.chat_template = tok, config, chat_template
         self._template: Template | None = None  # compiled at its first use (`compiled_chat_template`)
         eos_token = self._token_str("eos_token")
         self.eos_token = eos_token

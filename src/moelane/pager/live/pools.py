@@ -53,7 +53,7 @@ class PagedPool:
         )
         t = self.tensors
         w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))
-        self.tier_pool = tier_pool(first, TIER_KINDS[tier], w13, w2, dims, mixed=True)
+        self.tier_pool = tier_pool(first, TIER_KINDS[tier], w13, w2, dims)
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
         """The parts of the pool's slot `index` (counted from its first): views to load an expert into."""

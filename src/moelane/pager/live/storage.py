@@ -179,7 +179,7 @@ def tier_dir(model_folder: Path) -> Path:
     """`<model>/.moelane/` when writable, else (and for the model shipped inside the package)
     `~/.cache/moelane/tiers/<hash of the model path>/`."""
     beside = model_folder / ".moelane"
-    shipped = Path(__file__).resolve().parents[1] in model_folder.resolve().parents
+    shipped = Path(__file__).resolve().parents[2] in model_folder.resolve().parents  # (src/moelane/)
     try:
         if not shipped:
             beside.mkdir(exist_ok=True)
