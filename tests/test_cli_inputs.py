@@ -245,7 +245,8 @@ def test_the_shipped_model_is_said_to_be_a_demo_where_a_newcomer_looks(capsys: p
         assert "demo" in said and "not a chat model" in said
     assert "def fibonacci(n):" in said and "--model" in said
     assert main(["run", "--chat", "--max-tokens", "2", "hello"]) == 0
-    note = capsys.readouterr().err.splitlines()[0]
+    lines = [line.rsplit("\r", 1)[-1] for line in capsys.readouterr().err.split("\n")]  # (after a loading bar)
+    note = next(line for line in lines if line.strip())
     assert "demo" in note and "does not chat" in note and "--model" in note
     assert main(["run", "--max-tokens", "2", "def fibonacci(n):"]) == 0
     assert "demo" not in capsys.readouterr().err  # (a prompt it continues well: no note)
