@@ -114,6 +114,7 @@ def test_closing_the_lm_ends_its_stores_threads(wide: Path) -> None:
     assert [t.name for t in ours if t.is_alive()] == []
 
 
+@pytest.mark.slow  # (compiles a model: ~15-25 s on 2 cores)
 def test_compiled_decode_through_a_store_equals_its_solo_decode(wide: Path, reference: Reference) -> None:
     """Compiled with a store, the decode step hands back to Python at the residency check; an engine's streams (one
     row a call, as a lone stream's) reply what the compiled solo decode does, and that is the resident model's."""
