@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = moelane.load(args.model)
+    lm = moelane.load(args.model, "auto")
     record(lm, "open", 2, 32)  # warm up (first passes, allocations)
     every: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):

@@ -41,6 +41,16 @@ class Footprint:
         """Bytes of a pass whose MoE layers route to `distinct` experts in all (summed over the layers)."""
         return self.dense + self.expert * distinct
 
+    def expected_distinct(self, rows: float) -> float:
+        """Distinct experts one MoE layer is expected to route `rows` independent rows to, each picking top_k of
+        n_experts as if at random: E (1 - (1 - k/E)^rows). (Counted on the inflated model's open prompts, 4 / 7.4 /
+        13.3 / 19.4 / 25.8 at 1 / 2 / 4 / 8 / 16 streams, against 4 / 7.5 / 13.1 / 20.5 / 27.1 from this.)"""
+        return self.n_experts * (1.0 - float((1.0 - self.top_k / self.n_experts) ** rows))
+
+    def expected_bytes(self, rows: float) -> float:
+        """A pass's bytes for `rows` independent rows (`expected_distinct` in every MoE layer)."""
+        return self.pass_bytes(self.n_layers * self.expected_distinct(rows))
+
 
 def footprint(lm: Any) -> Footprint | None:
     """The footprint of a loaded `LM` (None for a model without routed experts)."""
