@@ -10,7 +10,8 @@ all of them is timed (the target's forward pass, as the engine calls it). Its bo
 sums over 1 GiB of float32, before and after the rounds. The distinct experts of a round are counted afterwards, from
 one eager pass over each stream's whole sequence with a routing observer (an observer would make the timed rounds
 eager), each round's rows looked up at their positions. Prints the bandwidth, then per stream count the median
-round time, the median bound and the median of the rounds' ratios, with the experts per layer; a summary line with
+round time, the median bound and the median of the rounds' ratios, with the experts per layer, and the median time
+from one pass to the next (the engine's whole round: sampling, commits, choosing the next rows); a summary line with
 the worst ratio. `--profile N` then runs N streams under torch.profiler and prints where the time goes.
 
     python bench/round_cost.py --model /path/inflated-8192 --threads 2
@@ -62,7 +63,7 @@ def timed_rounds(lm: Any, n: int, tokens: int) -> tuple[list[dict[str, Any]], di
     """Serve `n` streams; each decode round holding all of them -> {seconds, rows: [(stream id, start, n)]}, and
     each stream's whole sequence (prompt and reply) by id."""
     engine = Engine(lm, EngineConfig(drafter="none", timed=False))
-    forward, rounds = engine._forward, []
+    forward, rounds, last = engine._forward, [], [0.0]
 
     def timed(windows: list[Any]) -> Any:
         rows = [(w.lane.stream.id, w.lane.n_fed, len(w.feed) + len(w.drafts)) for w in windows]
@@ -70,7 +71,8 @@ def timed_rounds(lm: Any, n: int, tokens: int) -> tuple[list[dict[str, Any]], di
         out = forward(windows)
         seconds = time.perf_counter() - t0
         if len(windows) == n and not any(w.lane.prefilling for w in windows):
-            rounds.append({"seconds": seconds, "rows": rows})
+            rounds.append({"seconds": seconds, "rows": rows, "step": t0 - last[0]})  # (from the previous pass)
+        last[0] = t0
         return out
 
     engine._forward = timed  # type: ignore[method-assign]
@@ -156,6 +158,7 @@ def main() -> None:
             "experts_per_layer": round(statistics.mean(statistics.mean(r["distinct"]) for r in rounds), 1),
             "MB_per_round": round(statistics.median(shape.pass_bytes(sum(r["distinct"])) for r in rounds) / 1e6, 1),
             "round_ms": round(statistics.median(ms), 2), "bound_ms": round(statistics.median(bound), 2),
+            "step_ms": round(1e3 * statistics.median(r["step"] for r in rounds[1:] or rounds), 2),
             "ratio": round(ratio, 2),
         }), flush=True)  # fmt: skip
     print(json.dumps({"summary": True, "bandwidth_GBs": round(bw / 1e9, 2), "worst_ratio": round(worst, 2),
