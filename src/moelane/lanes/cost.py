@@ -31,11 +31,13 @@ from __future__ import annotations
 from moelane.lanes.depth import PriceTable
 from moelane.model.footprint import Footprint
 
-# A draft row's new experts as a share of a stream's row's, counted with bench/round_fit.py (always-drafted copy
-# engines, new experts per MoE layer that a draft row adds to its round against those a stream's own row brings):
-# on the inflated model 0.87 / 2.59 on copy-heavy prompts and 1.40 / 2.83 on open ones (0.34, 0.49; 1-8 streams, git
-# 482855b); on the shipped model 0.38-0.69 / 2.14-2.30 (0.17-0.31; 4-16 streams). Both are top-4 of 32.
-DRAFT_SHARE = 0.4
+# A draft row's new experts as a share of what one more independent row adds at its round's spread (the derivative
+# of `expected_distinct`: 3.74 experts a layer at 1 row, 1.47 at 8, top-4 of 32). Counted with bench/round_fit.py
+# (always-drafted copy engines, the new experts per MoE layer a draft row adds to its round) on the inflated model:
+# 1.12 and 0.68 on copy-heavy prompts at 1 and 8 streams (0.30, 0.46), 2.55 and 1.21 on open ones (0.68, 0.82). The
+# copy drafters hold drafts mostly on text they can copy; 0.4 held fewer there than paid (bench/ab.py, one
+# copy-heavy stream: 0.86x of the table by rows), 0.25 as many.
+DRAFT_SHARE = 0.3
 
 
 class ExpertPrices:
