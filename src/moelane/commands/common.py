@@ -97,8 +97,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
                    "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "
                    "is (default none: as stored)")  # fmt: skip
-    p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
-                   "core but one for serve, which leaves one to the HTTP server; OMP_NUM_THREADS if set)")  # fmt: skip
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
 
 
 def paged(lm: Any) -> bool:

@@ -33,6 +33,7 @@ from moelane.model.checkpoint import ExpertHandle
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
 from moelane.model.family import Family
+from moelane.model.footprint import Footprint, footprint
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
@@ -103,6 +104,10 @@ class LM:
                     del self._pools[unused]
                 pool = self._pools[capacity] = KVPool(self.model.cache_shapes(), capacity, self.dtype)
             return KVCache(pool)
+
+    def footprint(self) -> Footprint | None:
+        """What a pass reads (`moelane.model.footprint`), by which the lanes engine prices its rounds."""
+        return footprint(self)
 
     def max_pass_rows(self) -> int | None:
         """Most rows one pass may hold (None: no limit). A pager's expert pool must hold every expert one MoE layer's
