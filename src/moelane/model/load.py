@@ -1,7 +1,9 @@
 """`load(path)`: a Hugging Face model folder -> `LM`, with experts left on disk for the provider to fetch.
 
     config.json -> its family (`family.family_of`, by `model_type`) -> its typed config, checked (`config.Config`)
-    -> the family's decoder -> the experts' disk handles -> the dense weights read into the decoder -> LM
+    -> the family's decoder -> the experts' disk handles -> (preflight) -> the dense weights read into the decoder -> LM
+
+`preflight`, where given, sees the model's `Footprint` before any weight is read (a memory check refuses there).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 from moelane.errors import ModelLoadError
 from moelane.model.checkpoint import (
+    DTYPES,
     ExpertHandle,
     TensorRef,
     expected_shapes,
@@ -39,6 +43,22 @@ log = logging.getLogger(__name__)
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What a model takes in memory besides its routed experts, known before any weight is read: `dense_bytes`, its
+    dense weights in the compute dtype (as stored for float8 ones expanded; before `quantize`, an upper bound);
+    `kv_bytes`, one stream's KV cache at the model's full context; `top_k`, experts a token routes to in each of
+    its `n_moe_layers` MoE layers."""
+
+    dense_bytes: int
+    kv_bytes: int
+    top_k: int
+    n_moe_layers: int
+
+
+Preflight = Callable[[Footprint, dict[int, list[ExpertHandle]], torch.dtype], None]
+
+
 def load(
     path: str | Path | None = None,
     dtype: torch.dtype | str = torch.float32,
@@ -47,11 +67,13 @@ def load(
     compile: bool = False,
     progress: bool = False,
     quantize: str = "none",
+    preflight: Preflight | None = None,
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": `checkpoint_dtype`).
     `provider` builds the expert provider from the experts' handles (default: all experts resident). `compile`
     compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections quantised
-    (`weights.prepare_weights`)."""
+    (`weights.prepare_weights`). `preflight` is called with the model's `Footprint`, its experts' handles and the
+    compute dtype before any weight is read (a memory check that refuses early raises there)."""
     if dtype != "auto" and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
     if path is None:
@@ -75,6 +97,8 @@ def load(
         for name, ref in refs.items()
         if (ref.path, ref.offset) not in expert_starts and not family.ignored(config, name)
     }
+    if preflight is not None:
+        preflight(footprint(config, model, dense, compute), handles, compute)
     load_dense(model, family, dense, compute, fp8_block)
     prepare_weights(model, quantize, progress)
     tokenizer = Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
@@ -83,6 +107,15 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def footprint(config: Config, model: Decoder, dense: dict[str, TensorRef], dtype: torch.dtype) -> Footprint:
+    """The model's `Footprint` from its config, its decoder's cache shapes and its dense tensors' sizes."""
+    n_dense = sum(ref.nbytes // max(1, DTYPES[ref.dtype].itemsize) for ref in dense.values())
+    per_position = sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in model.cache_shapes().values())
+    top_k = config.top_k or 0
+    return Footprint(n_dense * dtype.itemsize, per_position * dtype.itemsize * config.max_position_embeddings, top_k,
+                     len(model.moe_layers))  # fmt: skip
 
 
 def check_quantization(quant: dict[str, Any] | None, readable: tuple[str, ...] = ()) -> tuple[int, int] | None:

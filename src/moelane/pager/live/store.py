@@ -143,6 +143,7 @@ class ExpertStore:
         self._attachment: Attachment | None = None
         self._cond = threading.Condition()
         self._local = threading.local()
+        self._phase_now = "prefill"  # of the pass begun last (what prefetches' disk reads are counted to)
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
         self._use_tier(config.default_tier)
         self._pool = FetchPool(config.io_threads)
@@ -190,7 +191,7 @@ class ExpertStore:
         slots, jobs, waits = self._acquire(keys, phase)
         small = self.slot_bytes < SMALL_EXPERT_BYTES  # (at the default tier)
         staged = staged and not small  # small experts: nothing worth hiding, they are read here one after another
-        self._start_loads(jobs, n_here=len(jobs) if small else 0 if staged else 1)
+        self._start_loads(jobs, phase, n_here=len(jobs) if small else 0 if staged else 1)
         if self.listeners:
             routed = keys.tolist()
             for listener in self.listeners:
@@ -300,15 +301,15 @@ class ExpertStore:
 
     # ---- loads (outside the lock) --------------------------------------------------------------------------------
 
-    def _start_loads(self, jobs: list[tuple[int, Key]], n_here: int) -> None:
+    def _start_loads(self, jobs: list[tuple[int, Key]], phase: str, n_here: int) -> None:
         """Run this call's misses: the last `n_here` on this thread (its caller waits for them anyway), the rest on
         the I/O threads."""
         targets = self._targets()
         n_pool = max(0, len(jobs) - n_here)
         for slot, key in jobs[:n_pool]:
-            self._pool.submit(0, functools.partial(self._load, slot, key, targets))
+            self._pool.submit(0, functools.partial(self._load, slot, key, targets, phase))
         for slot, key in jobs[n_pool:]:
-            self._load(slot, key, targets)
+            self._load(slot, key, targets, phase)
 
     def _wait(self, futures: list[Future[None]], phase: str, start: float | None) -> None:
         """Wait for a call's loads; the stall counted runs from `start` (default: now)."""
@@ -323,8 +324,9 @@ class ExpertStore:
             for stats in self._targets():
                 stats.phase(phase).stall_s += time.perf_counter() - start
 
-    def _load(self, slot: int, key: Key, targets: list[PagerStats]) -> None:
-        """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
+    def _load(self, slot: int, key: Key, targets: list[PagerStats], phase: str) -> None:
+        """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future. `phase`: of the pass
+        that issued the load (its disk bytes are counted to it)."""
         handle = self._handles[key // self.n_experts][key % self.n_experts]
         tier = int(self.table.tier[slot])
         start = time.perf_counter()
@@ -343,6 +345,8 @@ class ExpertStore:
             self._free_pages_locked(self.table.loaded(slot))
             for stats in targets:
                 stats.add_read(level, TIER_NAMES[tier], n_bytes, seconds)
+                if level == "disk":
+                    stats.add_disk(phase, n_bytes)
             self._cond.notify_all()
         fut.set_result(None)
 
@@ -367,7 +371,7 @@ class ExpertStore:
             jobs = self._admitted_locked(admission)
             self.stats.source(source).issued += len(jobs)
         for slot, key in jobs:
-            self._pool.submit(1, functools.partial(self._load, slot, key, [self.stats]))
+            self._pool.submit(1, functools.partial(self._load, slot, key, [self.stats], self._phase_now))
         return len(jobs)
 
     def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None:
@@ -384,6 +388,9 @@ class ExpertStore:
         local = self._local
         with self._cond:
             self.table.now_gen += 1
+            self._phase_now = phase
+            for stats in self._targets():
+                stats.passes[phase] = stats.passes.get(phase, 0) + 1
         boundary = getattr(local, "last_phase", None) == "prefill" and phase == "decode"
         local.last_phase = phase
         if boundary and self.live_planner is not None:
