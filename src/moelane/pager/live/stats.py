@@ -42,6 +42,8 @@ class PrefetchCounts:
     issued: int = 0  # loads started (the rest were already resident or found no victim)
     used: int = 0  # loads a later pass used
     wasted: int = 0  # loads evicted before any use
+    late: int = 0  # loads a pass wanted before they started (it ran them as its own misses)
+    dropped: int = 0  # loads still queued when the pass they were for had gone by without them: never read
 
 
 @dataclass(slots=True)
@@ -129,7 +131,8 @@ def format_counts(stats: PagerStats, header: str) -> list[str]:
                      f"{speed})")  # fmt: skip
     for name, p in sorted(stats.prefetch.items()):
         recall = f"recall {p.correct / p.routed:6.1%}  " if p.routed else ""
-        lines.append(f"  prefetch {name:<9} {recall}issued {p.issued:>7}  used {p.used:>7}  wasted {p.wasted:>7}")
+        lines.append(f"  prefetch {name:<9} {recall}issued {p.issued:>7}  used {p.used:>7}  wasted {p.wasted:>7}  "
+                     f"late {p.late:>5}  dropped {p.dropped:>5}")  # fmt: skip
     lines.append(f"  evictions {stats.evictions}")
     for phase, n in sorted(stats.passes.items()):
         disk = stats.disk_by_phase.get(phase, 0)
