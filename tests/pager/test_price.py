@@ -31,6 +31,23 @@ def test_the_threshold_weighs_disk_time_against_the_compute_it_hides_behind() ->
     assert idle.threshold(0) < 0.01
 
 
+def test_a_source_whose_loads_go_unused_must_be_surer_and_tries_again_later() -> None:
+    """Right predictions evicted before their token comes (a pool barely over one token's experts) are waste too."""
+    price = LoadPrice(n_layers=6)
+    price.observe_read(0.010, concurrent=1)
+    price.observe_layer(0.002)
+    price.observe_pass(0.010)
+    base = price.threshold(1)
+    for _ in range(50):
+        price.observe_issue("cooc", 0.8)
+        price.observe_outcome("cooc", False)
+    assert price.threshold(1, "cooc") > 1.0 > base == price.threshold(1, "lookahead")
+    for _ in range(300):  # passes without its loads (the disk as busy): its yield drifts back to what it predicts
+        price.observe_read(0.010, concurrent=1)
+        price.observe_pass(0.010)
+    assert price.threshold(1, "cooc") == pytest.approx(base, rel=0.1)
+
+
 def test_calibration_trusts_the_score_until_it_has_seen_how_such_scores_fare() -> None:
     c = Calibration()
     assert c.p(0.7) == pytest.approx(0.7)

@@ -9,7 +9,8 @@
   predicting run on its own thread: the pass only enqueues the routed ids (no policy work on the per-token path).
 - Cost-aware: each predictor turns a candidate's score (the router's weight; the noisy-OR P) into the probability of
   use it has measured for such scores (`Calibration`), and loads it only where that beats the store's
-  `prefetch_threshold` (price.py: the disk time of a read against the compute it can hide behind).
+  `prefetch_threshold` (price.py: the disk time of a read against the compute it can hide behind, and the share of
+  the source's loads that passes actually used).
 - `attach(lm, store)` installs both plus a post-block hook that releases the thread's slot lease as soon as a MoE
   block has computed.
 
@@ -51,11 +52,13 @@ class PrefetchTarget(Protocol):
 
     live_planner: LivePlanner | None
 
-    def prefetch(self, layer: int, experts: list[int], source: str, ahead: int = 0) -> int: ...
-    def prefetch_threshold(self, ahead: int) -> float: ...
+    def prefetch(
+        self, layer: int, experts: list[int], source: str, ahead: int = 0, p: float | None = None
+    ) -> int: ...
+    def prefetch_threshold(self, ahead: int, source: str | None = None) -> float: ...
     def apply(self, plan: Plan) -> None: ...
     def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig: ...
-    def prefetch_keys(self, keys: list[int], source: str, ahead: int = 0) -> int: ...
+    def prefetch_keys(self, keys: list[int], source: str, ahead: int = 0, p: float | None = None) -> int: ...
     def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None: ...
     def release(self) -> None: ...
 
@@ -141,10 +144,10 @@ class LookAhead:
             scores[e] = max(w, scores.get(e, 0.0))
         base = self._index[nxt] * self.store.n_experts
         self._predicted[(threading.get_ident(), self._index[nxt])] = {base + e: w for e, w in scores.items()}
-        least = self.store.prefetch_threshold(0)
-        chosen = sorted(e for e, w in scores.items() if self.calibration.p(w) >= least)
-        if chosen:
-            self.store.prefetch(nxt, chosen, "lookahead", 0)
+        least = self.store.prefetch_threshold(0, "lookahead")
+        odds = {e: p for e, w in scores.items() if (p := self.calibration.p(w)) >= least}
+        if odds:
+            self.store.prefetch(nxt, sorted(odds), "lookahead", 0, sum(odds.values()) / len(odds))
 
     def routed(self, layer_index: int, keys: list[int]) -> None:
         predicted = self._predicted.pop((threading.get_ident(), layer_index), None)
@@ -204,10 +207,10 @@ class CooccurrencePredictor:
         ranked = np.argsort(-p, kind="stable")[: self.max_predict]
         candidates = {int(e) + base: float(p[e]) for e in ranked if p[e] >= self.threshold}
         self._predicted[(ident, li)] = candidates
-        least = self.store.prefetch_threshold(1)
-        chosen = [key for key, score in candidates.items() if self.calibration.p(score) >= least]
-        if chosen:
-            self.store.prefetch_keys(chosen, "cooc", 1)
+        least = self.store.prefetch_threshold(1, "cooc")
+        odds = {key: p for key, score in candidates.items() if (p := self.calibration.p(score)) >= least}
+        if odds:
+            self.store.prefetch_keys(list(odds), "cooc", 1, sum(odds.values()) / len(odds))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -268,6 +268,7 @@ class ExpertStore:
                             counts_of.late += 1
                         else:
                             counts_of.used += 1
+                            self.price.observe_outcome(self.sources[src - 1], True)
                 t.source[present] = 0
             loading = present[t.state[present] == LOADING].tolist() if self._futures else []
             waits = [(s, self._futures[s]) for s in loading]
@@ -293,6 +294,7 @@ class ExpertStore:
             self.stats.evictions += 1
             if old_source:
                 self.stats.source(self.sources[old_source - 1]).wasted += 1
+                self.price.observe_outcome(self.sources[old_source - 1], False)
         self._free_pages_locked(admission.freed)
         for slot in admission.slots:
             self._futures[slot] = Future()
@@ -386,21 +388,25 @@ class ExpertStore:
 
     # ---- prefetch, generations, plans ----------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, experts: Iterable[int], source: str, ahead: int = 0) -> int:
+    def prefetch(
+        self, layer: int, experts: Iterable[int], source: str, ahead: int = 0, p: float | None = None
+    ) -> int:
         """Start loading these experts of `layer` in the background where a slot is free or stale; never waits.
         -> loads started."""
         base = self._index[layer] * self.n_experts
-        return self.prefetch_keys([base + int(e) for e in experts], source, ahead)
+        return self.prefetch_keys([base + int(e) for e in experts], source, ahead, p)
 
-    def prefetch_threshold(self, ahead: int) -> float:
-        """The least probability of use at which a prefetch for `ahead` passes later pays (price.py)."""
-        return self.price.threshold(ahead)
+    def prefetch_threshold(self, ahead: int, source: str | None = None) -> float:
+        """The least probability of use at which a prefetch by `source` for `ahead` passes later pays
+        (price.py)."""
+        return self.price.threshold(ahead, source)
 
-    def prefetch_keys(self, keys: Iterable[Key], source: str, ahead: int | None = 0) -> int:
+    def prefetch_keys(self, keys: Iterable[Key], source: str, ahead: int | None = 0, p: float | None = None) -> int:
         """Start loading these experts (at their planned tiers) where room can be made without waiting; experts
         resident at any tier are left as they are. Each is for the pass `ahead` of the one begun last: still queued
         when that pass has routed its layer without it, it is dropped unread (None: for any later pass, never
-        dropped). -> loads started."""
+        dropped). `p`: the probability of use the source gave them (its loads' yield is then measured). -> loads
+        started."""
         with self._cond:
             if source not in self.sources:
                 self.sources.append(source)
@@ -410,6 +416,9 @@ class ExpertStore:
             assert admission is not None
             jobs = self._admitted_locked(admission)
             self.stats.source(source).issued += len(jobs)
+            if p is not None:
+                for _ in jobs:
+                    self.price.observe_issue(source, p)
             target = NEVER_STALE if ahead is None else self.table.now_gen + ahead
             for slot, key in jobs:
                 self._queued[slot] = (key, target)
@@ -429,7 +438,9 @@ class ExpertStore:
                 phase = self._phase_now
             else:
                 fut = self._futures.pop(slot)
-                self.stats.source(self.sources[int(self.table.source[slot]) - 1]).dropped += 1
+                name = self.sources[int(self.table.source[slot]) - 1]
+                self.stats.source(name).dropped += 1
+                self.price.observe_outcome(name, False)
                 self._free_pages_locked(self.table.failed(slot))
                 self._cond.notify_all()
                 fut.set_result(None)
