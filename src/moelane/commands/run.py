@@ -193,14 +193,14 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
-    t_first = 0.0
+    t_first, disk_first = 0.0, 0
     reply: list[int] = []
     with contextlib.ExitStack() as stack:
         if args.trace:
             stack.enter_context(open_trace(args.trace, lm))
         for token in tokens:
             if not reply:
-                t_first = time.perf_counter()
+                t_first, disk_first = time.perf_counter(), disk_read(lm)
             reply.append(token)
             part = ANSWER if splitter is None else splitter.push(token)
             if part != ANSWER:
@@ -226,7 +226,7 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({why}), prefill {prefill:.1f} tok/s, "
           f"decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
     if args.stats:
-        print_stats(lm)
+        print_stats(lm, (disk_read(lm) - disk_first, max(0, n_new - 1)))
     return 0
 
 
@@ -295,7 +295,16 @@ def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
     return open_recorder(path, lm)
 
 
-def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
+def print_stats(lm, decoded: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """`--stats`: the memory limit and budget, the pager's counters, and `decoded` (disk bytes read after the first
+    token, tokens after it)."""
     from moelane.pager.live.build import format_stats
 
-    print(format_stats(lm.provider), file=sys.stderr)
+    print(format_stats(lm.provider, lm.memory, decoded), file=sys.stderr)
+
+
+def disk_read(lm) -> int:  # type: ignore[no-untyped-def]
+    """Bytes the model's expert store has read from disk so far."""
+    from moelane.pager.live.build import disk_bytes
+
+    return disk_bytes(lm.provider)

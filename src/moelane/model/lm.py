@@ -85,6 +85,7 @@ class LM:
         self._step_rows = STEP_ROWS
         self._step_provider: ExpertProvider = provider
         self.prefill_chunk = 256  # rows per prefill pass; a small expert pool may need fewer
+        self.memory: Any = None  # the memory limit, minimum and expert budget `moelane.load` found (MemoryReport)
         self._pools: dict[int, KVPool] = {}  # by capacity
         # Held by every pass and by cache allocation: a pool that grows replaces its tensors, which must not happen
         # while a pass writes into them.
