@@ -65,6 +65,9 @@ def moelane_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, obj
     dtype, tier, quantize = SETTINGS[args.quant]
     torch.set_num_threads(args.threads)
     lm = moelane.load(args.model, getattr(torch, dtype), default_tier=tier, quantize=quantize)
+    if args.compile and not isinstance(lm.provider, ExpertStore):
+        lm.enable_compile()  # as `moelane serve` does where every expert is resident; compiled before the clock starts
+        list(lm.generate_ids(prompt[:4], 2, stop_ids=frozenset()))
     io_load, t0 = read_bytes(), time.perf_counter()
     gen = lm.generate_ids(prompt, args.tokens, stop_ids=frozenset())
     tokens = [next(gen)]
@@ -121,6 +124,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args(argv)
     if args.engine == "moelane":
         sys.path.insert(0, str(ROOT / "src"))
@@ -139,7 +143,7 @@ def run_one(args: argparse.Namespace, engine: str, prompt: list[int], limit: int
     python = sys.executable if engine == "moelane" else args.llama_python
     argv = [python, __file__, "worker", engine, "--model", str(args.model), "--gguf", str(args.gguf), "--quant",
             args.quant, "--prompt", ",".join(map(str, prompt)), "--tokens", str(args.tokens), "--threads",
-            str(args.threads)]  # fmt: skip
+            str(args.threads), *(["--compile"] if args.compile else [])]  # fmt: skip
     drop_page_cache()
     group = MemoryGroup.create(limit, "moelane-bench")
     if group is None:
@@ -188,6 +192,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eager", dest="compile", action="store_false", help="never compile moelane's decode step (by "
+                   "default it is compiled where every expert is resident, as `moelane serve` does)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
     p.add_argument("--out", type=Path, help="also append every JSON line to this file")
     args = p.parse_args()

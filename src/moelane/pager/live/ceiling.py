@@ -3,10 +3,14 @@
     found   = limits.memory_limit(): the tightest cgroup limit (v1, v2) over free memory, and the room left under it
     minimum = this process's memory before any weight + dense weights + one token's experts + reserve
               (checked before any weight is read: below it, StoreError, one line that names the minimum)
-    budget  = room once the dense weights are in - the process's mapped file pages - reserve
+    budget  = room once the dense weights are in - reserve
               (free memory only: less `HEADROOM` of it as well, for the machine's other processes)
-    reserve = one stream's KV cache at the full context + `WORK_BYTES` (passes' activations, the I/O threads' bounce
-              buffers, the allocator's slack; measured in docs/pager.md, "Bigger than memory")
+    reserve = one stream's KV cache at the full context + `WORK_BYTES` (passes' activations, the I/O threads'
+              bounce buffers, the allocator's slack, the libraries' hot pages; docs/pager.md, "Bigger than memory")
+
+The room under a limit is the limit less the group's anonymous memory: the file pages a process maps (its libraries'
+code) are reclaimed under pressure before anything is killed, so the budget does not set them all aside, only the
+reserve's share; the minimum, a floor for refusing, keeps them whole.
 
 One token's experts are `top_k` experts in each MoE layer at the default tier: with that much a decode token reads
 each expert it routes to once, whatever the pool held before. Without `--expert-memory` every expert is resident
@@ -32,8 +36,9 @@ log = logging.getLogger(__name__)
 
 # What a fitting expert pool leaves of the memory still free, where no limit is set: other processes' growth.
 HEADROOM = 0.15
-# Passes' work memory, the I/O threads' bounce buffers and the allocator's slack (docs/pager.md, "Bigger than memory").
-WORK_BYTES = 160 << 20
+# Passes' work memory, the I/O threads' bounce buffers (4 x 4 MiB) and the allocator's slack: a 600-token prompt's
+# prefill (256-row chunks) peaked ~80 MB over the loaded inflated model's RSS (docs/pager.md, "Bigger than memory").
+WORK_BYTES = 96 << 20
 FLAG = "--expert-memory"
 
 
@@ -91,9 +96,9 @@ class Ceiling:
 
     def budget(self, need: int) -> int:
         """The experts' budget now that the dense weights are in (`need`: every expert at the default tier)."""
-        found, own = memory_limit(), process_memory()
+        found = memory_limit()
         room = int(found.room * (1 - HEADROOM)) if found.limit is None else found.room
-        budget = max(0, room - own.file - reserve(self.needs))
+        budget = max(0, room - reserve(self.needs))
         self.report = replace(self.report, budget=min(budget, need), resident=need <= budget)
         return budget
 
