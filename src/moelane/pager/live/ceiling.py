@@ -1,7 +1,7 @@
 """The memory ceiling a run honours: the limit it runs under, the minimum a model needs, the experts' budget.
 
     found   = limits.memory_limit(): the tightest cgroup limit (v1, v2) over free memory, and the room left under it
-    minimum = this process's memory before any weight + dense weights + one token's experts + reserve
+    minimum = this process's anonymous memory before any weight + dense weights + one token's experts + reserve
               (checked before any weight is read: below it, StoreError, one line that names the minimum)
     budget  = room once the dense weights are in - reserve
               (free memory only: less `HEADROOM` of it as well, for the machine's other processes)
@@ -9,8 +9,8 @@
               bounce buffers, the allocator's slack, the libraries' hot pages; docs/pager.md, "Bigger than memory")
 
 The room under a limit is the limit less the group's anonymous memory: the file pages a process maps (its libraries'
-code) are reclaimed under pressure before anything is killed, so the budget does not set them all aside, only the
-reserve's share; the minimum, a floor for refusing, keeps them whole.
+code) are reclaimed under pressure before anything is killed, so neither the minimum nor the budget sets them all
+aside, only the reserve's share.
 
 One token's experts are `top_k` experts in each MoE layer at the default tier: with that much a decode token reads
 each expert it routes to once, whatever the pool held before. Without `--expert-memory` every expert is resident
@@ -82,7 +82,7 @@ class Ceiling:
         self.needs = needs
         found, own = memory_limit(), process_memory()
         token = one_token_bytes(needs, handles, dtype, self.tier)
-        minimum = own.anon + own.file + needs.dense_bytes + token + reserve(needs)
+        minimum = own.anon + needs.dense_bytes + token + reserve(needs)
         self.report = replace(self.report, minimum=minimum, room=found.room)
         if not token or found.room + own.anon >= minimum:
             return
