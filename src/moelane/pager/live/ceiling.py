@@ -1,21 +1,21 @@
 """The memory ceiling a run honours: the limit it runs under, the minimum a model needs, the experts' budget.
 
     found   = limits.memory_limit(): the tightest cgroup limit (v1, v2) over free memory, and the room left under it
-    minimum = this process's anonymous memory before any weight + dense weights + one token's experts + reserve
+    minimum = this process's memory before any weight + dense weights + one token's experts + reserve
               (checked before any weight is read: below it, StoreError, one line that names the minimum)
-    budget  = room once the dense weights are in - reserve
+    budget  = room once the dense weights are in - the process's mapped file pages - reserve
               (free memory only: less `HEADROOM` of it as well, for the machine's other processes)
-    reserve = one stream's KV cache at the full context + `WORK_BYTES` (passes' activations, the I/O threads'
-              bounce buffers, the allocator's slack, the libraries' hot pages; docs/pager.md, "Bigger than memory")
-
-The room under a limit is the limit less the group's anonymous memory: the file pages a process maps (its libraries'
-code) are reclaimed under pressure before anything is killed, so neither the minimum nor the budget sets them all
-aside, only the reserve's share.
+    reserve = one stream's KV cache at the full context + `WORK_BYTES` (passes' activations, the I/O threads' bounce
+              buffers, the allocator's slack; measured in docs/pager.md, "Bigger than memory")
 
 One token's experts are `top_k` experts in each MoE layer at the default tier: with that much a decode token reads
 each expert it routes to once, whatever the pool held before. Without `--expert-memory` every expert is resident
 where they all fit the budget, else a store pages them within it; with it, the flag's budget is used as given, and
 the minimum is checked all the same. `MemoryReport` is what `moelane run --stats` and `/metrics` show.
+
+The libraries' file pages (torch's code) are set aside whole, though the kernel could reclaim them: a budget that
+left them to the reserve had the process refault its own code without end under a 50% ceiling (1.1 TB read in 13
+minutes, never killed), the thrash a limit brings instead of an OOM kill.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Ceiling:
         self.needs = needs
         found, own = memory_limit(), process_memory()
         token = one_token_bytes(needs, handles, dtype, self.tier)
-        minimum = own.anon + needs.dense_bytes + token + reserve(needs)
+        minimum = own.anon + own.file + needs.dense_bytes + token + reserve(needs)
         self.report = replace(self.report, minimum=minimum, room=found.room)
         if not token or found.room + own.anon >= minimum:
             return
@@ -96,9 +96,9 @@ class Ceiling:
 
     def budget(self, need: int) -> int:
         """The experts' budget now that the dense weights are in (`need`: every expert at the default tier)."""
-        found = memory_limit()
+        found, own = memory_limit(), process_memory()
         room = int(found.room * (1 - HEADROOM)) if found.limit is None else found.room
-        budget = max(0, room - reserve(self.needs))
+        budget = max(0, room - own.file - reserve(self.needs))
         self.report = replace(self.report, budget=min(budget, need), resident=need <= budget)
         return budget
 
