@@ -1,4 +1,5 @@
-"""Background fetching and the two predictors that issue early loads (SPEC 2.8), hooked into a live model.
+"""Background fetching and the two predictors that issue early loads, hooked into a live model (docs/design.md,
+"Prediction and prefetch").
 
 - `FetchPool`: I/O threads serving a priority queue: a pass's own misses (priority 0) before prefetches (1).
 - `LookAhead`: applies layer L+1's router to the input of layer L's MoE block (as mixtral-offloading does) and

@@ -1,4 +1,5 @@
-"""The live expert store: the pager's mechanism (SPEC 2.9), an `ExpertProvider` with pools under one hard byte budget.
+"""The live expert store, the pager's mechanism (docs/design.md, "The store"): an `ExpertProvider` with pools under one
+hard byte budget.
 
 Pools: one per precision tier (pools.py), each in the tier's format (native: the compute dtype; int8, int4: codes and
 scales as the tier file stores them), shared by all MoE layers; `pools(layer)` returns them all, `slots(layer, ids)`
@@ -478,8 +479,8 @@ class ExpertStore:
             local.prefill_keys = getattr(local, "prefill_keys", None) or {}
 
     def warm_start(self, prefill_counts: dict[Key, int] | None = None) -> int:
-        """SPEC 2.7: before decode token 1, refill the pool with the plan's warm list, else the most-routed
-        experts of the prefill just finished (up to half the slots)."""
+        """Before decode token 1, refill the pool with the plan's warm list, else the most-routed experts of the prefill
+        just finished, up to half the slots (docs/design.md, "The boundary and the warm start")."""
         if self.plan is not None and self.plan.warm:
             keys = [self._index[la] * self.n_experts + e for la, e in self.plan.warm if la in self._index]
         elif prefill_counts:
