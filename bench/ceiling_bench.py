@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 PROMPTS = {  # held out: not in the shipped model's training corpus
-    "code": "import os\nimport sys\n\n\ndef count_lines(path):\n    \"\"\"Count the non-empty lines of a file.\"\"\"\n",
+    "code": 'import os\nimport sys\n\n\ndef count_lines(path):\n    """Count the non-empty lines of a file."""\n',
     "prose": "The lighthouse keeper climbed the stairs at dusk, as she had every evening for thirty years, and",
 }
 SETTINGS = {  # quant -> (moelane dtype, default tier, dense quantisation)
@@ -192,8 +192,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--eager", dest="compile", action="store_false", help="never compile moelane's decode step (by "
-                   "default it is compiled where every expert is resident, as `moelane serve` does)")
+    p.add_argument(
+        "--eager",
+        dest="compile",
+        action="store_false",
+        help="never compile moelane's decode step (by "
+        "default it is compiled where every expert is resident, as `moelane serve` does)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
     p.add_argument("--out", type=Path, help="also append every JSON line to this file")
     args = p.parse_args()

@@ -60,7 +60,7 @@ def main() -> None:
     ratios = {name: round(m / base, 2) for name, m in medians.items()}
     print(json.dumps({"summary": True, "git": git, "cores": os.cpu_count(), "load": os.getloadavg(),
                       "median_decode_tok_s": medians, "ratio": ratios}))  # fmt: skip
-    table = ["| `moelane run \"def fibonacci(n):\"` with | decode speed, x one token a step |", "|---|---:|"]
+    table = ['| `moelane run "def fibonacci(n):"` with | decode speed, x one token a step |', "|---|---:|"]
     table += [f"| {name} | {medians[name] / base:.2f}x |" for name, _ in SETTINGS]
     print("\n".join(table), file=sys.stderr)
 

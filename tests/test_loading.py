@@ -25,9 +25,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("budget", ["10%", MemorySpec(fraction=0.1)])
-def test_a_budget_gives_an_attached_store_and_prefill_chunks_that_fit(
-    folder: Path, budget: str | MemorySpec
-) -> None:
+def test_a_budget_gives_an_attached_store_and_prefill_chunks_that_fit(folder: Path, budget: str | MemorySpec) -> None:
     want = list(moelane.load(folder).generate_ids(PROMPT, 8))
     lm = moelane.load(folder, expert_memory=budget)
     store = lm.provider

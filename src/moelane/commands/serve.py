@@ -77,8 +77,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help=f"a key every endpoint but /health asks for, as 'Authorization: Bearer KEY' (OpenAI clients' "
                    f"api_key); the dashboard takes it once as /dashboard?key=KEY. Default: ${API_KEY_ENV} if set, "
                    "else none (the environment keeps the key out of the process list)")  # fmt: skip
-    p.add_argument("--dashboard-show-text", action="store_true",
-                   help="the dashboard's request log shows each prompt's first characters (default: counts only)")
+    p.add_argument(
+        "--dashboard-show-text",
+        action="store_true",
+        help="the dashboard's request log shows each prompt's first characters (default: counts only)",
+    )
     p.set_defaults(func=cmd_serve)
 
 

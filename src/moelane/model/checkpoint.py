@@ -434,4 +434,3 @@ def fused_experts(refs: dict[str, TensorRef], prefix: str, n_experts: int) -> li
     `down_proj` [E, I, H]: layout "transposed"), or as gpt-oss is released, in MXFP4 (layout "mxfp4")."""
     mxfp4 = stacked_experts(refs, prefix, MXFP4_NAMES, n_experts, "mxfp4")
     return mxfp4 or stacked_experts(refs, prefix, FUSED_NAMES, n_experts, "transposed")
-

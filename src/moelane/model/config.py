@@ -233,4 +233,3 @@ def describe(hint: Any, low: float | None = None) -> str:
     if typing.get_origin(hint) is list:
         return f"a list of {describe(args[0]).removeprefix('a ')}s" if args and args[0] is not Any else "a list"
     return names.get(typing.get_origin(hint) or hint, str(hint))
-

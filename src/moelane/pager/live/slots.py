@@ -256,6 +256,7 @@ class SlotTable:
     def n_fit(self) -> int:
         """How many experts the budget surely holds at any tier (the largest tier whose expert fits at all)."""
         return self.budget // int(self.tier_bytes[self.tier_bytes <= self.budget].max())
+
     def residency(self) -> Residency:
         """Copies of the per-key arrays (the caller holds the store's lock)."""
         tier = np.full(self.slot_of.size, -1, np.int8)

@@ -389,9 +389,7 @@ class ExpertStore:
 
     # ---- prefetch, generations, plans ----------------------------------------------------------------------------
 
-    def prefetch(
-        self, layer: int, experts: Iterable[int], source: str, ahead: int = 0, p: float | None = None
-    ) -> int:
+    def prefetch(self, layer: int, experts: Iterable[int], source: str, ahead: int = 0, p: float | None = None) -> int:
         """Start loading these experts of `layer` in the background where a slot is free or stale; never waits.
         -> loads started."""
         base = self._index[layer] * self.n_experts
