@@ -15,6 +15,7 @@ from moelane.model.provider import ResidentProvider
 from moelane.pager.live.build import store_factory
 from moelane.pager.live.memory import parse_memory
 from moelane.pager.live.storage import (
+    FINITE_CHUNK,
     ExpertReadError,
     ShardFiles,
     TierFile,
@@ -176,6 +177,12 @@ def test_all_finite_reads_the_exponent_bits_of_every_float_dtype(dtype: torch.dt
         v[47, 39] = bad
         assert not all_finite(v)
         assert all_finite(v[:47])
+    big = torch.randn(3 * FINITE_CHUNK + 5).to(dtype)  # (chunks of the scratch, and a short last one)
+    assert all_finite(big)
+    for at in (0, FINITE_CHUNK - 1, FINITE_CHUNK, 2 * FINITE_CHUNK + 7, big.numel() - 1):
+        v = big.clone()
+        v[at] = float("nan")
+        assert not all_finite(v), at
 
 
 def test_the_shipped_models_tier_files_live_outside_the_package(

