@@ -54,16 +54,26 @@ def load(
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
-    pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
-    if pool is None and host is None:
-        factory = fitting_factory(None, policy, default_tier, progress=progress)
-    else:
-        factory = store_factory(pool, host, policy, default_tier)
+    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress)
     lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize)
     if isinstance(lm.provider, ExpertStore):  # (after `compile`: the hooks are made for a compiled step)
         lm.provider.attach(lm)
         lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
     return lm
+
+
+def expert_factory(
+    expert_memory: MemorySpec | str | None = None,
+    host_memory: MemorySpec | str | None = None,
+    policy: str = "planner",
+    default_tier: str = "native",
+    progress: bool = False,
+) -> ProviderFactory:
+    """The provider factory `load` builds the experts with for these settings (see `load`); checked now."""
+    pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
+    if pool is None and host is None:
+        return fitting_factory(None, policy, default_tier, progress=progress)
+    return store_factory(pool, host, policy, default_tier)
 
 
 def memory_spec(name: str, value: MemorySpec | str | None) -> MemorySpec | None:
