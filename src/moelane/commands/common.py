@@ -17,8 +17,8 @@ import torch
 
 import moelane
 from moelane.errors import InputError
+from moelane.model.provider import ResidentProvider
 from moelane.pager.live.memory import MemorySpec, parse_memory
-from moelane.pager.live.store import ExpertStore
 
 log = logging.getLogger("moelane")
 
@@ -94,11 +94,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "is (default none: as stored)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
                    "core but one for serve, which leaves one to the HTTP server; OMP_NUM_THREADS if set)")  # fmt: skip
+    p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",
+                   help="launched by torchrun (experts spread over its ranks: docs/distributed.md): how long rank 0 "
+                   "waits for another rank's experts before it fails the requests in flight and reports itself "
+                   "degraded (default 30 s)")  # fmt: skip
 
 
 def paged(lm: Any) -> bool:
-    """Whether a loaded model's experts are in an expert store (asked for, or because they did not fit)."""
-    return isinstance(lm.provider, ExpertStore)
+    """Whether a loaded model's experts are not all resident in this process (in an expert store, asked for or
+    because they did not fit, or spread over the ranks of a distributed run): its decode step is then not compiled
+    unless asked."""
+    return not isinstance(lm.provider, ResidentProvider)
+
+
+def distributed_launch() -> bool:
+    """Whether torchrun started this process as one rank of several (its RANK and WORLD_SIZE in the environment)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
 
 
 def usable_cores() -> int:
@@ -124,10 +135,22 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     set_threads(args)
     if args.pager_policy and args.expert_memory is None:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
-    dtypes: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
-    return moelane.load(args.model, dtypes[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None:  # (rank 0 of a distributed run: `moelane.commands.distributed`)
+        from moelane import dist
+
+        if compile:
+            raise InputError("--compile on: a distributed run computes eagerly (its experts' outputs are exchanged "
+                             "between ranks in every MoE layer)")  # fmt: skip
+        return dist.load(ranks, args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
+                         host_memory=args.host_memory, policy=args.pager_policy or "planner",
+                         default_tier=args.default_tier, progress=True, quantize=args.quantize)  # fmt: skip
+    return moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
                         policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
                         progress=True, quantize=args.quantize)  # fmt: skip
+
+
+DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @contextlib.contextmanager

@@ -280,4 +280,5 @@ def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
 def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
     from moelane.pager.live.build import format_stats
 
-    print(format_stats(lm.provider), file=sys.stderr)
+    describe = getattr(lm.provider, "describe", None)  # (a distributed run's: its ranks, then rank 0's own store)
+    print(describe() if describe is not None else format_stats(lm.provider), file=sys.stderr)
