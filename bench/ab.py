@@ -44,7 +44,7 @@ def cell(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from bench.lanes_bench import prompts
 
-    lm = moelane.load(args.model, compile=args.compile)
+    lm = moelane.load(args.model or None, "auto", compile=args.compile)
     lm.eos_ids = frozenset()  # fixed work per cell
     if args.compile:
         lm.warm_up(8, args.tokens)  # the compile is not timed (PyTorch caches it across cells)

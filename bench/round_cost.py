@@ -1,110 +1,170 @@
-"""What a lanes round's cost follows on an MoE: its rows, its streams and drafts, or the distinct experts it routes to.
+"""A round's measured time against the time its weight reads take at the measured bandwidth.
 
-Runs always-drafted engines (copy drafter) over copy-heavy and open prompts at several stream counts and records,
-for every decode round (no prompt chunk in it): its rows, how many are drafts, the distinct experts per MoE layer
-the whole round routes to and those its streams' own rows route to (the provider's `slots` calls, counted), and the
-pass's wall time. Prints the new experts per layer a draft row adds beyond its round's streams' rows, against those
-a stream's row brings, and least-squares fits of round time on rows; on streams and drafts; on distinct experts; and
-on rows and distinct experts (coefficients in ms, R^2, median relative error).
+For each stream count (default 1, 2, 4, 8, 16), an engine serves that many plain greedy streams (open prompts) on
+the model, as `moelane serve` does (the decode step compiled unless `--eager`), and every decode round that holds
+all of them is timed (the target's forward pass, as the engine calls it). Its bound is
 
-    python bench/round_cost.py --streams 4,8,16 --tokens 128 --threads 1
+    (dense bytes + one expert's bytes at its tier x the distinct experts its MoE layers route to) / bandwidth
+
+(`moelane.model.footprint`), the bandwidth measured in this process with the same threads: the fastest of several
+sums over 1 GiB of float32, before and after the rounds. The distinct experts of a round are counted afterwards, from
+one eager pass over each stream's whole sequence with a routing observer (an observer would make the timed rounds
+eager), each round's rows looked up at their positions. Prints the bandwidth, then per stream count the median
+round time, the median bound and the median of the rounds' ratios, with the experts per layer, and the median time
+from one pass to the next (the engine's whole round: sampling, commits, choosing the next rows); a summary line with
+the worst ratio. `--profile N` then runs N streams under torch.profiler and prints where the time goes.
+
+    python bench/round_cost.py --model /path/inflated-8192 --threads 2
+    python bench/round_cost.py --model /path/inflated-8192 --default-tier int8 --quantize int8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moelane
 from lanes_bench import prompts
 from moelane.lanes import Engine, EngineConfig
+from moelane.model.cache import Rows
+from moelane.model.footprint import footprint
+from moelane.model.provider import RoutingRecord
+
+GiB = 1 << 30
 
 
-def record(lm: Any, workload: str, n: int, tokens: int) -> list[dict[str, Any]]:
-    """One always-drafted engine over `n` prompts; a dict per decode round."""
-    routed: list[torch.Tensor] = []
-    slots = lm.provider.slots
-    lm.provider.slots = lambda layer, ids: routed.append(ids.clone()) or slots(layer, ids)
-    engine = Engine(lm, EngineConfig(drafter="copy"))
-    forward, rounds = engine._forward, []
+def git_rev() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def bandwidth(repeats: int = 7) -> float:
+    """Bytes per second of the fastest of `repeats` sums over 1 GiB of float32 (after one untimed)."""
+    x = torch.ones(GiB // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return GiB / best
+
+
+def timed_rounds(lm: Any, n: int, tokens: int) -> tuple[list[dict[str, Any]], dict[int, list[int]]]:
+    """Serve `n` streams; each decode round holding all of them -> {seconds, rows: [(stream id, start, n)]}, and
+    each stream's whole sequence (prompt and reply) by id."""
+    engine = Engine(lm, EngineConfig(drafter="none", timed=False))
+    forward, rounds, last = engine._forward, [], [0.0]
 
     def timed(windows: list[Any]) -> Any:
-        routed.clear()
+        rows = [(w.lane.stream.id, w.lane.n_fed, len(w.feed) + len(w.drafts)) for w in windows]
         t0 = time.perf_counter()
         out = forward(windows)
         seconds = time.perf_counter() - t0
-        if routed and not any(w.lane.prefilling for w in windows):
-            own, row = [], 0  # each stream's own row: the one before its drafts
-            for w in windows:
-                row += len(w.feed) + len(w.drafts)
-                own.append(row - 1 - len(w.drafts))
-            rounds.append({
-                "rows": row, "drafts": sum(len(w.drafts) for w in windows), "streams": len(windows),
-                "experts": float(np.mean([len(set(ids.reshape(-1).tolist())) for ids in routed])),
-                "own_experts": float(np.mean([len(set(ids[own].reshape(-1).tolist())) for ids in routed])),
-                "ms": 1e3 * seconds,
-            })  # fmt: skip
+        if len(windows) == n and not any(w.lane.prefilling for w in windows):
+            rounds.append({"seconds": seconds, "rows": rows, "step": t0 - last[0]})  # (from the previous pass)
+        last[0] = t0
         return out
 
     engine._forward = timed  # type: ignore[method-assign]
+    streams = [engine.submit(p, max_tokens=tokens, stop_token_ids=None) for p in prompts(lm.tokenizer, "open", n)]
+    engine.run_until_idle()
+    return rounds, {s.id: s.prompt_ids + list(s.token_ids) for s in streams}
+
+
+def routing(lm: Any, sequence: list[int]) -> torch.Tensor:
+    """Expert ids [L, T, K] of an eager pass over a whole sequence."""
+    records: list[RoutingRecord] = []
+
+    class Recorder:
+        def observe(self, record: RoutingRecord) -> None:
+            records.append(record)
+
+    lm.observers.append(Recorder())
     try:
-        for p in prompts(lm.tokenizer, workload, n):
-            engine.submit(p, max_tokens=tokens, stop_token_ids=None)
-        engine.run_until_idle()
+        lm.forward([Rows(lm.cache_for(len(sequence), 0), sequence, 0)])
     finally:
-        lm.provider.slots = slots
-    return rounds
+        lm.observers.pop()
+    return torch.cat([r.expert_ids for r in records], dim=1)
 
 
-def fit(rounds: list[dict[str, Any]], columns: list[str]) -> dict[str, Any]:
-    t = np.array([r["ms"] for r in rounds])
-    x = np.column_stack([np.ones(len(rounds))] + [np.array([float(r[c]) for r in rounds]) for c in columns])
-    coef = np.linalg.lstsq(x, t, rcond=None)[0]
-    pred = x @ coef
-    return {
-        "terms": dict(zip(["const", *columns], np.round(coef, 3).tolist(), strict=True)),
-        "r2": round(float(1 - ((t - pred) ** 2).sum() / ((t - t.mean()) ** 2).sum()), 3),
-        "median_rel_err": round(float(np.median(np.abs(t - pred) / t)), 3),
-    }
+def distinct(ids: dict[int, torch.Tensor], rows: list[tuple[int, int, int]]) -> list[int]:
+    """Distinct experts per MoE layer that a round's rows route to."""
+    picked = torch.cat([ids[s][:, start : start + k].flatten(1) for s, start, k in rows], dim=1)  # [L, rows * K]
+    return [len(set(layer.tolist())) for layer in picked]
+
+
+def profile(lm: Any, n: int, tokens: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed_rounds(lm, n, tokens)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), file=sys.stderr)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model folder (default: the shipped model)")
-    ap.add_argument("--streams", default="4,8,16")
-    ap.add_argument("--workloads", default="copy,open")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is)")
+    ap.add_argument("--streams", default="1,2,4,8,16")
+    ap.add_argument("--tokens", type=int, default=48, help="reply tokens per stream")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--eager", action="store_true", help="do not compile the decode step")
+    ap.add_argument("--default-tier", default="native", choices=("native", "int8", "int4"))
+    ap.add_argument("--quantize", default="none", choices=("none", "int8", "int4"))
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="then profile N streams")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = moelane.load(args.model)
-    record(lm, "open", 2, 32)  # warm up (first passes, allocations)
-    every: list[dict[str, Any]] = []
-    for workload in args.workloads.split(","):
-        rounds = [r for n in map(int, args.streams.split(",")) for r in record(lm, workload, n, args.tokens)]
-        drafted = [r for r in rounds if r["drafts"]]
-        new = sum(r["experts"] - r["own_experts"] for r in drafted)
-        new_per_draft = new / max(1, sum(r["drafts"] for r in drafted))
-        per_stream = sum(r["own_experts"] for r in rounds) / sum(r["streams"] for r in rounds)
+    lm = moelane.load(args.model, "auto", default_tier=args.default_tier, quantize=args.quantize)
+    if not args.eager:
+        lm.enable_compile()
+        lm.warm_up(1, 1)
+    shape = footprint(lm)
+    if shape is None:
+        raise SystemExit("round_cost needs a model with routed experts")
+    timed_rounds(lm, 2, 8)  # warm up (first passes, allocations, the step's graph at a few row counts)
+    bw = bandwidth()
+    print(json.dumps({
+        "bench": "round_cost", "git": git_rev(), **vars(args), "torch_threads": torch.get_num_threads(),
+        "compiled": lm.compiled, "dense_MB": round(shape.dense / 1e6, 2), "expert_MB": round(shape.expert / 1e6, 3),
+        "bandwidth_GBs": round(bw / 1e9, 2),
+    }), flush=True)  # fmt: skip
+    results = []
+    for n in map(int, args.streams.split(",")):
+        rounds, sequences = timed_rounds(lm, n, args.tokens)
+        ids = {s: routing(lm, seq) for s, seq in sequences.items()}
+        for r in rounds:
+            r["distinct"] = distinct(ids, r["rows"])
+        results.append((n, rounds))
+    bw = max(bw, bandwidth())  # (the machine may have been busier at either end)
+    worst = 0.0
+    for n, rounds in results:
+        ms = [1e3 * r["seconds"] for r in rounds]
+        bound = [1e3 * shape.pass_bytes(sum(r["distinct"])) / bw for r in rounds]
+        ratio = statistics.median(m / b for m, b in zip(ms, bound, strict=True))
+        worst = max(worst, ratio)
         print(json.dumps({
-            "workload": workload, "rounds": len(rounds), "drafted_rounds": len(drafted),
-            "new_experts_per_draft_row": round(new_per_draft, 2), "experts_per_stream_row": round(per_stream, 2),
-        }))  # fmt: skip
-        every += rounds
-    for r in every:
-        r["base_rows"] = r["rows"] - r["drafts"]
-    for columns in (["rows"], ["base_rows", "drafts"], ["experts"], ["rows", "experts"]):
-        print(json.dumps({"fit": "+".join(columns), **fit(every, columns)}))
+            "streams": n, "rounds": len(rounds),
+            "experts_per_layer": round(statistics.mean(statistics.mean(r["distinct"]) for r in rounds), 1),
+            "MB_per_round": round(statistics.median(shape.pass_bytes(sum(r["distinct"])) for r in rounds) / 1e6, 1),
+            "round_ms": round(statistics.median(ms), 2), "bound_ms": round(statistics.median(bound), 2),
+            "step_ms": round(1e3 * statistics.median(r["step"] for r in rounds[1:] or rounds), 2),
+            "ratio": round(ratio, 2),
+        }), flush=True)  # fmt: skip
+    print(json.dumps({"summary": True, "bandwidth_GBs": round(bw / 1e9, 2), "worst_ratio": round(worst, 2),
+                      "target": 1.3, "met": worst <= 1.3}), flush=True)  # fmt: skip
+    if args.profile:
+        profile(lm, args.profile, args.tokens)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,17 @@ same prompts, in the same run (both servers up at once, measured in turn at each
 For each server and each client count (default 1, 4, 8, 16): every client sends `--requests` streamed greedy
 completions one after another; we measure aggregate completion tokens/s (all tokens / wall time), time to first
 token (request sent -> first text chunk) and inter-token latency (per request: (last chunk - first chunk) /
-(tokens - 1)), p50 and p99 over requests. Before the first round each server serves `--warmup` unrecorded
-full-length requests, so neither is measured cold. Prints one JSON line per (server, clients, round) and a summary line:
-per client count, each server's median tok/s over the rounds (`--repeat`, the servers' order swapped each round),
-the ratio of the medians, and each round's ratio.
+(tokens - 1)), p50 and p99 over requests; and, while the clients stream, how long `GET /v1/models` takes (asked every
+0.1 s: whether the server's HTTP side stays responsive while it decodes), p50 and p99. Before the first round each
+server serves `--warmup` unrecorded full-length requests, so neither is measured cold. Prints one JSON line per
+(server, clients, round) and a summary line: per client count, each server's median tok/s over the rounds
+(`--repeat`, the servers' order swapped each round), the ratio of the medians, and each round's ratio.
 
 llama.cpp needs the model as GGUF: pass `--gguf FILE`, or `--llama-cpp DIR` (the llama.cpp tree in the
 llama-cpp-python sdist, `vendor/llama.cpp`) to convert the model folder with its `convert_hf_to_gguf.py` (f32; a
 byte-level BPE tokenizer it does not know is declared "gpt-2", the same pre-tokenizer). The llama server runs with an
 f32 KV cache (`--type_k 0 --type_v 0`) and `--threads` threads (every core by default); moelane runs with its
-serve default (every core but one, the other left to its HTTP thread) unless `--moelane-threads` says otherwise.
+serve default (every core) unless `--moelane-threads` says otherwise.
 
     python bench/serve_bench.py --llama-python /path/venv/bin/python --llama-cpp /path/vendor/llama.cpp
 """
@@ -58,6 +59,7 @@ PROMPTS = [
     "while True:\n    line = input()\n",
 ]
 MODEL_ID = "bench"
+PROBE_EVERY = 0.1  # seconds between responsiveness probes
 
 
 def git_revision() -> str:
@@ -114,9 +116,14 @@ async def load(url: str, n_clients: int, n_requests: int, max_tokens: int) -> di
                     out.append({"tokens": 0, "ttft": float("nan"), "itl": float("nan"), "failed": 1})
             return out
 
+        done = asyncio.Event()
+        probes: list[float] = []
+        probing = asyncio.create_task(probe(client, url, done, probes))
         t0 = time.perf_counter()
         per_client = await asyncio.gather(*(run_client(i) for i in range(n_clients)))
         wall = time.perf_counter() - t0
+        done.set()
+        await probing
     failed = sum(r.get("failed", 0) for rs in per_client for r in rs)
     results = [r for rs in per_client for r in rs if not r.get("failed")] or [{"tokens": 0, "ttft": 0, "itl": 0}]
     tokens = sum(r["tokens"] for r in results)
@@ -127,7 +134,20 @@ async def load(url: str, n_clients: int, n_requests: int, max_tokens: int) -> di
         "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2), "mean_tokens": round(tokens / len(results), 1),
         "ttft_p50_ms": round(1000 * percentile(ttft, 50), 1), "ttft_p99_ms": round(1000 * percentile(ttft, 99), 1),
         "itl_p50_ms": round(1000 * percentile(itl, 50), 2), "itl_p99_ms": round(1000 * percentile(itl, 99), 2),
+        "http_p50_ms": round(1000 * percentile(probes, 50), 1), "http_p99_ms": round(1000 * percentile(probes, 99), 1),
     }  # fmt: skip
+
+
+async def probe(client: httpx.AsyncClient, url: str, done: asyncio.Event, out: list[float]) -> None:
+    """How long `GET /v1/models` takes while the clients stream, every PROBE_EVERY seconds until `done`: whether the
+    server's HTTP side stays responsive while it decodes."""
+    while not done.is_set():
+        t0 = time.perf_counter()
+        with contextlib.suppress(httpx.HTTPError):
+            (await client.get(f"{url}/v1/models")).raise_for_status()
+            out.append(time.perf_counter() - t0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), PROBE_EVERY)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -247,7 +267,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=16, help="unrecorded full-length requests per server first")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (default 2)")
     p.add_argument("--moelane-threads", default="default",
-                   help="moelane's compute threads: 'default' (serve's own: every core but one), or N; "
+                   help="moelane's compute threads: 'default' (serve's own: every core), or N; "
                    "empty: the same as --threads")  # fmt: skip
     p.add_argument("--drafter", default="none", help="moelane serve --drafter (default none)")
     p.add_argument("--moelane-arg", action="append", default=[], help="extra argument for moelane serve")

@@ -119,7 +119,7 @@ def converted(config: dict[str, Any], weights: dict[str, torch.Tensor], arch: st
         name = names.get_name(hf_name.replace("e_score_correction_bias", "e_score_correction.bias"),
                               try_suffixes=(".weight", ".bias"))  # fmt: skip
         assert name is not None, hf_name
-        out[name] = data.float().numpy()
+        out[name + (".weight" if name.endswith("attn_sinks") else "")] = data.float().numpy()  # (as it names them)
     return out
 
 
@@ -301,3 +301,27 @@ def write_vocab(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(w, quiet=True)
+
+
+def convert_with_llama_cpp(folder: Path, out: Path, tree: Path, outtype: str = "f32") -> Path:
+    """`folder` converted by llama.cpp's own convert_hf_to_gguf.py from the llama.cpp tree `tree` (its gguf-py
+    first on the path). The test tokenizer is GPT-2's byte-level BPE, which the converter knows by no hash: it is
+    declared "gpt-2", and read as a gpt2 vocabulary where the converter would look for SentencePiece (Llama) or
+    GLM's special tokens."""
+    import subprocess
+    import sys
+
+    root = str(tree.resolve())
+    shim = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{root!r}, {root + '/gguf-py'!r}]\n"
+        "import conversion.base as base, conversion.glm as glm, conversion.llama as llama\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        "llama.LlamaModel.set_vocab = glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()\n"
+        f"sys.argv = [{root + '/convert_hf_to_gguf.py'!r}, {str(folder)!r}, '--outfile', {str(out)!r}, "
+        f"'--outtype', {outtype!r}]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", shim], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out

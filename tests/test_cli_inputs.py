@@ -235,6 +235,23 @@ def test_a_trace_writer_that_fails_before_recording_leaves_the_earlier_file(tmp_
     assert read_trace(path).n_segments == 0
 
 
+def test_the_shipped_model_is_said_to_be_a_demo_where_a_newcomer_looks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`moelane --help`, `moelane run --help`, and a --chat run of it: a demo that continues code, not a chat model,
+    and how to run a real one."""
+    for argv in ([], ["run"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        said = " ".join(capsys.readouterr().out.split())
+        assert "demo" in said and "not a chat model" in said
+    assert "def fibonacci(n):" in said and "--model" in said
+    assert main(["run", "--chat", "--max-tokens", "2", "hello"]) == 0
+    lines = [line.rsplit("\r", 1)[-1] for line in capsys.readouterr().err.split("\n")]  # (after a loading bar)
+    note = next(line for line in lines if line.strip())
+    assert "demo" in note and "does not chat" in note and "--model" in note
+    assert main(["run", "--max-tokens", "2", "def fibonacci(n):"]) == 0
+    assert "demo" not in capsys.readouterr().err  # (a prompt it continues well: no note)
+
+
 # ---- bench ----------------------------------------------------------------------------------------------------
 
 
@@ -255,6 +272,21 @@ def test_bench_refuses_settings_it_would_crash_on_or_ignore(
 
 def test_bench_refuses_more_tokens_than_the_context_holds(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tokens must be at most" in cli_error(["bench", "--tokens", "99999999", "--rounds", "1"], capsys)
+
+
+def test_bench_prints_a_table_and_json_lines_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """By default a table a person reads (a line of what was measured, each round, their medians); with --json, one
+    JSON object a line (each round, then the summary)."""
+    assert main(["bench", "--tokens", "4", "--rounds", "2"]) == 0
+    said, head, *rounds, median = capsys.readouterr().out.splitlines()
+    assert "1 stream" in said and "4 tokens each" in said and "eager" in said
+    assert head.split() == ["round", "prefill", "tok/s", "decode", "tok/s"]
+    assert [r.split()[0] for r in rounds] == ["1", "2"] and median.split()[0] == "median"
+    assert all(float(x) > 0 for r in [*rounds, median] for x in r.split()[1:])
+    assert main(["bench", "--tokens", "4", "--rounds", "2", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [x.get("round") for x in lines] == [0, 1, None] and lines[-1]["summary"] is True
+    assert set(lines[-1]["median"]) == {"prefill_tok_s", "decode_tok_s"} and lines[-1]["tokens"] == 4
 
 
 def test_a_decode_step_that_cannot_compile_runs_eagerly(
@@ -359,6 +391,18 @@ def test_a_memory_size_is_refused_in_one_line_however_it_is_written(capsys: pyte
     assert "--expert-memory: expected one argument" in cli_error(["run", "--expert-memory", "-v", "hi"], capsys)
 
 
+def test_a_pool_too_small_for_one_token_is_one_line_and_no_warning(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped model routes each token to 4 of 32 experts in each of 6 MoE layers: 1% holds one expert, 2.1%
+    the four one token needs (and no more than one row's, which a warning says)."""
+    with caplog.at_level(logging.WARNING):
+        line = cli_error(["run", "--expert-memory", "1%", "--max-tokens", "2", "hi"], capsys)
+    assert line.startswith("moelane: error: --expert-memory 1% holds 1 expert, but a token routes to 4 at once")
+    assert line.endswith("(2.1%)") and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert main(["run", "--expert-memory", "2.1%", "--max-tokens", "2", "hi"]) == 0
+
+
 def test_traces_of_more_experts_than_their_ids_hold_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -406,7 +450,21 @@ def test_replay_of_a_trace_without_prefill_shows_no_prefill_hit_rate(
     assert main(["trace", "synth", "--out", trace, "--prefill", "0", "--decode", "8", "--requests", "1"]) == 0
     assert main(["trace", "replay", trace, "--slots", "40", "--policy", "lru"]) == 0
     row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[:2] == ["lru", "40"] and row[3] == "-"  # (was 100.0% of nothing)
+    assert row[:2] == ["lru", "40"] and row[4] == "-"  # (was 100.0% of nothing)
+
+
+def test_replay_shows_the_pool_in_slots_and_bytes_however_it_was_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pool's columns say their units, and the same pool given as --slots or as --budget reads the same."""
+    from moelane.pager.live.memory import format_bytes
+
+    size = 40 * read_trace(TRACE).header.expert_bytes
+    rows = []
+    for flags in (["--slots", "40"], ["--budget", str(size)], ["--budget", f"{size / 2**20}MiB"]):
+        assert main(["trace", "replay", str(TRACE), "--policy", "lru", *flags]) == 0
+        head, row = capsys.readouterr().out.splitlines()
+        assert "slots" in head and "bytes" in head
+        rows.append(row.split())
+    assert rows[0][:3] == ["lru", "40", format_bytes(size).replace(" ", "")] and rows[0] == rows[1] == rows[2]
 
 
 def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -419,7 +477,9 @@ def test_record_refuses_a_prompt_too_long_before_recording(tmp_path: Path, capsy
     assert out.read_text() == "an earlier trace"
 
 
-def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_run_holds_the_reply_to_a_json_schema(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--json-schema` (text, or a file) holds the shipped model's reply to JSON the schema accepts; schemas that
     are not JSON objects are refused before loading, and ones the grammar cannot use once it has loaded."""
     schema = {"type": "object", "properties": {"ok": {"enum": [True, False]}}, "required": ["ok"],
@@ -430,6 +490,7 @@ def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.Cap
         assert main(["run", "--max-tokens", "64", "--json-schema", given, "Is it on?"]) == 0
         reply = json.loads(capsys.readouterr().out)
         assert reply in ({"ok": True}, {"ok": False})
+    assert "before the JSON was complete" not in caplog.text
     assert main(["run", "--max-tokens", "64", "--json", "--seed", "1", "--temperature", "1", "Data:"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("{")  # (64 tokens may cut a free object short: it is JSON up to there)
@@ -437,3 +498,16 @@ def test_run_holds_the_reply_to_a_json_schema(tmp_path: Path, capsys: pytest.Cap
     assert "neither" in cli_error(["run", "--json-schema", str(tmp_path / "missing.json"), "hi"], capsys)
     assert "must be a JSON object" in cli_error(["run", "--json-schema", "[1]", "hi"], capsys)
     assert "--json-schema: the JSON schema cannot be used" in cli_error(["run", "--json-schema", "false", "hi"], capsys)
+
+
+def test_run_says_when_max_tokens_cuts_a_reply_held_to_json(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="moelane"):
+        assert main(["run", "--json", "--max-tokens", "8", "Data:"]) == 0
+    out, err = capsys.readouterr()
+    with pytest.raises(ValueError):
+        json.loads(out)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["reply cut at --max-tokens before the JSON was complete"]
+    assert "8 new tokens (--max-tokens)" in err

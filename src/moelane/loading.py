@@ -1,12 +1,14 @@
 """`moelane.load`: a model folder -> an `LM` ready to run, its experts resident or paged as the settings say.
 
-Without a budget every expert is resident, at the default tier, where they all fit in the memory still free, and
-paged within it otherwise (`fitting_factory`); with one (`expert_memory`, `host_memory`) an expert store holds them
-under it, or, at a quantised `default_tier` whose experts all fit the budget, they are all resident at that tier
-(`store_factory`). A store built here is attached to the model before it is returned (lease release
-after each MoE block, the predictors, and the live planner under the "planner" policy) and the model's prefill chunk
-is fitted to its pool: a library caller gets what `moelane run` and `moelane serve` run. `provider=` takes a factory of
-one's own instead, and its provider is used as it comes (nothing attached, nothing fitted).
+Without a budget every expert is resident, at the default tier, where they all fit the budget derived from the
+limit the process runs under (a cgroup's, else free memory: `pager.live.ceiling`), and paged within it otherwise
+(`fitting_factory`); with one (`expert_memory`, `host_memory`) an expert store holds them under it, or, at a
+quantised `default_tier` whose experts all fit the budget, they are all resident at that tier (`store_factory`). Either
+way a limit below the model's minimum is refused before any weight is read, and `lm.memory` reports the limit found.
+A store built here is attached to the model before it is returned (lease release after each MoE block, the
+predictors, and the live planner under the "planner" policy) and the model's prefill chunk is fitted to its pool: a
+library caller gets what `moelane run` and `moelane serve` run. `provider=` takes a factory of one's own instead, and
+its provider is used as it comes (nothing attached, nothing fitted, no memory check).
 
 Budgets are parsed once, where they are given: the command line parses its flags into `MemorySpec`s, and text given
 to `load` is parsed here.
@@ -22,8 +24,10 @@ from moelane.model.lm import LM
 from moelane.model.load import ProviderFactory
 from moelane.model.load import load as load_folder
 from moelane.pager.live.build import fitting_factory, store_factory
+from moelane.pager.live.ceiling import Ceiling
 from moelane.pager.live.memory import MemorySpec, parse_memory
 from moelane.pager.live.store import ExpertStore, StoreError
+from moelane.pager.live.tiers import parse_tier
 
 
 def load(
@@ -54,8 +58,11 @@ def load(
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
-    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress)
-    lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize)
+    ceiling = memory_ceiling(expert_memory, default_tier)
+    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress, ceiling)
+    lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize,
+                     preflight=ceiling.check)  # fmt: skip
+    lm.memory = ceiling.report
     if isinstance(lm.provider, ExpertStore):  # (after `compile`: the hooks are made for a compiled step)
         lm.provider.attach(lm)
         lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
@@ -68,12 +75,22 @@ def expert_factory(
     policy: str = "planner",
     default_tier: str = "native",
     progress: bool = False,
+    ceiling: Ceiling | None = None,
 ) -> ProviderFactory:
-    """The provider factory `load` builds the experts with for these settings (see `load`); checked now."""
+    """The provider factory `load` builds the experts with for these settings (see `load`); checked now. `ceiling`
+    decides the budget where none is given, and records the one given (default: one of its own)."""
     pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
     if pool is None and host is None:
-        return fitting_factory(None, policy, default_tier, progress=progress)
-    return store_factory(pool, host, policy, default_tier)
+        return fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling)
+    return store_factory(pool, host, policy, default_tier, ceiling=ceiling)
+
+
+def memory_ceiling(expert_memory: MemorySpec | str | None, default_tier: str) -> Ceiling:
+    """The limit this process runs under, for a model's experts held at `default_tier` (StoreError for a bad tier)."""
+    try:
+        return Ceiling(memory_spec("expert_memory", expert_memory), parse_tier(default_tier))
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 def memory_spec(name: str, value: MemorySpec | str | None) -> MemorySpec | None:

@@ -80,6 +80,7 @@ FAKE_BUILD = """
 """
 
 
+@pytest.mark.slow  # (real builds in subprocesses: ~15 s on a busy machine)
 def test_concurrent_first_uses_take_turns(tmp_path: Path) -> None:
     """Two processes load one key at once (the compile faked as a 1 s sleep): one compiles, the other waits on the
     lock, then imports the finished build."""

@@ -127,6 +127,7 @@ def test_lfm2_convolutions_roll_back_with_rejected_drafts(tmp_path: Path) -> Non
     assert right.holds > 0 and right.accepted > 0
 
 
+@pytest.mark.slow  # (another compile)
 def test_a_model_of_one_kv_head_compiles_and_replies_as_its_compiled_solo_decode(tmp_path: Path) -> None:
     """Multi-query attention (one KV head): the decode step compiles (inductor could not lower its attention
     product once: a size-1 head dim beside the unbacked key length), its logits are the eager ones within fp32
@@ -147,6 +148,7 @@ def test_a_model_of_one_kv_head_compiles_and_replies_as_its_compiled_solo_decode
     check_identity(lm, moelane.load(folder), cases, 12, drafter="model", max_streams=4, timed=False, guard=False)
 
 
+@pytest.mark.slow  # (compiles a draft model; the compiled target stays in the fast set)
 def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     """The draft model the engine loads runs its generated rows (and short catch-ups) through its compiled decode
     step; drafts are held and every reply still equals the solo decode."""

@@ -130,6 +130,7 @@ def test_a_request_for_prompt_logprobs_feeds_its_whole_prompt(tiny) -> None:
     assert len(second.prompt_logprobs) == len(prompt) and second.prompt_logprobs[0] is None
 
 
+@pytest.mark.slow  # (compiles; the eager prefix tests stay fast)
 def test_a_compiled_target_keeps_only_its_prompt_rows(tiny) -> None:
     """Generated rows through the compiled step have other bits than eager prompt rows: a compiled target's kept
     cache holds only the prompt, and replies equal the compiled solo decode and an engine that keeps nothing."""

@@ -391,7 +391,7 @@ def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path)
         assert torch.equal(logits[:1], (wide if caches is broad else solo)[i])
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])  # (2 threads: in the slow set)
 def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threads: int) -> None:
     """Through the compiled decode step, a stream's generated rows are bit-identical decoded one token at a time
     alone, and as rows among 1 to 23 others (other streams of its pool and of another pool, its own drafts, a call
@@ -421,7 +421,7 @@ def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threa
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])  # (2 threads: in the slow set)
 def test_compiled_rows_do_not_depend_on_how_far_the_call_reads(long_folder: Path, threads: int) -> None:
     """A call's attention reads every row's cache as far as its furthest row reaches: a stream's compiled rows are
     the same bits read to 512 positions (alone) as beside a row 1,100 positions further on (1,536)."""
@@ -464,6 +464,7 @@ def test_max_tokens_and_eos(lm: moelane.LM) -> None:
         list(lm.generate_ids(ids, 0))
 
 
+@pytest.mark.slow  # (compiles with fullgraph: ~10-12 s on 2 cores)
 def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
     """The decode step compiles whole (fullgraph=True raises on any graph break), and its rows agree with eager."""
     import torch._dynamo
@@ -484,6 +485,7 @@ def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
     assert torch.equal(compiled[0], compiled[1])
 
 
+@pytest.mark.slow  # (compiles two models: ~13-15 s)
 def test_two_compiled_models_of_one_shape_keep_their_own_graphs(tmp_path: Path) -> None:
     """Two models whose guarded tensors have the same shapes but whose code differs (a dense qwen3, a qwen3_moe),
     compiled in one process: each decodes its own eager tokens. With one graph cache for both, the second ran the

@@ -14,6 +14,7 @@ its names, metadata and layouts) and loads both with `moelane.load`:
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,22 @@ def logits(path: Path) -> torch.Tensor:
 def test_f32_gguf_logits_match_the_safetensors_load(tmp_path: Path, family: str) -> None:
     folder = model(tmp_path, family)
     gguf = write_gguf(folder, tmp_path / "m.gguf")
+    assert (logits(gguf) - logits(folder)).abs().max().item() <= 1e-4
+
+
+LLAMA_CPP = os.environ.get("MOELANE_LLAMA_CPP")  # a llama.cpp tree (vendor/llama.cpp of llama-cpp-python's sdist)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_CPP, reason="MOELANE_LLAMA_CPP (a llama.cpp tree with convert_hf_to_gguf.py) not set")
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "olmoe"])  # (its converter rejects the test tokenizer)
+def test_llama_cpp_converter_files_load_as_their_folders(tmp_path: Path, family: str) -> None:
+    """Files written by llama.cpp's own converter, not this file's writer: the same logits as the folder."""
+    from tests.gguf_helpers import convert_with_llama_cpp
+
+    assert LLAMA_CPP is not None
+    folder = model(tmp_path, family)
+    gguf = convert_with_llama_cpp(folder, tmp_path / "m.gguf", Path(LLAMA_CPP))
     assert (logits(gguf) - logits(folder)).abs().max().item() <= 1e-4
 
 

@@ -102,6 +102,21 @@ def test_after_the_json_or_a_forced_token_only_end_of_sequence_may_follow(lm: An
     assert torch.equal(g.allowed(lm.tokenizer.encode("nope")), eos)  # ('n' cannot start the object)
 
 
+def test_a_reply_is_complete_once_its_json_is_whole(lm: Any) -> None:
+    """`complete` (what `moelane run --json` asks of a reply that --max-tokens cut) agrees with json.loads on every
+    prefix of a finished reply."""
+    g = grammar(lm)
+    reply = list(lm.generate_ids(lm.tokenizer.encode(PROMPTS[0]), 200, SamplingParams(grammar=g)))
+    for k in range(len(reply) + 1):
+        try:
+            json.loads(lm.tokenizer.decode(reply[:k]))
+            whole = True
+        except ValueError:
+            whole = False
+        assert g.complete(reply[:k]) is whole, lm.tokenizer.decode(reply[:k])
+    assert not g.complete(lm.tokenizer.encode("nope"))  # (left the grammar)
+
+
 @pytest.mark.parametrize(
     ("schema", "needle"),
     [
@@ -151,7 +166,7 @@ def test_end_ids_past_the_tokenizer_are_left_to_the_rest(lm: Any) -> None:
     assert held.allowed(finished).nonzero().flatten().tolist() == [tok.vocab_size - 1]
 
 
-@pytest.mark.parametrize("drafter", ["none", "copy"])
+@pytest.mark.parametrize("drafter", [pytest.param("none", marks=pytest.mark.slow), "copy"])  # (drafts: the hard case)
 def test_engine_replies_under_a_grammar_equal_one_token_decoding(lm: Any, drafter: str) -> None:
     """Drafts (copy-heavy prompts make the copy drafter propose JSON) are checked against the mask of their own
     row, so the replies are the one-token replies, greedy and seeded."""

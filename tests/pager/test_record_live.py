@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +11,22 @@ import pytest
 import torch
 
 import moelane
+import moelane.commands.trace as trace_commands
 from moelane.assets import default_model_path
+from moelane.commands.common import Terminated
 from moelane.commands.trace import cmd_record
+from moelane.pager.live.memory import format_bytes
 from moelane.pager.trace import read_trace
 
+from .test_commands import Bar
 
-def test_record_two_requests_from_the_default_model(tmp_path: Path) -> None:
+
+def test_record_two_requests_from_the_default_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace, a progress bar that moves by each pass's tokens, and a last line that says what was written."""
+    monkeypatch.setattr(trace_commands, "progress", Bar)
+    Bar.made.clear()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         json.dumps({"prompt": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "max_tokens": 5})
@@ -33,12 +45,20 @@ def test_record_two_requests_from_the_default_model(tmp_path: Path) -> None:
         assert phases.count("decode") == n_decode and phases[0] == "prefill"
         assert max(int(t.seg_offsets[s + 1] - t.seg_offsets[s]) for s in range(t.n_segments)) <= 8
     assert np.allclose(t.weights.sum(axis=2), 1.0, atol=0.02)  # norm_topk_prob: gate weights sum to 1
+    (bar,) = Bar.made
+    sizes = [int(t.seg_offsets[s + 1] - t.seg_offsets[s]) for s in range(t.n_segments)]
+    assert bar.unit == "tok" and bar.steps == sizes and bar.total == sum(sizes) == t.n_tokens
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"wrote {out}: 2 requests, {t.n_segments} segments, {t.n_tokens} tokens, {format_bytes(out.stat().st_size)}"
+    )
 
 
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_a_recording_stopped_midway_keeps_its_requests_and_says_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    stop: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Ctrl-C in the second request: the first one's segments stay, readable, and the user is told what was kept."""
+    """Ctrl-C or SIGTERM in the second request: the first one's segments stay, readable, and the user is told what
+    was kept, in the same words."""
     from moelane.model.lm import LM
 
     prompts = tmp_path / "p.jsonl"
@@ -48,14 +68,25 @@ def test_a_recording_stopped_midway_keeps_its_requests_and_says_so(
     def pressed(self: LM, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # (taken here, in the main thread, at the next bytecode)
         return generate(self, *args, **kwargs)  # type: ignore[arg-type]
 
+    def untaken(*_: object) -> None:
+        raise AssertionError("the SIGTERM reached the test's own handler: trace record did not take it")
+
     monkeypatch.setattr(LM, "generate_ids", pressed)
+    previous = signal.signal(signal.SIGTERM, untaken)
     out = tmp_path / "t.trc"
     args = argparse.Namespace(prompts=str(prompts), out=str(out), model=None, max_tokens=8, prefill_chunk=8)
-    with pytest.raises(KeyboardInterrupt):
-        cmd_record(args)
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            cmd_record(args)
+        assert isinstance(e.value, Terminated) is (stop == "sigterm")
+        assert signal.getsignal(signal.SIGTERM) is untaken  # (put back as it was)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     t = read_trace(out)
     assert t.n_segments == 3 and set(t.stream_ids.tolist()) == {0}  # (a prefill and two decode steps)
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

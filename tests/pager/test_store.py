@@ -114,6 +114,7 @@ def test_closing_the_lm_ends_its_stores_threads(wide: Path) -> None:
     assert [t.name for t in ours if t.is_alive()] == []
 
 
+@pytest.mark.slow  # (compiles a model: ~15-25 s on 2 cores)
 def test_compiled_decode_through_a_store_equals_its_solo_decode(wide: Path, reference: Reference) -> None:
     """Compiled with a store, the decode step hands back to Python at the residency check; an engine's streams (one
     row a call, as a lone stream's) reply what the compiled solo decode does, and that is the resident model's."""
@@ -178,6 +179,8 @@ def test_every_read_path_fills_the_slots_exactly(
     monkeypatch.setattr(storage_module.Storage, "_scratch",
                         lambda self, n: buffers.append((b := scratch(self, n)).data_ptr()) or b)  # fmt: skip
     ref = moelane.load(wide, dtype)
+    in_place.clear()  # (all-resident experts are read the same way: only the store's reads are counted)
+    buffers.clear()
     factory = store_factory(parse_memory("20%"), host and parse_memory(host), "planner", "native")
     lm = moelane.load(wide, dtype, provider=factory)
     store = lm.provider
@@ -312,7 +315,8 @@ def test_statistics_count_every_access_and_byte(wide: Path) -> None:
     assert set(store.stats.by_phase) == {"prefill", "decode"}
     store.wait_loads()
     n_read = sum(store.stats.reads.values())
-    assert n_read == total.misses + store.stats.source("warm").issued  # no predictors attached: warm start only
+    warm = store.stats.source("warm")  # no predictors attached: warm start only; a late one is read as a miss
+    assert n_read == total.misses + warm.issued - warm.late - warm.dropped
     assert sum(store.stats.bytes_read.values()) == n_read * expert_bytes
     assert set(store.stats.read_s) == set(store.stats.reads) and min(store.stats.read_s.values()) > 0
     speed = store.stats.load_speed("disk")

@@ -91,6 +91,18 @@ def test_json_object_and_completions(base: str) -> None:
     assert set(json.loads(r.json()["choices"][0]["text"])) == {"name", "n"}
 
 
+def test_a_reply_cut_before_its_json_is_whole_ends_for_length(base: str) -> None:
+    """As OpenAI's: `max_tokens` cuts the JSON short, and the finish reason says so, streamed or not."""
+    asked: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                 response_format={"type": "json_object"})  # fmt: skip
+    whole = client(base).chat.completions.create(**asked).choices[0]
+    assert whole.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(whole.message.content or "")
+    chunks = [c for c in client(base).chat.completions.create(**asked, stream=True) if c.choices]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
 def test_text_is_no_constraint(base: str) -> None:
     free = client(base).completions.create(model=MODEL, prompt="ROMEO:", max_tokens=12, temperature=0)
     text = client(base).completions.create(model=MODEL, prompt="ROMEO:", max_tokens=12, temperature=0,

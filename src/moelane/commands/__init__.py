@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 
 from moelane.commands import bench, run, serve, trace
-from moelane.commands.common import Parser, distributed_launch
+from moelane.commands.common import Parser, Terminated, distributed_launch
 from moelane.errors import MoelaneError
 
 
@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except MoelaneError as e:
         return say_error(str(e))
+    except Terminated:  # (SIGTERM, where the command takes it as Ctrl-C)
+        return 143
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

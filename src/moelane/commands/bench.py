@@ -1,7 +1,8 @@
 """`moelane bench`: how fast this machine runs a model, as users would run it.
 
 One stream: prefill and decode tok/s of `LM.generate_ids` (eager or compiled). Several streams: the lanes engine's
-aggregate tok/s with N streams sharing rounds. Prints one JSON line per round and a summary line with medians.
+aggregate tok/s with N streams sharing rounds. Prints a small table (each round, then their medians) and the
+settings measured; with --json, one JSON line per round and a summary line with the medians and the settings.
 Cross-engine comparisons (transformers, llama.cpp) live in the repository's `bench/` scripts.
 """
 
@@ -36,6 +37,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--drafter", choices=("none", "copy", "recall", "model"), default="none",
                    help="drafter for --streams N > 1 runs (default none)")  # fmt: skip
     p.add_argument("--compile", action="store_true", help="compile the one-stream decode step (--streams 1 only)")
+    p.add_argument("--json", action="store_true",
+                   help="JSON lines instead: one a round, then a summary (medians, settings)")  # fmt: skip
     p.set_defaults(func=cmd_bench)
 
 
@@ -114,11 +117,40 @@ def bench_loaded(lm, args: argparse.Namespace, config: Any) -> int:  # type: ign
     for r in range(args.rounds):
         result = measure()
         results.append(result)
-        print(json.dumps({"round": r, **{k: round(v, 1) for k, v in result.items()}}), flush=True)
+        if args.json:
+            print(json.dumps({"round": r, **{k: round(v, 1) for k, v in result.items()}}), flush=True)
     summary = {k: round(statistics.median(r[k] for r in results), 1) for k in results[0]}
     config = {"model": str(lm.folder), "dtype": str(lm.dtype).removeprefix("torch."), "streams": args.streams,
               "tokens": args.tokens, "drafter": args.drafter, "compile": lm.compile_enabled,
               "expert_memory": None if args.expert_memory is None else str(args.expert_memory)}  # fmt: skip
-    print(json.dumps({"summary": True, **config, "median": summary}), flush=True)
+    if args.json:
+        print(json.dumps({"summary": True, **config, "median": summary}), flush=True)
+    else:
+        sys.stdout.write(format_table(results, summary, config))
     sys.stdout.flush()
     return 0
+
+
+COLUMNS = {"prefill_tok_s": "prefill tok/s", "decode_tok_s": "decode tok/s", "aggregate_tok_s": "aggregate tok/s",
+           "tokens": "tokens"}  # fmt: skip
+
+
+def format_table(results: list[dict[str, float]], median: dict[str, float], config: dict[str, Any]) -> str:
+    """Each round's figures and their medians as a table, under a line that says what was measured."""
+    streams = config["streams"]
+    what = [f"{config['model']} ({config['dtype']})", f"{streams} stream{'s' * (streams != 1)}",
+            f"{config['tokens']} tokens each", "compiled" if config["compile"] else "eager"]  # fmt: skip
+    if streams > 1:
+        what.append(f"drafter {config['drafter']}")
+    if config["expert_memory"] is not None:
+        what.append(f"--expert-memory {config['expert_memory']}")
+    keys = list(median)
+    width = {k: max(len(COLUMNS.get(k, k)), 8) + 2 for k in keys}
+
+    def row(name: object, values: dict[str, float]) -> str:
+        return f"{name!s:<8}" + "".join(f"{values[k]:>{width[k]}.{0 if k == 'tokens' else 1}f}" for k in keys)
+
+    lines = [", ".join(what), f"{'round':<8}" + "".join(f"{COLUMNS.get(k, k):>{width[k]}}" for k in keys)]
+    lines += [row(i, r) for i, r in enumerate(results, 1)]
+    lines.append(row("median", median))
+    return "\n".join(lines) + "\n"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +21,13 @@ import torch
 import moelane
 from moelane.errors import InputError
 from moelane.model.provider import ResidentProvider
-from moelane.pager.live.memory import MemorySpec, parse_memory
+from moelane.pager.live.memory import MemorySpec, format_bytes, parse_memory
 
 log = logging.getLogger("moelane")
 
 MAX_THREADS = 256  # (OpenMP crashes on tens of thousands)
 SIGNED = re.compile(r"-[\d.]")  # a value such as -5% or -1GiB, which argparse would take for an option
+PROGRESS_DELAY_S = 1.0  # a progress bar shows once its work has taken this long (none for quick work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +75,8 @@ def joined(args: list[str], flags: set[str]) -> list[str]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH", help="Hugging Face model folder, or GGUF file (a split one by any of "
-                   "its parts) (default: the shipped model)")  # fmt: skip
+                   "its parts) (default: the shipped model, a small demo that continues code and plays, not a chat "
+                   "model)")  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype (default auto: the checkpoint's own, bfloat16 for one saved in bfloat16 such "
                    "as Qwen3-30B-A3B, float32 otherwise and for the shipped models)")  # fmt: skip
@@ -92,8 +97,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
                    "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "
                    "is (default none: as stored)")  # fmt: skip
-    p.add_argument("--threads", type=int, metavar="N", help="compute threads (default: every core for run; every "
-                   "core but one for serve, which leaves one to the HTTP server; OMP_NUM_THREADS if set)")  # fmt: skip
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",
                    help="launched by torchrun (experts spread over its ranks: docs/distributed.md): how long rank 0 "
                    "waits for another rank's experts before it fails the requests in flight and reports itself "
@@ -142,12 +147,32 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
         if compile:
             raise InputError("--compile on: a distributed run computes eagerly (its experts' outputs are exchanged "
                              "between ranks in every MoE layer)")  # fmt: skip
-        return dist.load(ranks, args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
-                         host_memory=args.host_memory, policy=args.pager_policy or "planner",
-                         default_tier=args.default_tier, progress=True, quantize=args.quantize)  # fmt: skip
-    return moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
-                        policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
-                        progress=True, quantize=args.quantize)  # fmt: skip
+        lm = dist.load(ranks, args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
+                       host_memory=args.host_memory, policy=args.pager_policy or "planner",
+                       default_tier=args.default_tier, progress=True, quantize=args.quantize)  # fmt: skip
+    else:
+        lm = moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
+                          host_memory=args.host_memory, policy=args.pager_policy or "planner",
+                          default_tier=args.default_tier, compile=compile, progress=True,
+                          quantize=args.quantize)  # fmt: skip
+    try:
+        check_pool(lm, args.expert_memory)
+    except InputError:
+        lm.close()
+        raise
+    return lm
+
+
+def check_pool(lm: Any, expert_memory: MemorySpec | None) -> None:
+    """InputError if the expert pool cannot hold the experts one token routes to in one MoE layer, so that no pass
+    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold)."""
+    if not paged(lm) or (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
+        return
+    need = top_k * lm.provider.slot_bytes
+    share = math.ceil(need / lm.provider.total_bytes * 1000) / 10  # (rounded up: a budget of it holds them)
+    given = "the free memory" if expert_memory is None else f"--expert-memory {expert_memory}"
+    raise InputError(f"{given} holds {n_slots} expert{'s' * (n_slots != 1)}, but a token routes to {top_k} at once "
+                     f"in each MoE layer: give at least {format_bytes(need)} ({share:g}%)")  # fmt: skip
 
 
 DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -175,3 +200,63 @@ def check_output(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: no such folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: cannot write in {folder} (permission denied)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken as Ctrl-C is (`terminated_as_interrupt`): the command stops the same way and says the same;
+    `main` exits 143 for it (128 + SIGTERM), 130 for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt() -> Iterator[None]:
+    """While the block runs, SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises KeyboardInterrupt, so a
+    command that writes a file as it goes ends it the same way (what was written stays, and it says so); the previous
+    handler is put back after. Elsewhere than in the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that come while the block runs are taken once it is done (a file's record and its count
+    stay together). Their handlers are swapped for the block's time: a thread mask would not do, since the kernel
+    hands a signal to any thread that does not block it (tqdm's monitor, say) and Python then runs the handler in
+    the main thread all the same. Elsewhere than in the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])  # (to the handler it would have reached)
+
+
+def progress(total: int, what: str, unit: str) -> Any:
+    """A progress bar on stderr (`what: done/total [elapsed<left, rate unit/s]`) moved by `.update(n)`; shown once
+    the work has taken `PROGRESS_DELAY_S` and cleared when it ends, so that the line after it is the last one."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr)
+
+
+def say_written(path: str, requests: int, segments: int, tokens: int) -> None:
+    """The one line a command that wrote a trace ends with: the file, what it holds, its size."""
+    size = format_bytes(Path(path).stat().st_size)
+    print(f"wrote {path}: {requests} requests, {segments} segments, {tokens} tokens, {size}", file=sys.stderr,
+          flush=True)  # fmt: skip

@@ -22,12 +22,18 @@ log = logging.getLogger("moelane")
 # Measured on the shipped model (2 cores): eager decode 93-151 tok/s, compiled 480-770, warm-up 10 s (cached) to 60 s
 # (cold): compiling pays from about a thousand tokens.
 COMPILE_PAYS_TOKENS = 1024
+DEMO = "14M-parameter demo model"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout",
+    p = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout (without --model: a demo "
+                       "model that continues code, not a chat model)",
                        description="Generate a reply to PROMPT and stream it to stdout; a summary line (tokens, "
-                       "prefill and decode speed) goes to stderr.")  # fmt: skip
+                       "prefill and decode speed) goes to stderr. Without --model it runs the shipped model: a "
+                       f"{DEMO}, there to show the engine at work, not a chat model. It continues code well (it was "
+                       "trained on Python's standard library, Shakespeare and Vim's help): try "
+                       "'def fibonacci(n):'. For real replies give --model a Hugging Face MoE folder (Qwen3-30B-A3B, "
+                       "say).")  # fmt: skip
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
     add_model_args(p)
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
@@ -150,6 +156,9 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
         params.check_vocab(lm.vocab_size)
     opening = ""  # what a chat prompt ends with for the reply to be the answer at once (JSON: no reasoning first)
     if args.chat:
+        if args.model is None:  # (its chat replies read as noise: say why before them)
+            print(f"note: the shipped model is a {DEMO} that continues code and plays; it does not chat. Give --model "
+                  "a real model's folder for answers.", file=sys.stderr, flush=True)  # fmt: skip
         prompt = lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         opening = answer_opening(lm.tokenizer, prompt) if args.json else ""
     if args.json:
@@ -184,14 +193,15 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
     thought = False
     tokens = generate(lm, prompt_ids, args, params)
     t0 = time.perf_counter()
-    t_first, n_new = 0.0, 0
+    t_first, disk_first = 0.0, 0
+    reply: list[int] = []
     with contextlib.ExitStack() as stack:
         if args.trace:
             stack.enter_context(open_trace(args.trace, lm))
         for token in tokens:
-            if n_new == 0:
-                t_first = time.perf_counter()
-            n_new += 1
+            if not reply:
+                t_first, disk_first = time.perf_counter(), disk_read(lm)
+            reply.append(token)
             part = ANSWER if splitter is None else splitter.push(token)
             if part != ANSWER:
                 if part is not None:
@@ -207,12 +217,16 @@ def run_loaded(lm, args: argparse.Namespace, prompt: str, params) -> int:  # typ
             sys.stderr.write(openings.trim(REASONING, thoughts.flush()) + "\n")
         sys.stdout.write(stops.push(answer(detok.flush())) + stops.flush() + "\n")  # a cut-off character: U+FFFD
     t_end = time.perf_counter()
+    n_new = len(reply)
     prefill = len(prompt_ids) / (t_first - t0) if n_new else 0.0
     decode = (n_new - 1) / (t_end - t_first) if n_new > 1 else 0.0
-    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({ended(stops.stopped, n_new, args.max_tokens, room)}),"
-          f" prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
+    why = ended(stops.stopped, n_new, args.max_tokens, room)
+    if params.grammar is not None and why in CUT and not params.grammar.complete(reply):
+        log.warning("reply cut %s before the JSON was complete", CUT[why])
+    print(f"prompt {len(prompt_ids)} tokens, {n_new} new tokens ({why}), prefill {prefill:.1f} tok/s, "
+          f"decode {decode:.1f} tok/s", file=sys.stderr)  # fmt: skip
     if args.stats:
-        print_stats(lm)
+        print_stats(lm, (disk_read(lm) - disk_first, max(0, n_new - 1)))
     return 0
 
 
@@ -225,6 +239,10 @@ def reply_grammar(lm, schema: dict[str, object] | bool | None):  # type: ignore[
     except InputError as e:
         raise InputError(f"--json-schema: {e}") from None
     return Grammar.for_lm(lm, text)
+
+
+# the summary's reasons that cut a reply short, as the line that says a reply held to JSON was cut says them
+CUT = {"--max-tokens": "at --max-tokens", "context full": "at the end of the model's context"}
 
 
 def ended(stopped: bool, n_new: int, max_tokens: int, room: int) -> str:
@@ -277,8 +295,17 @@ def open_trace(path: str, lm):  # type: ignore[no-untyped-def]
     return open_recorder(path, lm)
 
 
-def print_stats(lm) -> None:  # type: ignore[no-untyped-def]
+def print_stats(lm, decoded: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """`--stats`: the memory limit and budget, the pager's counters, and `decoded` (disk bytes read after the first
+    token, tokens after it)."""
     from moelane.pager.live.build import format_stats
 
     describe = getattr(lm.provider, "describe", None)  # (a distributed run's: its ranks, then rank 0's own store)
-    print(describe() if describe is not None else format_stats(lm.provider), file=sys.stderr)
+    print(describe() if describe is not None else format_stats(lm.provider, lm.memory, decoded), file=sys.stderr)
+
+
+def disk_read(lm) -> int:  # type: ignore[no-untyped-def]
+    """Bytes the model's expert store has read from disk so far."""
+    from moelane.pager.live.build import disk_bytes
+
+    return disk_bytes(lm.provider)

@@ -16,12 +16,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moelane.commands.common import MemoryFlag, check_output, in_flags, set_threads
+from moelane.commands.common import (
+    MemoryFlag,
+    check_output,
+    in_flags,
+    progress,
+    say_written,
+    set_threads,
+    signals_held,
+    terminated_as_interrupt,
+)
 from moelane.errors import InputError
 from moelane.pager.lab.analyze import analyze
 from moelane.pager.lab.policies import make_policy
 from moelane.pager.lab.replay import DEFAULT_BANDWIDTH, DEFAULT_COMPUTE_FLOOR, DEFAULT_LATENCY, CostModel, replay
 from moelane.pager.lab.sweep import default_capacities, sweep
+from moelane.pager.live.memory import format_bytes
 from moelane.pager.trace import MAX_EXPERTS, Trace, read_trace
 
 log = logging.getLogger(__name__)
@@ -141,8 +151,6 @@ def _check_plot(path: str | None) -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     import moelane
     from moelane.model.sampling import SamplingParams
     from moelane.pager.live.recorder import TraceRecorder, open_recorder
@@ -155,24 +163,47 @@ def cmd_record(args: argparse.Namespace) -> int:
     set_threads(args)
     lm = moelane.load(args.model, "auto", progress=True)  # as run and serve compute by default
     prompts = _encode_prompts(lm, args.prompts, requests)  # (every prompt fits, before anything is recorded)
-    done = 0
+    # Every token a pass routes: each prompt's, then each reply token's but the last (the first comes from the
+    # prefill's logits, the last is never fed back).
+    total = sum(len(ids) + max(0, min(req["max_tokens"], lm.max_context - len(ids)) - 1)
+                for (_, req), ids in zip(requests, prompts, strict=True))  # fmt: skip
+    done, counter = 0, PassCounter()
     recorder: TraceRecorder | None = None
-    try:
-        with open_recorder(args.out, lm, model=args.model or "default") as recorder:
-            for i, ((_, req), ids) in enumerate(tqdm(list(zip(requests, prompts, strict=True)), desc="recording",
-                                                     unit="request", leave=False, delay=1.0)):  # fmt: skip
-                recorder.stream = i
-                n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
-                params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
-                sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
-                done = i + 1
-    except BaseException:  # (Ctrl-C, or a failure: what was recorded stays, readable, and the user is told so)
-        if recorder is not None and recorder.n_segments:
-            log.warning("recording stopped after %d of %d requests: %s keeps the %d segments recorded so far",
-                        done, len(requests), args.out, recorder.n_segments)  # fmt: skip
-        raise
-    log.info("recorded %d segments of %d requests to %s", recorder.n_segments, len(requests), args.out)
+    with terminated_as_interrupt():
+        try:
+            with open_recorder(args.out, lm, model=args.model or "default") as recorder, \
+                    progress(total, "recording", "tok") as counter.bar:  # fmt: skip
+                lm.observers.append(counter)  # (after the recorder: a pass is counted once it is written)
+                try:
+                    for i, ((_, req), ids) in enumerate(zip(requests, prompts, strict=True)):
+                        recorder.stream = i
+                        n, chunk, t = req["max_tokens"], req["prefill_chunk"], req["temperature"]
+                        params = SamplingParams(t, 0.95, 0, seed + i) if t else SamplingParams()
+                        sum(1 for _ in lm.generate_ids(ids, n, params, prefill_chunk=chunk, stop_ids=frozenset()))
+                        done = i + 1
+                finally:
+                    lm.observers.remove(counter)
+        except BaseException:  # (Ctrl-C or SIGTERM, or a failure: what was recorded stays, and the user is told so)
+            if recorder is not None and recorder.n_segments:
+                log.warning("recording stopped after %d of %d requests: %s keeps the %d segments recorded so far",
+                            done, len(requests), args.out, recorder.n_segments)  # fmt: skip
+            raise
+    say_written(args.out, len(requests), recorder.n_segments, counter.tokens)
     return 0
+
+
+class PassCounter:
+    """An observer of a model's passes that counts their tokens and moves a progress bar by them."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.tokens = 0
+
+    def observe(self, record: Any) -> None:
+        n = int(record.expert_ids.shape[1])  # ([layers, tokens, top-k])
+        self.tokens += n
+        with signals_held():  # (a bar cut mid-line by Ctrl-C would not be cleared)
+            self.bar.update(n)
 
 
 def _encode_prompts(lm: Any, path: str, requests: list[tuple[int, dict[str, Any]]]) -> list[list[int]]:
@@ -321,7 +352,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         capacity, unit = _capacity(args, trace)
         specs = args.policy or ["planner"]
-        rows = [replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict() for p in specs]
+        share = capacity / (trace.header.n_total * (trace.header.expert_bytes if unit == "bytes" else 1))
+        rows = [{**replay(trace, make_policy(p, plan_path=args.plan_out), capacity, unit, cost).to_dict(),
+                 "fraction": share} for p in specs]  # fmt: skip
     if args.plot:
         from moelane.pager.lab.plots import plot_sweep
 
@@ -330,19 +363,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for row in rows:
             sys.stdout.write(json.dumps(row) + "\n")
         return 0
-    sys.stdout.write(format_rows(rows))
+    sys.stdout.write(format_rows(rows, trace.header.expert_bytes))
     return 0
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = f"{'policy':<22}{'pool':>8}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}{'stall ms':>10}{'tok/s':>8}"
+def format_rows(rows: list[dict[str, Any]], expert_bytes: int) -> str:
+    """The replay's rows as a table; the pool in slots (experts) and in bytes (experts at their full size), whichever
+    of them it was given in."""
+    head = (f"{'policy':<22}{'pool:slots':>11}{'pool:bytes':>11}{'hit(dec)':>10}{'hit(pre)':>10}{'MB/tok':>9}"
+            f"{'stall ms':>10}{'tok/s':>8}")  # fmt: skip
     out = [head]
     for r in rows:
         n = max(1, r["decode"]["n_tokens"])
+        slots, size = r["capacity"], r["capacity"] * expert_bytes
+        if r["unit"] == "bytes":
+            slots, size = r["capacity"] // expert_bytes, r["capacity"]
         out.append(
-            f"{r['policy']:<22}{r['capacity']:>8}{rate(r['decode']):>10}{rate(r['prefill']):>10}"
-            f"{r['decode_bytes_per_token'] / 1e6:>9.2f}{r['decode']['stall_s'] / n * 1e3:>10.2f}"
-            f"{r['tok_s_aggregate']:>8.1f}"
+            f"{r['policy']:<22}{slots:>11}{format_bytes(size).replace(' ', ''):>11}{rate(r['decode']):>10}"
+            f"{rate(r['prefill']):>10}{r['decode_bytes_per_token'] / 1e6:>9.2f}"
+            f"{r['decode']['stall_s'] / n * 1e3:>10.2f}{r['tok_s_aggregate']:>8.1f}"
         )
     return "\n".join(out) + "\n"
 
@@ -353,8 +392,8 @@ def rate(phase: dict[str, Any]) -> str:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from moelane.pager.lab.synth import SynthConfig, synth_trace
-    from moelane.pager.trace import write_trace
+    from moelane.pager.lab.synth import SynthConfig, synth_segments
+    from moelane.pager.trace import TraceWriter
 
     for name, _, least, _ in SYNTH_INTS:
         if (value := getattr(args, name.replace("-", "_"))) < least:
@@ -370,5 +409,21 @@ def cmd_synth(args: argparse.Namespace) -> int:
             locality=args.locality, shift_every=args.shift_every, seed=args.seed,
         )  # fmt: skip
     check_output(args.out, "--out")
-    write_trace(args.out, synth_trace(cfg))
+    written, tokens, done = 0, 0, 0
+    total = cfg.n_requests * (cfg.prefill_tokens + cfg.decode_tokens)
+    with terminated_as_interrupt():
+        try:
+            with TraceWriter(args.out, cfg.header()) as writer, progress(total, "writing", "tok") as bar:
+                for seg in synth_segments(cfg):
+                    done = int(seg.stream_ids[0])  # (the requests before this segment's are whole)
+                    with signals_held():  # (a segment and its count together; the bar never cut mid-line)
+                        writer.write_segment(seg.expert_ids, seg.weights, seg.phase, seg.stream_ids)
+                        written, tokens = written + 1, tokens + seg.n_tokens
+                        bar.update(seg.n_tokens)
+        except BaseException:  # (Ctrl-C or SIGTERM, or a failure: what was written stays, and the user is told so)
+            if written:
+                log.warning("writing stopped after %d of %d requests: %s keeps the %d segments written so far",
+                            done, cfg.n_requests, args.out, written)  # fmt: skip
+            raise
+    say_written(args.out, cfg.n_requests, written, tokens)
     return 0

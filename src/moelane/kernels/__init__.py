@@ -20,9 +20,10 @@ product of x with the dequantised row, within (In / 16 + 6) * 2^-24 * sum |x_i w
 
 from moelane.kernels.build import BuildError
 from moelane.kernels.op import Availability, available, ensure_built, gather_linear, linear, use_fallback
-from moelane.kernels.pool import KINDS, Pool, dequantize, quantize
+from moelane.kernels.pool import FLOAT_KINDS, KINDS, Pool, dequantize, quantize
 
 __all__ = [
+    "FLOAT_KINDS",
     "KINDS",
     "Availability",
     "BuildError",

@@ -28,6 +28,7 @@ from moelane.kernels.formats import quantize as tier_quantize
 KINDS = ("f32", "bf16", "int8", "int4")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
 QUANT = {"int8": FORMATS[1], "int4": FORMATS[2]}
+FLOAT_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the kind that holds unquantised weights of a dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,16 @@ or 1 at rate 0.15). A stream at depth d expects `1 + sum_{j<d} prod_{k<=j} p[k]`
 
 In a shared round the allocation starts from every stream's base rows (its next input token, or its prefill chunk)
 and adds draft rows greedily, highest landing chance first across streams, keeping the allocation with the best
-expected committed tokens per unit of round cost. A round's cost is `price(rows) + draft_price * deepest draft`
-(the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of the engine each stream
+expected committed tokens per unit of round cost. A round's cost is `price(rows, streams) + draft_price * deepest
+draft` (the draft model's passes, one per draft level; 0 for copy drafters). Every 8th round of the engine each stream
 probes one deeper than the allocation chose, so that a low estimate (or a draft price measured high once) can
 recover; all streams probe in the same round, so a draft model's probe costs one draft pass every 8 rounds, not one
 in most rounds.
 
 Prices come from a `PriceTable`: cost of a round by rows, linearly interpolated between known widths (and
-extrapolated from the last two beyond them). A fixed table never changes; a timed one folds in measured rounds.
+extrapolated from the last two beyond them). A fixed table never changes; a timed one folds in measured rounds. For a
+target whose weight reads set a round's cost (an MoE whose experts do not fit in the caches), `cost.ExpertPrices`
+adds the bytes of the experts a round's streams and drafts are expected to route to.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 ACCEPT_PRIORS = (0.85, 0.75, 0.7, 0.65, 0.6, 0.55)
 ACCEPT_TAIL = 0.5
@@ -57,8 +60,17 @@ class Acceptance:
         return 1.0 + sum(self.landing(k) for k in range(depth))
 
 
+class Prices(Protocol):
+    """Cost of a round of `rows` rows over `streams` streams (its base rows and drafts), in seconds or any unit."""
+
+    def price(self, rows: int, streams: int = 1) -> float: ...
+
+    def observe(self, rows: int, seconds: float, streams: int = 1) -> None: ...
+
+
 class PriceTable:
-    """Cost of a round by its row count. `observe` (timed tables) folds a measured round into its width."""
+    """Cost of a round by its row count (whatever its streams). `observe` (timed tables) folds a measured round into
+    its width."""
 
     __slots__ = ("_points", "_rate")
 
@@ -74,11 +86,11 @@ class PriceTable:
     def points(self) -> list[tuple[int, float]]:
         return sorted(self._points.items())
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, streams: int = 1) -> None:
         old = self._points.get(rows)
         self._points[rows] = seconds if old is None else old + self._rate * (seconds - old)
 
-    def price(self, rows: int) -> float:
+    def price(self, rows: int, streams: int = 1) -> float:
         pts = self.points
         if len(pts) == 1:
             n, c = pts[0]
@@ -109,7 +121,7 @@ def probe_round(index: int) -> bool:
 
 
 def allocate(
-    seats: Sequence[Seat], prices: PriceTable, max_rows: int, draft_price: float = 0.0, probe: bool = False
+    seats: Sequence[Seat], prices: Prices, max_rows: int, draft_price: float = 0.0, probe: bool = False
 ) -> list[int]:
     """Draft rows per seat, maximising expected committed tokens per unit of round cost; in a `probe` round each
     committing seat then holds one more (rows permitting)."""
@@ -118,7 +130,7 @@ def allocate(
     tokens = float(sum(1 for s in seats if s.commits))
 
     def value(deepest: int) -> float:
-        return tokens / (prices.price(max(rows, 1)) + draft_price * deepest)
+        return tokens / (prices.price(max(rows, 1), max(len(seats), 1)) + draft_price * deepest)
 
     best, best_depths, deepest = value(0), list(depths), 0
     heap = [(-s.acceptance.landing(0), i) for i, s in enumerate(seats) if s.commits and s.max_drafts > 0]

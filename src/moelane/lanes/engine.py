@@ -30,7 +30,7 @@ import torch
 from moelane.errors import InputError, MoelaneError
 from moelane.lanes.clock import Clock, RealClock
 from moelane.lanes.config import EngineConfig
-from moelane.lanes.depth import Acceptance, PriceTable, Seat, allocate, probe_round
+from moelane.lanes.depth import Acceptance, Prices, PriceTable, Seat, allocate, probe_round
 from moelane.lanes.drafters import CopyDrafter, Drafter, ModelDrafter, RecallDrafter, RecallStore, load_draft_model
 from moelane.lanes.guard import DRAFTED, PLAIN, Guard
 from moelane.lanes.lane import Lane
@@ -80,7 +80,7 @@ class Engine:
         self.clock = clock or RealClock()
         self.drafter = self._make_drafter(draft, recall_store)
         self.guard = Guard() if self.config.guard_on else None
-        self.prices = PriceTable(self.config.prices)
+        self.prices: Prices = PriceTable(self.config.prices)
         self.draft_price = self.config.draft_price
         self.prefixes = PrefixStore(self.config.prefix_cache_mb << 20, self.config.max_streams)
         self._waiting: deque[Lane] = deque()
@@ -255,7 +255,7 @@ class Engine:
         else:
             logits = self.target.forward(rows, last_only=last_only)  # (keyword: LM's second is `phase`)
         if self.config.timed:
-            self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0)
+            self.prices.observe(sum(len(r.token_ids) for r in rows), self.clock.now() - t0, len(rows))
         for w in windows:
             w.lane.last_round = self._round
         return logits

@@ -5,10 +5,16 @@ a position are a pure function of the stream's token history up to and including
 or its last `window` tokens, which makes replies repetitive enough for copy drafters), so rows never depend on the
 batch and rolled-back rows are simply overwritten. A second instance with `error_rate=0.2` and the same seed serves
 as a draft model that is wrong about 1 time in 5. With a `FakeClock`, each pass advances the clock by its price.
+
+With a `footprint` (`moelane.model.footprint`) it is an MoE whose passes also cost `per_byte` for every byte they
+read: the dense bytes, and in each of its MoE layers the distinct experts its rows route to. A row routes to top_k of
+n_experts chosen by a hash of its token (`routes="token"`: drafts route as new text does), or of its stream's first
+token (`routes="stream"`: a stream's rows all share its experts).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -16,6 +22,7 @@ import torch
 
 from moelane.lanes.clock import FakeClock
 from moelane.model.cache import Rows
+from moelane.model.footprint import Footprint
 
 MASK64 = (1 << 64) - 1
 
@@ -53,11 +60,16 @@ class FakeTarget:
         clock: FakeClock | None = None,
         price: Callable[[int, int], float] | None = None,
         sharpness: float = 2.0,
+        footprint: Footprint | None = None,
+        per_byte: float = 0.0,
+        routes: str = "token",
     ) -> None:
         if vocab_size < 2:
             raise ValueError("the fake target needs a vocabulary of at least 2")
         if not 0.0 <= error_rate < 1.0:
             raise ValueError(f"error_rate must be in [0, 1), got {error_rate}")
+        if routes not in ("token", "stream"):
+            raise ValueError(f"routes must be 'token' or 'stream', got {routes!r}")
         self.vocab_size = vocab_size
         self.max_context = 1 << 20
         self.eos_ids = eos_ids
@@ -67,8 +79,12 @@ class FakeTarget:
         self.clock = clock
         self.price = price or linear_price(0.010, 0.0005)
         self.sharpness = sharpness
+        self._footprint, self.per_byte, self.routes = footprint, per_byte, routes
         self.n_passes = 0
         self.n_rows = 0
+
+    def footprint(self) -> Footprint | None:
+        return self._footprint
 
     def new_cache(self, capacity: int) -> FakeCache:
         return FakeCache(capacity)
@@ -95,8 +111,21 @@ class FakeTarget:
         self.n_passes += 1
         self.n_rows += n_rows
         if self.clock is not None:
-            self.clock.advance(self.price(n_rows, len(rows)))
+            self.clock.advance(self.price(n_rows, len(rows)) + self.per_byte * self.pass_bytes(rows))
         return out
+
+    def pass_bytes(self, rows: Sequence[Rows]) -> float:
+        """Bytes a pass over `rows` reads (0 without a footprint): its distinct experts, in every MoE layer."""
+        shape = self._footprint
+        if shape is None:
+            return 0.0
+        experts: set[int] = set()
+        for r in rows:
+            stream_key = cast(FakeCache, r.cache).tokens[0] if self.routes == "stream" else None
+            for token in r.token_ids:
+                key = mix(self.seed, (token if stream_key is None else stream_key) + 1)
+                experts.update(random.Random(key).sample(range(shape.n_experts), shape.top_k))
+        return shape.pass_bytes(shape.n_layers * len(experts))
 
     def _key(self, cache: FakeCache, pos: int) -> int:
         if self.window <= 0:

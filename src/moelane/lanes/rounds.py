@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelane.lanes.depth import PriceTable, Seat, allocate
+from moelane.lanes.depth import Prices, Seat, allocate
 from moelane.lanes.lane import Lane
 from moelane.lanes.stream import TokenLogprob
 from moelane.model.cache import Rows
@@ -60,7 +60,7 @@ def choose(lanes: Sequence[Lane], max_streams: int, max_rows: int, prefill_chunk
 
 
 def plan_windows(
-    chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: PriceTable, max_rows: int, probe: bool = False
+    chosen: Sequence[tuple[Lane, int]], drafted: bool, prices: Prices, max_rows: int, probe: bool = False
 ) -> list[Window]:
     seats = [
         Seat(base, lane.n_fed + base == len(lane.tokens), min(len(lane.drafts), lane.room) if drafted else 0,

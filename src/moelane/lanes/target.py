@@ -3,13 +3,15 @@ that model (`fit_to_target`).
 
 A target is anything with `new_cache`, `cache_for`, `forward(rows)`, `vocab_size`, `eos_ids` and `max_context`: `LM`,
 or the fake of `moelane.lanes.fake`. With `capacity_for` too (the capacity `cache_for` gives), finished streams'
-caches can serve later prompts with the same start (`moelane.lanes.prefix`). `calibrate` measures the price of its
-passes by width.
+caches can serve later prompts with the same start (`moelane.lanes.prefix`). With `footprint()` too (what its passes
+read, `moelane.model.footprint`; None for a model without routed experts), its rounds are priced by the bytes they
+read (`moelane.lanes.cost`). `calibrate` measures the price of its passes by width, and of their further bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -17,11 +19,14 @@ import torch
 
 from moelane.lanes.clock import Clock
 from moelane.lanes.config import EngineConfig
-from moelane.lanes.depth import PriceTable
+from moelane.lanes.cost import ExpertPrices
+from moelane.lanes.depth import Prices, PriceTable
 from moelane.model.cache import Rows
+from moelane.model.footprint import Footprint
 
 log = logging.getLogger(__name__)
 CALIBRATION_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+BYTE_WIDTHS = (2, 4, 8, 16)  # (passes of at most 16 rows: LM's compiled step reads a call's experts once per 16 rows)
 
 
 class Target(Protocol):
@@ -52,9 +57,12 @@ def fit_to_target(config: EngineConfig, target: Target) -> EngineConfig:
                    prefill_chunk=min(config.prefill_chunk, rows))  # fmt: skip
 
 
-def calibrate(target: Target, draft: Any, clock: Clock, max_rows: int) -> tuple[PriceTable, float | None]:
+def calibrate(target: Target, draft: Any, clock: Clock, max_rows: int) -> tuple[Prices, float | None]:
     """The price of a pass by width, measured before serving: the best of two passes each, of generated rows (as rounds
-    feed them; through the compiled step, if any); and of one row of the `draft` model, if there is one."""
+    feed them; through the compiled step, if any); and of one row of the `draft` model, if there is one. Rows of one
+    token repeated, which route to one row's experts; for a target with a footprint, also passes of as many
+    distinct tokens (each row of its own), whose extra time over the repeated token's prices its further bytes
+    (`ExpertPrices`)."""
 
     def best_of_two(model: Any, rows: Rows) -> float:
         seconds = []
@@ -68,4 +76,19 @@ def calibrate(target: Target, draft: Any, clock: Clock, max_rows: int) -> tuple[
     cache = target.new_cache(widths[-1])
     points = [(w, max(best_of_two(target, Rows(cache, [0] * w, 0, decode=True)), 1e-9)) for w in widths]
     draft_price = None if draft is None else best_of_two(draft, Rows(draft.cache_for(1, 1), [0], 0, decode=True))
-    return PriceTable(points), draft_price
+    table = PriceTable(points)
+    shape = target_footprint(target)
+    if shape is None:
+        return table, draft_price
+    per_byte = []
+    for w in (w for w in BYTE_WIDTHS if w in dict(points)):
+        spread = [(target.vocab_size - 1) * i // (w - 1) for i in range(w)]  # distinct tokens across the vocabulary
+        extra = best_of_two(target, Rows(cache, spread, 0, decode=True)) - dict(points)[w]
+        per_byte.append(extra / (shape.expected_bytes(w) - shape.expected_bytes(1)))
+    return ExpertPrices(table, shape, max(0.0, statistics.median(per_byte)) if per_byte else 0.0), draft_price
+
+
+def target_footprint(target: Target) -> Footprint | None:
+    """What the target's passes read (`footprint()`), or None where it does not say (a dense model, the fake)."""
+    method = getattr(target, "footprint", None)
+    return method() if callable(method) else None

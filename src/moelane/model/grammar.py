@@ -150,6 +150,11 @@ class Grammar:
         mask = torch.from_numpy(bits[: self._eos.shape[0]].astype(np.bool_))
         return mask if bool(mask.any()) else self._eos
 
+    def complete(self, reply: Sequence[int]) -> bool:
+        """Whether `reply` holds whole JSON, which only an end-of-sequence token may follow (false for a reply cut
+        off mid-value, or one that left the grammar)."""
+        return self._follow(reply) == len(reply) and bool(self._matcher.is_accepting())
+
     def _follow(self, reply: Sequence[int]) -> int:
         """Bring the matcher to the state after the longest prefix of `reply` that the grammar allows: step back to
         where the reply parts from the last one, then take the rest. -> the length of that prefix. (The matcher

@@ -43,7 +43,7 @@ def linear(
 
     Under torch.compile it is written as a fixed-order reduction instead, which the compiler fuses into one kernel at
     the memory roofline (a matrix-vector product through the BLAS reaches about half of it here; ANCHORS.md). A
-    weight that is a kernels' `Pool` (bf16 or quantised: `model/weights.py`) goes through the kernels, eager or
+    weight that is a kernels' `Pool` (f32, bf16 or quantised: `model/weights.py`) goes through the kernels, eager or
     compiled: fp32 products of each row in a fixed order, rounded to x's dtype once, or (`exact_out`: LM heads)
     left in fp32, as llama.cpp leaves its logits: bf16 logits tie often (8 bits of mantissa over a vocabulary), and
     argmax would then break the tie by token id."""

@@ -33,6 +33,7 @@ from moelane.model.checkpoint import ExpertHandle
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
 from moelane.model.family import Family
+from moelane.model.footprint import Footprint, footprint
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
 from moelane.model.sampling import SamplingParams, sample
 from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
@@ -84,6 +85,7 @@ class LM:
         self._step_rows = STEP_ROWS
         self._step_provider: ExpertProvider = provider
         self.prefill_chunk = 256  # rows per prefill pass; a small expert pool may need fewer
+        self.memory: Any = None  # the memory limit, minimum and expert budget `moelane.load` found (MemoryReport)
         self._pools: dict[int, KVPool] = {}  # by capacity
         # Held by every pass and by cache allocation: a pool that grows replaces its tensors, which must not happen
         # while a pass writes into them.
@@ -103,6 +105,10 @@ class LM:
                     del self._pools[unused]
                 pool = self._pools[capacity] = KVPool(self.model.cache_shapes(), capacity, self.dtype)
             return KVCache(pool)
+
+    def footprint(self) -> Footprint | None:
+        """What a pass reads (`moelane.model.footprint`), by which the lanes engine prices its rounds."""
+        return footprint(self)
 
     def max_pass_rows(self) -> int | None:
         """Most rows one pass may hold (None: no limit). A pager's expert pool must hold every expert one MoE layer's

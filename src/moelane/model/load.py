@@ -2,17 +2,21 @@
 fetch.
 
     config.json -> its family (`family.family_of`, by `model_type`) -> its typed config, checked (`config.Config`)
-    -> the family's decoder -> the experts' disk handles -> the dense weights read into the decoder -> LM
+    -> the family's decoder -> the experts' disk handles -> (preflight) -> the dense weights read into the decoder -> LM
 
 A GGUF's metadata stands in for config.json (`gguf.hparams`), its tensors for the shards (`gguf.tensors`: llama.cpp's
 names and layouts mapped to the decoder's), its vocabulary for tokenizer.json (`gguf.vocab`): docs/gguf.md.
+
+`preflight`, where given, sees the model's `MemoryNeeds` before any weight is read (a memory check refuses there).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import torch
 
 from moelane.errors import ModelLoadError
 from moelane.model.checkpoint import (
+    DTYPES,
     ExpertHandle,
     TensorRef,
     expected_shapes,
@@ -48,6 +53,22 @@ log = logging.getLogger(__name__)
 ProviderFactory = Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryNeeds:
+    """What a model takes in memory besides its routed experts, known before any weight is read: `dense_bytes`, its
+    dense weights in the compute dtype (as stored for float8 ones expanded; before `quantize`, an upper bound);
+    `kv_bytes`, one stream's KV cache at the model's full context; `top_k`, experts a token routes to in each of
+    its `n_moe_layers` MoE layers."""
+
+    dense_bytes: int
+    kv_bytes: int
+    top_k: int
+    n_moe_layers: int
+
+
+Preflight = Callable[[MemoryNeeds, dict[int, list[ExpertHandle]], torch.dtype], None]
+
+
 def load(
     path: str | Path | None = None,
     dtype: torch.dtype | str = torch.float32,
@@ -56,18 +77,20 @@ def load(
     compile: bool = False,
     progress: bool = False,
     quantize: str = "none",
+    preflight: Preflight | None = None,
 ) -> LM:
     """Load a model folder or a GGUF file (None: the shipped default model) to compute in `dtype` ("auto":
     `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
     resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
-    quantised (`weights.prepare_weights`)."""
+    quantised (`weights.prepare_weights`). `preflight` is called with the model's `MemoryNeeds`, its experts' handles
+    and the compute dtype before any weight is read (a memory check that refuses early raises there)."""
     folder, gguf_file, raw, family, config, compute = opened(path, dtype)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
     model = family.build(config)
     if gguf_file is None:
-        handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block)
+        handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block, preflight)
     else:
-        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute)
+        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight)
     prepare_weights(model, quantize, progress)
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
@@ -114,7 +137,7 @@ def read_experts(
 
 def read_folder(
     folder: Path, family: Family[Any], config: Config, model: Decoder, raw: dict[str, Any], dtype: torch.dtype,
-    fp8_block: tuple[int, int] | None,
+    fp8_block: tuple[int, int] | None, preflight: Preflight | None = None,
 ) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:  # fmt: skip
     """A model folder's experts (handles) and tokenizer, its dense weights read into `model`."""
     refs = scan_checkpoint(folder)
@@ -126,19 +149,34 @@ def read_folder(
         for name, ref in refs.items()
         if (ref.path, ref.offset) not in expert_starts and not family.ignored(config, name)
     }
+    if preflight is not None:
+        n_dense = sum(ref.nbytes // max(1, DTYPES[ref.dtype].itemsize) for ref in dense.values())
+        preflight(memory_needs(config, model, n_dense, dtype), handles, dtype)
     load_dense(model, family, dense, dtype, fp8_block)
     return handles, Tokenizer(folder, read_eos_ids(folder, family.config_class.prepare(raw)))
 
 
 def read_gguf(
-    f: GgufFile, family: Family[Any], config: Config, model: Decoder, dtype: torch.dtype
-) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:
+    f: GgufFile, family: Family[Any], config: Config, model: Decoder, dtype: torch.dtype,
+    preflight: Preflight | None = None,
+) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:  # fmt: skip
     """A GGUF's experts (handles into the file) and tokenizer, its dense weights decoded into `model`."""
     handles = gguf_experts(f, config, model.moe_layers)
     check_expert_shapes(config, handles)
-    fill_dense(model, family, dense_tensors(f, config, model), dtype)
+    dense = dense_tensors(f, config, model)
+    if preflight is not None:
+        preflight(memory_needs(config, model, sum(math.prod(d.shape) for d in dense.values()), dtype), handles, dtype)
+    fill_dense(model, family, dense, dtype)
     tok, tokenizer_config = gguf_tokenizer(f, config.vocab_size)
     return handles, Tokenizer.built(tok, tokenizer_config, stop_ids(f.metadata))
+
+
+def memory_needs(config: Config, model: Decoder, n_dense: int, dtype: torch.dtype) -> MemoryNeeds:
+    """The model's `MemoryNeeds` from its config, its decoder's cache shapes and its `n_dense` dense values."""
+    per_position = sum(heads * (k_dim + v_dim) for heads, k_dim, v_dim in model.cache_shapes().values())
+    top_k = config.top_k or 0
+    return MemoryNeeds(n_dense * dtype.itemsize, per_position * dtype.itemsize * config.max_position_embeddings, top_k,
+                     len(model.moe_layers))  # fmt: skip
 
 
 def check_quantization(quant: dict[str, Any] | None, readable: tuple[str, ...] = ()) -> tuple[int, int] | None:

@@ -82,11 +82,10 @@ def tier_pool(
     its bytes as they are (`moelane.kernels`). dims: (H, I), the input widths of w13 and w2 (quantised rows are
     padded to whole groups, so their stored length does not say)."""
     dtype = w13[0].dtype
-    usable = dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
+    usable = dtype in kernels.FLOAT_KINDS or dtype in (torch.int8, torch.uint8)
     if not usable or kernels.available().backend == "fallback":
         return TierPool(first, kind, w13, w2)
-    names = {torch.float32: "f32", torch.bfloat16: "bf16"}
-    name = names.get(dtype, kind)
+    name = kernels.FLOAT_KINDS.get(dtype, kind)
     pools = tuple(Pool(name, data, scales, n_in) for (data, scales), n_in in zip((w13, w2), dims, strict=True))
     return TierPool(first, kind, w13, w2, (pools[0], pools[1]))
 

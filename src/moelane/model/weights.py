@@ -41,8 +41,8 @@ def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = F
             weight = module.weight.detach()
             if quantize != "none":
                 pool = kernels.quantize(weight.float()[None], quantize)
-            elif weight.dtype in (torch.bfloat16, torch.float32):
-                pool = kernels.Pool("bf16" if weight.dtype == torch.bfloat16 else "f32", weight.contiguous()[None])
+            elif (kind := kernels.FLOAT_KINDS.get(weight.dtype)) is not None:
+                pool = kernels.Pool(kind, weight.contiguous()[None])
             else:
                 continue
             del module.weight  # (the Parameter; a plain attribute takes its place)

@@ -84,7 +84,7 @@ class ServerState:
         self.prompts = Prompts(lm, model_name)
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
-        self.metrics = ServerMetrics(engine, pager.stats if pager else None)
+        self.metrics = ServerMetrics(engine, pager.stats if pager else None, getattr(lm, "memory", None))
         self.requests = RequestLog(request_log)
         self.sampler = Sampler(engine, lm, model_name, self.requests, pager.stats if pager else None, show_text)
         self.in_flight = 0

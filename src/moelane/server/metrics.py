@@ -45,8 +45,9 @@ class TokenRate:
 class EngineCollector(Collector):
     """Engine and pager counters, read at scrape time."""
 
-    def __init__(self, engine: Any, rate: TokenRate, pager_stats: PagerStats | None) -> None:
-        self.engine, self.rate, self.pager_stats = engine, rate, pager_stats
+    def __init__(self, engine: Any, rate: TokenRate, pager_stats: PagerStats | None, memory: Any = None) -> None:
+        """`memory`: the `MemoryReport` of the model's load (limit, source, minimum, budget), None if unknown."""
+        self.engine, self.rate, self.pager_stats, self.memory = engine, rate, pager_stats, memory
 
     def collect(self) -> Iterator[Any]:
         s = self.engine.stats()
@@ -74,10 +75,32 @@ class EngineCollector(Collector):
         for n_streams, mode in sorted(getattr(s, "guard_modes", {}).items()):
             guard.add_metric([str(n_streams)], 1.0 if mode == "drafted" else 0.0)
         yield guard
-        yield from self._pager()
+        yield from self._memory()
+        yield from self._pager(float(s.committed))
 
-    def _pager(self) -> Iterator[Any]:
-        """Store counters: accesses by phase, reads by storage level and precision tier (empty without a store)."""
+    def _memory(self) -> Iterator[Any]:
+        """The memory limit found (labelled with its source: a cgroup, free memory or --expert-memory), the minimum
+        the model needs and the experts' budget derived from the limit."""
+        m = self.memory
+        if m is None:
+            return
+        limit = GaugeMetricFamily("moelane_memory_limit_bytes", "memory limit the process runs under (free memory "
+                                  "where none is set), by where it was found: source flag, cgroup_v1, cgroup_v2 or "
+                                  "free_memory, and the cgroup that sets it", labels=["source", "group"])  # fmt: skip
+        kind, _, group = m.source.partition(" /")
+        source = "flag" if kind.startswith("--") else kind.replace(" ", "_")
+        limit.add_metric([source, f"/{group}" if group else ""], float(m.limit if m.limit is not None else m.room))
+        yield limit
+        for name, value, doc in (
+            ("minimum", m.minimum, "least memory limit this model runs under"),
+            ("expert_budget", m.budget, "bytes of experts held, derived from the limit"),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(f"moelane_memory_{name}_bytes", doc, value=float(value))
+
+    def _pager(self, committed: float) -> Iterator[Any]:
+        """Store counters: accesses by phase, reads by storage level and precision tier, disk bytes by phase and per
+        committed token (empty without a store)."""
         d = self.pager_stats() if self.pager_stats else {}
         by_phase = d.get("by_phase", {})
         for key, doc in (("hits", "expert accesses found resident"), ("misses", "expert accesses that had to be read"),
@@ -96,12 +119,20 @@ class EngineCollector(Collector):
                 family.add_metric([level, precision], float(n))
             yield family
         yield CounterMetricFamily("moelane_pager_evictions", "experts evicted", value=float(d.get("evictions", 0)))
+        family = CounterMetricFamily("moelane_pager_disk_bytes", "bytes of experts read from disk, by the phase of "
+                                     "the pass that asked", labels=["phase"])  # fmt: skip
+        for phase, n in sorted(d.get("disk_bytes_by_phase", {}).items()):
+            family.add_metric([phase], float(n))
+        yield family
+        disk = sum(d.get("disk_bytes_by_phase", {}).values())
+        yield GaugeMetricFamily("moelane_pager_disk_bytes_per_token", "bytes of experts read from disk per token "
+                                "committed, since start", value=disk / committed if committed else 0.0)  # fmt: skip
 
 
 class ServerMetrics:
     """The app's registry and the request-side metrics its handlers update."""
 
-    def __init__(self, engine: Any, pager_stats: PagerStats | None = None) -> None:
+    def __init__(self, engine: Any, pager_stats: PagerStats | None = None, memory: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rate = TokenRate()
@@ -121,7 +152,7 @@ class ServerMetrics:
         self.req_experts = Counter("moelane_request_pager_experts_fetched", "experts fetched for requests", registry=r)
         self.req_bytes = Counter("moelane_request_pager_bytes", "bytes fetched for requests", registry=r)
         self.req_stall = Counter("moelane_request_pager_stall_seconds", "stall charged to requests", registry=r)
-        r.register(EngineCollector(engine, self.rate, pager_stats))
+        r.register(EngineCollector(engine, self.rate, pager_stats, memory))
 
     def observe_request(
         self, n_prompt: int, started: float, choices: list[tuple[int, float | None]], cost: PagerCost

@@ -138,11 +138,14 @@ SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
 def deepseek2(k: Keys) -> Config:
-    """DeepSeek-V2 (softmax router) or V3 (sigmoid router with a score bias). llama.cpp runs MLA as one key head;
+    """DeepSeek-V2 (softmax router) or V3 (sigmoid router with a score bias; a file without `expert_gating_func` but
+    with score biases is V3 too, converted from a config.json without `scoring_func`, where llama.cpp would take a
+    softmax and add the bias). llama.cpp runs MLA as one key head;
     the decompressed heads are as many as the query heads. Yarn's `mscale_all_dim` comes back from the log multiplier
     llama.cpp's converter writes (0.1 of it), and `mscale` is taken equal to it, as the released models have them."""
     heads, rope_dims = k.one("attention.head_count"), k.need("rope.dimension_count")
-    v3 = k.get("expert_gating_func") == SIGMOID
+    score_bias = any(name.endswith(".exp_probs_b.bias") for name in k.file.tensors)
+    v3 = k.get("expert_gating_func", SIGMOID if score_bias else None) == SIGMOID
     n_group = k.get("expert_group_count", 1)
     d: Config = {
         "model_type": "deepseek_v3" if v3 else "deepseek_v2",

@@ -65,6 +65,8 @@ def renamed(f: GgufFile, config: Config, name: str, names: gguf.TensorNameMap) -
     theirs = names.get_name(name, try_suffixes=(".weight", ".bias"))
     if theirs is None:
         raise ModelLoadError(f"no GGUF tensor name for {name} in a {f.arch} file")
+    if theirs not in f.tensors and f"{theirs}.weight" in f.tensors:  # (gpt-oss's sinks: `attn_sinks.weight`)
+        theirs = f"{theirs}.weight"
     ref = tensor(f, theirs)
     if f.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_attention_heads if "q_proj" in name else config.n_kv_heads

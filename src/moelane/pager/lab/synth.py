@@ -10,6 +10,7 @@ token per segment; stream id = request number. Deterministic for a given seed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,9 +98,15 @@ class _Router:
 
 def synth_trace(cfg: SynthConfig) -> Trace:
     """Generate a synthetic trace (in memory; write it with `trace.write_trace`)."""
+    return trace_from_segments(cfg.header(), list(synth_segments(cfg)))
+
+
+def synth_segments(cfg: SynthConfig) -> Iterator[Segment]:
+    """The segments of `synth_trace(cfg)`, one at a time, request after request (to write them as they come)."""
     rng = np.random.default_rng(cfg.seed)
     global_rank = np.argsort(rng.random((cfg.n_layers, cfg.n_experts)), axis=1)
-    segs: list[Segment] = []
+    id_dtype = cfg.header().id_dtype()
+    index = 0
     for r in range(cfg.n_requests):
         router = _Router(cfg, rng, global_rank)
         chunks = [cfg.prefill_chunk] * (cfg.prefill_tokens // cfg.prefill_chunk)
@@ -109,14 +116,12 @@ def synth_trace(cfg: SynthConfig) -> Trace:
         ids_all, w_all = router.tokens(sum(n for n, _ in plan))
         a = 0
         for n, phase in plan:
-            segs.append(
-                Segment(
-                    index=len(segs),
-                    phase=phase,
-                    expert_ids=ids_all[a : a + n].astype(cfg.header().id_dtype()),
-                    stream_ids=np.full(n, r, np.int64),
-                    weights=w_all[a : a + n],
-                )
+            yield Segment(
+                index=index,
+                phase=phase,
+                expert_ids=ids_all[a : a + n].astype(id_dtype),
+                stream_ids=np.full(n, r, np.int64),
+                weights=w_all[a : a + n],
             )
+            index += 1
             a += n
-    return trace_from_segments(cfg.header(), segs)

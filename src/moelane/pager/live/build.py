@@ -5,10 +5,11 @@ into the provider factory that `moelane.model.load.load` calls with the model's 
 `moelane.load` chooses between them. `store_factory` checks its settings when called, before any weight is loaded;
 its pool budget is bytes or a share of all expert bytes in the compute dtype (`expert_count_and_bytes`; so 25% holds
 ~3.5x the experts at int4 that it holds at bf16), host-memory shares refer to the bytes as stored. Both decide by the
-experts' bytes at the default tier: where every expert fits at a quantised tier (in the budget, or without one in the
-memory still free, less `HEADROOM`), they are all resident at that tier (`resident_at_tier`: one pool a layer, slot ==
-expert id, no pager); otherwise a store pages them (at native, `store_factory` builds a store even for a budget that
-holds every expert). Budgets arrive parsed, as `MemorySpec`s. `format_stats` is the text `moelane run --stats` prints.
+experts' bytes at the default tier: where every expert fits at a quantised tier (in the budget, or without one in
+the budget `ceiling.Ceiling` derives from the limit the process runs under), they are all resident at that tier
+(`resident_at_tier`: one pool a layer, slot == expert id, no pager); otherwise a store pages them (at native,
+`store_factory` builds a store even for a budget that holds every expert). Budgets arrive parsed, as `MemorySpec`s.
+`format_stats` is the text `moelane run --stats` prints.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool, tier_pool
-from moelane.pager.live.memory import MemorySpec, available_memory, format_bytes
+from moelane.pager.live.ceiling import Ceiling, MemoryReport
+from moelane.pager.live.memory import MemorySpec, format_bytes
 from moelane.pager.live.stats import format_counts
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
@@ -36,10 +38,12 @@ def store_factory(
     host_memory: MemorySpec | None = None,
     policy: str = "planner",
     default_tier: str = "native",
+    ceiling: Ceiling | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run with an expert budget: an expert store, or every expert resident at a quantised
     `default_tier` where they all fit the budget at it. `expert_memory`: bytes or a share of all expert bytes in the
-    compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache)."""
+    compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache). `ceiling`
+    records the budget for the run's report."""
     pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
     host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
@@ -56,7 +60,10 @@ def store_factory(
         budget = pool.resolve(n_experts * each)
         if budget < 1:
             raise StoreError(f"an expert memory of {pool} holds no expert ({each} bytes each)")
-        if tier > 0 and budget >= n_experts * expert_count_and_bytes(handles, dtype, tier)[1]:
+        resident = tier > 0 and budget >= n_experts * expert_count_and_bytes(handles, dtype, tier)[1]
+        if ceiling is not None:
+            ceiling.flagged(budget, resident)
+        if resident:
             return resident_at_tier(handles, dtype, tier)
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
         return ExpertStore(handles, dtype, config)
@@ -78,68 +85,79 @@ def expert_count_and_bytes(
 def resident_at_tier(
     handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int, progress: bool = False
 ) -> ResidentProvider:
-    """Every expert resident at `tier`: at native, read in the compute dtype; quantised, each expert's codes and
-    scales read from the tier's file (built first if missing) into one pool a layer, slot == expert id."""
-    if tier == 0:
-        return ResidentProvider.from_handles(handles, dtype, progress=progress)
+    """Every expert resident at `tier`, one pool a layer, slot == expert id, read as the store reads a miss (storage.py:
+    nothing left in the page cache, no copy of a layer between the file and its pool): at native, each expert's
+    checkpoint tensors in the compute dtype (the bytes `read_expert` gives); quantised, its codes and scales read from
+    the tier's file (built first if missing)."""
     from tqdm import tqdm
 
     parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype)
-    storage = Storage(handles, 0, check_finite=True)
+    storage = Storage(handles, 0, check_finite=tier > 0)
     pools: dict[int, TierPool] = {}
+    desc = "loading experts" + ("" if tier == 0 else f" at {TIER_NAMES[tier]}")
     try:
-        with tqdm(total=sum(len(hs) for hs in handles.values()), desc=f"loading experts at {TIER_NAMES[tier]}",
-                  unit="expert", disable=not progress, leave=False, delay=1.0) as bar:  # fmt: skip
+        with tqdm(total=sum(len(hs) for hs in handles.values()), desc=desc, unit="expert", disable=not progress,
+                  leave=False, delay=1.0) as bar:  # fmt: skip
             for layer, experts in handles.items():
                 t = [torch.empty(len(experts), *shape, dtype=part_dtype) for part_dtype, shape in parts]
                 for e, handle in enumerate(experts):
                     storage.load_into(handle, tier, tuple(part[e] for part in t))
                     bar.update(1)
-                pools[layer] = tier_pool(0, TIER_NAMES[tier], (t[0], t[1]), (t[2], t[3]), experts[0].dims)
+                w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))
+                pools[layer] = tier_pool(0, TIER_NAMES[tier], w13, w2, experts[0].dims)
     finally:
         storage.close()
     return ResidentProvider(pools)
 
 
-# What a fitting expert pool leaves of the memory still free: KV caches, the passes' work and the allocator's slack.
-HEADROOM = 0.15
-
-
 def fitting_factory(
-    host_memory: MemorySpec | None = None, policy: str = "planner", default_tier: str = "native", progress: bool = False
+    host_memory: MemorySpec | None = None,
+    policy: str = "planner",
+    default_tier: str = "native",
+    progress: bool = False,
+    ceiling: Ceiling | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
-    """The provider factory of a run without `--expert-memory`: every expert resident where they all fit in the
-    memory still free once the dense weights are loaded (less `HEADROOM`), else an expert store whose pool takes
-    that much, with a warning that says so. A model that does not fit then runs paged instead of being killed for
-    memory halfway through loading."""
+    """The provider factory of a run without `--expert-memory`: every expert resident where they all fit the budget
+    that `ceiling` derives from the limit this process runs under once the dense weights are loaded (ceiling.py),
+    else an expert store whose pool takes that budget, with a warning that says so. A model that does not fit then
+    runs paged instead of being killed for memory halfway through loading."""
     store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
     tier = parse_tier(default_tier)
+    ceiling = Ceiling(None, tier) if ceiling is None else ceiling
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
         n_experts, each = expert_count_and_bytes(handles, dtype, tier)
-        need, free_bytes = n_experts * each, available_memory()
-        room = int(free_bytes * (1 - HEADROOM))
         if not n_experts and tier > 0:
             raise StoreError(NO_EXPERTS)
+        need = n_experts * each
+        room = ceiling.budget(need)
         if need <= room:  # (a dense model needs nothing)
             return resident_at_tier(handles, dtype, tier, progress) if n_experts else ResidentProvider({})
-        free = format_bytes(free_bytes)
+        report = ceiling.report
+        where = (
+            f"the memory limit is {format_bytes(report.limit)} ({report.source})"
+            if report.limit is not None
+            else f"{format_bytes(report.room)} of memory is free"
+        )
         if room < each:
-            raise StoreError(f"{free} of memory is free, less than one expert takes ({format_bytes(each)}): free some "
-                             "memory, or compute in bfloat16 (--dtype)")  # fmt: skip
-        log.warning("the experts take %s in %s, and %s of memory is free: paging them within %s (--expert-memory "
-                    "sets the budget)", format_bytes(need), str(dtype).removeprefix("torch."), free,
-                    format_bytes(room))  # fmt: skip
+            raise StoreError(f"{where}: the experts' budget left ({format_bytes(room)}) holds no expert "
+                             f"({format_bytes(each)}): raise the limit, or compute in bfloat16 (--dtype)")  # fmt: skip
+        log.warning("the experts take %s in %s and %s: paging them within %s (--expert-memory sets the budget)",
+                    format_bytes(need), str(dtype).removeprefix("torch."), where, format_bytes(room))  # fmt: skip
         return store_factory(MemorySpec(n_bytes=room), host_memory, policy, default_tier)(handles, dtype)
 
     return build
 
 
-def format_stats(store: object) -> str:
-    """The text `moelane run --stats` prints (any provider; only a store has statistics)."""
+def format_stats(store: object, memory: MemoryReport | None = None, decoded: tuple[int, int] | None = None) -> str:
+    """The text `moelane run --stats` prints (any provider; only a store has statistics): the memory limit found and
+    the budget derived (`memory`), the store's counters, and (`decoded`: disk bytes read after the first token, tokens
+    decoded after it) the disk bytes a decode token read."""
+    lines = memory.lines() if memory is not None else []
     if not isinstance(store, ExpertStore):
         kind = getattr(store, "kind", "native")
-        return f"expert store: not in use (all experts resident{'' if kind == 'native' else f' at {kind}'})"
+        lines.append(f"expert store: not in use (all experts resident{'' if kind == 'native' else f' at {kind}'})")
+        return "\n".join(lines)
     c = store.config
     held = ", ".join(f"{n} at {name}" for name, n in store.held_by_tier().items() if n)
     sizes = ", ".join(f"{format_bytes(b)} at {name}" for name, b in zip(TIER_NAMES, store.tier_bytes, strict=True))
@@ -151,4 +169,17 @@ def format_stats(store: object) -> str:
         f"{format_bytes(store.high_water_bytes)}; an expert is {sizes}"
     )
     with store._cond:
-        return "\n".join(format_counts(store.stats, head))
+        lines.extend(format_counts(store.stats, head))
+    if decoded is not None and decoded[1] > 0:
+        n_bytes, n_tokens = decoded
+        lines.append(f"  disk per decode token {format_bytes(n_bytes / n_tokens)} ({format_bytes(n_bytes)} read for "
+                     f"{n_tokens} tokens after the first)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def disk_bytes(store: object) -> int:
+    """Bytes a store has read from disk so far (0 for any other provider)."""
+    if not isinstance(store, ExpertStore):
+        return 0
+    with store._cond:
+        return sum(n for (level, _), n in store.stats.bytes_read.items() if level == "disk")

@@ -121,3 +121,25 @@ def read_stat(path: Path) -> dict[str, int]:
         return {p[0]: int(p[1]) for p in pairs if len(p) == 2 and p[1].isdigit()}
     except OSError:
         return {}
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessMemory:
+    """This process's resident memory: `anon` (its heap, anonymous mappings and shared memory: counted against a
+    cgroup's room already) and `file` (mapped files' pages: its code and libraries, which it keeps touching)."""
+
+    anon: int
+    file: int
+
+
+def process_memory(root: Path = Path("/")) -> ProcessMemory:
+    """RssAnon + RssShmem and RssFile of /proc/self/status (zeros where it cannot be read)."""
+    fields: dict[str, int] = {}
+    try:
+        for line in (root / "proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return ProcessMemory(fields.get("RssAnon", 0) + fields.get("RssShmem", 0), fields.get("RssFile", 0))

@@ -82,11 +82,3 @@ def format_bytes(n: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024.0
     raise AssertionError("unreachable")
-
-
-def available_memory() -> int:
-    """Bytes this process can still take: the machine's available memory, or less where a memory cgroup (a
-    container, a systemd unit) limits the process (`limits.memory_limit`)."""
-    from moelane.pager.live.limits import memory_limit
-
-    return memory_limit().room

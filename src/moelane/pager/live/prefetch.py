@@ -5,8 +5,12 @@
   prefetches what it predicts while layer L computes. It runs only on passes of at most `max_rows` rows (decode).
 - `CooccurrencePredictor`: per layer, counts transitions from one token's experts to the next token's (per thread,
   i.e. per stream), and after each layer call predicts the next token's experts of that layer by noisy-OR,
-  P(e) = 1 - prod_p (1 - n(p -> e) / n(p)), prefetching those with P >= threshold. Its counting and predicting run on
-  its own thread: the pass only enqueues the routed ids (no policy work on the per-token path).
+  P(e) = 1 - prod_p (1 - n(p -> e) / n(p)), taking those with P >= threshold as candidates. Its counting and
+  predicting run on its own thread: the pass only enqueues the routed ids (no policy work on the per-token path).
+- Cost-aware: each predictor turns a candidate's score (the router's weight; the noisy-OR P) into the probability of
+  use it has measured for such scores (`Calibration`), and loads it only where that beats the store's
+  `prefetch_threshold` (price.py: the disk time of a read against the compute it can hide behind, and the share of
+  the source's loads that passes actually used).
 - `attach(lm, store)` installs both plus a post-block hook that releases the thread's slot lease as soon as a MoE
   block has computed.
 
@@ -48,10 +52,13 @@ class PrefetchTarget(Protocol):
 
     live_planner: LivePlanner | None
 
-    def prefetch(self, layer: int, experts: list[int], source: str) -> int: ...
+    def prefetch(
+        self, layer: int, experts: list[int], source: str, ahead: int = 0, p: float | None = None
+    ) -> int: ...
+    def prefetch_threshold(self, ahead: int, source: str | None = None) -> float: ...
     def apply(self, plan: Plan) -> None: ...
     def planner_config(self, top_k: int, **overrides: Any) -> PlannerConfig: ...
-    def prefetch_keys(self, keys: list[int], source: str) -> int: ...
+    def prefetch_keys(self, keys: list[int], source: str, ahead: int = 0, p: float | None = None) -> int: ...
     def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None: ...
     def release(self) -> None: ...
 
@@ -94,27 +101,61 @@ class FetchPool:
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a MoE block's `route`: x -> (weights, ids)
 
 
+class Calibration:
+    """How often predictions of a given score came true: scores in [0, 1] in `n_bins` bins, each bin's hit rate
+    with `PRIOR` pseudo-predictions at the score itself (so an unseen bin trusts the score)."""
+
+    PRIOR = 4.0
+
+    def __init__(self, n_bins: int = 10) -> None:
+        self.n_bins = n_bins
+        self.seen = np.zeros(n_bins)
+        self.hits = np.zeros(n_bins)
+
+    def _bin(self, score: float) -> int:
+        return min(self.n_bins - 1, max(0, int(score * self.n_bins)))
+
+    def add(self, score: float, hit: bool) -> None:
+        b = self._bin(score)
+        self.seen[b] += 1.0
+        self.hits[b] += float(hit)
+
+    def p(self, score: float) -> float:
+        b, prior = self._bin(score), min(1.0, max(0.0, score))
+        return float((self.hits[b] + self.PRIOR * prior) / (self.seen[b] + self.PRIOR))
+
+
 class LookAhead:
     """Predicts layer L+1's experts from layer L's block input; `gates[L] = (next layer, its router)`."""
 
     def __init__(self, store: PrefetchTarget, gates: dict[int, tuple[int, Router]], max_rows: int = 4):
         self.store, self.gates, self.max_rows = store, gates, max_rows
         self._index = {layer: i for i, layer in enumerate(store.layers)}
-        self._predicted: dict[tuple[int, int], set[int]] = {}
+        self._predicted: dict[tuple[int, int], dict[int, float]] = {}  # key -> its score (router weight)
+        self.calibration = Calibration()
 
     def before_block(self, layer: int, x: torch.Tensor) -> None:
         if layer not in self.gates or x.shape[0] > self.max_rows:
             return
         nxt, route = self.gates[layer]
-        ids = sorted(set(route(x)[1].reshape(-1).tolist()))
+        weights, ids = route(x)  # [T, K] each
+        scores: dict[int, float] = {}
+        for e, w in zip(ids.reshape(-1).tolist(), weights.reshape(-1).float().tolist(), strict=True):
+            scores[e] = max(w, scores.get(e, 0.0))
         base = self._index[nxt] * self.store.n_experts
-        self._predicted[(threading.get_ident(), self._index[nxt])] = {base + e for e in ids}
-        self.store.prefetch(nxt, ids, "lookahead")
+        self._predicted[(threading.get_ident(), self._index[nxt])] = {base + e: w for e, w in scores.items()}
+        least = self.store.prefetch_threshold(0, "lookahead")
+        odds = {e: p for e, w in scores.items() if (p := self.calibration.p(w)) >= least}
+        if odds:
+            self.store.prefetch(nxt, sorted(odds), "lookahead", 0, sum(odds.values()) / len(odds))
 
     def routed(self, layer_index: int, keys: list[int]) -> None:
         predicted = self._predicted.pop((threading.get_ident(), layer_index), None)
         if predicted is not None:
-            self.store.count_prediction("lookahead", len(predicted), len(predicted.intersection(keys)), len(keys))
+            used = set(keys)
+            for key, score in predicted.items():
+                self.calibration.add(score, key in used)
+            self.store.count_prediction("lookahead", len(predicted), len(used.intersection(predicted)), len(keys))
 
 
 class CooccurrencePredictor:
@@ -128,7 +169,8 @@ class CooccurrencePredictor:
         self._pairs = np.zeros((n_layers, n_experts, n_experts), np.float32)
         self._seen = np.zeros((n_layers, n_experts), np.float32)
         self._prev: dict[tuple[int, int], np.ndarray] = {}
-        self._predicted: dict[tuple[int, int], set[int]] = {}
+        self._predicted: dict[tuple[int, int], dict[int, float]] = {}  # key -> its noisy-OR P
+        self.calibration = Calibration()
         self._queue: queue.SimpleQueue[tuple[int, int, list[int]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="moelane-cooc", daemon=True)
         self._thread.start()
@@ -148,7 +190,10 @@ class CooccurrencePredictor:
         experts = np.asarray(keys, np.int64) - base
         predicted = self._predicted.pop((ident, li), None)
         if predicted is not None:
-            self.store.count_prediction("cooc", len(predicted), len(predicted.intersection(keys)), len(keys))
+            used = set(keys)
+            for key, score in predicted.items():
+                self.calibration.add(score, key in used)
+            self.store.count_prediction("cooc", len(predicted), len(used.intersection(predicted)), len(keys))
         prev = self._prev.get((ident, li))
         if prev is not None:
             self._pairs[li][np.ix_(prev, experts)] += 1.0
@@ -160,10 +205,12 @@ class CooccurrencePredictor:
         rates = self._pairs[li][experts] / np.maximum(seen, 1.0)[:, None]  # [n_prev, E]
         p = 1.0 - np.prod(1.0 - rates, axis=0)
         ranked = np.argsort(-p, kind="stable")[: self.max_predict]
-        chosen = [int(e) + base for e in ranked if p[e] >= self.threshold]
-        self._predicted[(ident, li)] = set(chosen)
-        if chosen:
-            self.store.prefetch_keys(chosen, "cooc")
+        candidates = {int(e) + base: float(p[e]) for e in ranked if p[e] >= self.threshold}
+        self._predicted[(ident, li)] = candidates
+        least = self.store.prefetch_threshold(1, "cooc")
+        odds = {key: p for key, score in candidates.items() if (p := self.calibration.p(score)) >= least}
+        if odds:
+            self.store.prefetch_keys(list(odds), "cooc", 1, sum(odds.values()) / len(odds))
 
     def close(self) -> None:
         self._queue.put(None)

@@ -2,7 +2,9 @@
 
 `PagerStats` is one set of counters; the store keeps one overall and one per tracked request (`ExpertStore.track`),
 and updates them under its lock. Accesses (hits, misses, prefetch hits, stall seconds) are counted by phase;
-bytes read are counted by storage level ("host" RAM copies, "disk" shards or tier files) and precision tier;
+bytes read are counted by storage level ("host" RAM copies, "disk" shards or tier files) and precision tier, and
+disk bytes by the phase of the pass they were issued in (prefetches: the phase of the pass begun last), so that
+disk bytes per decode pass are a one-row decode's disk bytes per token;
 prefetches by the source that issued them ("lookahead", "cooc", "warm"). `to_dict` is the plain-data form the server
 exposes; `moelane.pager.live.build.format_stats` turns them into the text `moelane run --stats` prints.
 """
@@ -40,6 +42,8 @@ class PrefetchCounts:
     issued: int = 0  # loads started (the rest were already resident or found no victim)
     used: int = 0  # loads a later pass used
     wasted: int = 0  # loads evicted before any use
+    late: int = 0  # loads a pass wanted before they started (it ran them as its own misses)
+    dropped: int = 0  # loads still queued when the pass they were for had gone by without them: never read
 
 
 @dataclass(slots=True)
@@ -50,6 +54,8 @@ class PagerStats:
     read_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (level, tier name) -> seconds loading
     prefetch: dict[str, PrefetchCounts] = field(default_factory=dict)
     evictions: int = 0
+    passes: dict[str, int] = field(default_factory=dict)  # phase -> passes begun
+    disk_by_phase: dict[str, int] = field(default_factory=dict)  # phase of the pass a disk read was issued in -> bytes
 
     def phase(self, name: str) -> PhaseCounts:
         if name not in self.by_phase:
@@ -66,6 +72,14 @@ class PagerStats:
         self.bytes_read[(level, tier)] = self.bytes_read.get((level, tier), 0) + n_bytes
         self.reads[(level, tier)] = self.reads.get((level, tier), 0) + 1
         self.read_s[(level, tier)] = self.read_s.get((level, tier), 0.0) + seconds
+
+    def add_disk(self, phase: str, n_bytes: int) -> None:
+        self.disk_by_phase[phase] = self.disk_by_phase.get(phase, 0) + n_bytes
+
+    def disk_per_pass(self, phase: str = "decode") -> float | None:
+        """Disk bytes read per pass of `phase` (one-row decode: per token), None before any such pass."""
+        n = self.passes.get(phase, 0)
+        return self.disk_by_phase.get(phase, 0) / n if n else None
 
     def load_speed(self, level: str) -> float | None:
         """Bytes per second of this level's loads, one thread's view (None before any timed load)."""
@@ -97,6 +111,8 @@ class PagerStats:
             "read_s": {f"{level}/{tier}": t for (level, tier), t in sorted(self.read_s.items())},
             "prefetch": {name: asdict(p) for name, p in sorted(self.prefetch.items())},
             "evictions": self.evictions,
+            "passes": dict(sorted(self.passes.items())),
+            "disk_bytes_by_phase": dict(sorted(self.disk_by_phase.items())),
         }
 
 
@@ -115,6 +131,10 @@ def format_counts(stats: PagerStats, header: str) -> list[str]:
                      f"{speed})")  # fmt: skip
     for name, p in sorted(stats.prefetch.items()):
         recall = f"recall {p.correct / p.routed:6.1%}  " if p.routed else ""
-        lines.append(f"  prefetch {name:<9} {recall}issued {p.issued:>7}  used {p.used:>7}  wasted {p.wasted:>7}")
+        lines.append(f"  prefetch {name:<9} {recall}issued {p.issued:>7}  used {p.used:>7}  wasted {p.wasted:>7}  "
+                     f"late {p.late:>5}  dropped {p.dropped:>5}")  # fmt: skip
     lines.append(f"  evictions {stats.evictions}")
+    for phase, n in sorted(stats.passes.items()):
+        disk = stats.disk_by_phase.get(phase, 0)
+        lines.append(f"  disk {phase:<8} {format_bytes(disk):>12} read in {n} passes ({format_bytes(disk / n)} a pass)")
     return lines

@@ -1,8 +1,9 @@
 """Where a missing expert comes from: the model's own shards, a tier file of quantised experts, or host RAM.
 
 - `ShardFiles` keeps one read-only descriptor per shard and reads an expert's tensors with positioned reads
-  (`os.preadv` straight into the pool slot when the bytes already have its dtype and layout, else into a buffer;
-  no mmap of the model, nothing loaded at start-up). Each read first checks
+  that leave nothing in the page cache (uncached.py: O_DIRECT through a bounce buffer, else DONTNEED after each read)
+  into the pool slot when the bytes already have its dtype and layout, else into a buffer; no mmap of the model,
+  nothing loaded at start-up. Each read first checks
   the file's size and mtime against those seen when it was opened, and a short read is an error: a shard truncated or
   rewritten while we run raises `ExpertReadError` naming the file and the expert, never yields wrong numbers.
 - `TierFile`: every expert of the model encoded at one quantised tier (tiers.py), at fixed offsets in one file beside
@@ -33,6 +34,7 @@ import torch
 from moelane.errors import MoelaneError
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
+from moelane.pager.live.uncached import Bounce, UncachedFile
 
 log = logging.getLogger(__name__)
 TIER_FILE_VERSION = 2  # bump whenever the blob layout changes (2: adaptive group size)
@@ -50,28 +52,29 @@ class ShardFiles:
     """Read-only descriptors of the shards, opened lazily, validated on every read."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[int, int, int]] = {}  # path -> (fd, size, mtime_ns) at open
+        self._open: dict[str, tuple[UncachedFile, int, int]] = {}  # path -> (file, size, mtime_ns) at open
         self._lock = threading.Lock()
+        self.bounce = Bounce()
 
-    def _fd(self, path: str) -> tuple[int, int, int]:
+    def _file(self, path: str) -> tuple[UncachedFile, int, int]:
         with self._lock:
             if path not in self._open:
-                fd = os.open(path, os.O_RDONLY)
-                st = os.fstat(fd)
-                self._open[path] = (fd, st.st_size, st.st_mtime_ns)
+                f = UncachedFile(path, self.bounce)
+                st = os.fstat(f.fd)
+                self._open[path] = (f, st.st_size, st.st_mtime_ns)
             return self._open[path]
 
     def read_into(self, ref: TensorRef, out: memoryview, what: str) -> None:
-        """Read one tensor's bytes into `out` (exactly `ref.nbytes` long)."""
+        """Read one tensor's bytes into `out` (exactly `ref.nbytes` long), leaving nothing in the page cache."""
         try:
-            fd, size, mtime = self._fd(ref.path)
-            st = os.fstat(fd)
+            f, size, mtime = self._file(ref.path)
+            st = os.fstat(f.fd)
             if st.st_size != size or st.st_mtime_ns != mtime:
                 raise ExpertReadError(
                     f"{what}: shard {ref.path} changed on disk while the model was running "
                     f"(size {size} -> {st.st_size} bytes, modified after it was opened)"
                 )
-            n = os.preadv(fd, [out], ref.offset)
+            n = f.pread([out], ref.offset)
         except OSError as e:
             raise ExpertReadError(f"{what}: cannot read {ref.path}: {e}") from None
         if n != ref.nbytes:
@@ -91,8 +94,8 @@ class ShardFiles:
 
     def close(self) -> None:
         with self._lock:
-            for fd, _, _ in self._open.values():
-                os.close(fd)
+            for f, _, _ in self._open.values():
+                f.close()
             self._open.clear()
 
 
@@ -196,9 +199,11 @@ def tier_dir(model_folder: Path) -> Path:
 class TierFile:
     """All experts at one quantised tier, in handle order (MoE layers ascending, experts ascending)."""
 
-    def __init__(self, path: Path, codec: ExpertCodec, order: dict[tuple[int, int], int], crcs: list[int]) -> None:
+    def __init__(
+        self, path: Path, codec: ExpertCodec, order: dict[tuple[int, int], int], crcs: list[int], bounce: Bounce
+    ) -> None:
         self.path, self.codec, self._order, self._crcs = path, codec, order, crcs
-        self._fd = os.open(path, os.O_RDONLY)
+        self._file = UncachedFile(str(path), bounce)
 
     @classmethod
     def open_or_build(
@@ -217,14 +222,14 @@ class TierFile:
                 and index.get("blob_bytes") == codec.nbytes
                 and bin_path.stat().st_size == codec.nbytes * len(keys)
             ):
-                return cls(bin_path, codec, order, [int(c) for c in index["crcs"]])
+                return cls(bin_path, codec, order, [int(c) for c in index["crcs"]], files.bounce)
         log.info("building the %s tier file for %d experts: %s", name, len(keys), bin_path)
         crcs = build_tier_file(handles, codec, files, bin_path)
         body = {"version": TIER_FILE_VERSION, "tier": name, "blob_bytes": codec.nbytes, "fingerprint": fingerprint}
         tmp = index_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({**body, "crcs": crcs}))
         os.replace(tmp, index_path)
-        return cls(bin_path, codec, order, crcs)
+        return cls(bin_path, codec, order, crcs, files.bounce)
 
     def read(self, handle: ExpertHandle) -> torch.Tensor:
         """The expert's blob (uint8 [codec.nbytes])."""
@@ -238,7 +243,7 @@ class TierFile:
         i, n = self._order[(handle.layer, handle.expert)], self.codec.nbytes
         views = [byte_view(part) for part in parts]
         try:
-            got = os.preadv(self._fd, views, i * n)
+            got = self._file.pread(views, i * n)
         except OSError as e:
             raise ExpertReadError(f"{expert_name(handle)}: cannot read tier file {self.path}: {e}") from None
         crc = 0
@@ -248,7 +253,7 @@ class TierFile:
             raise ExpertReadError(f"{expert_name(handle)}: tier file {self.path} is truncated or corrupt (delete it)")
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._file.close()
 
 
 def build_tier_file(

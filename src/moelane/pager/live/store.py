@@ -59,6 +59,7 @@ from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import TierPool, native_weights
 from moelane.pager.live.pools import TierPools
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
+from moelane.pager.live.price import LoadPrice
 from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
@@ -78,7 +79,8 @@ def _nothing() -> None:
     """The wait of a call whose experts were all resident."""
 
 
-NOTHING = Admission([], [], [], [])  # (a call with no misses admits nothing)
+NOTHING = Admission([], [], [], [])
+NEVER_STALE = 1 << 62  # the generation a prefetch with no set pass is for  # (a call with no misses admits nothing)
 
 
 Key = int  # flat expert id: layer index * E + expert
@@ -143,6 +145,12 @@ class ExpertStore:
         self._attachment: Attachment | None = None
         self._cond = threading.Condition()
         self._local = threading.local()
+        self._phase_now = "prefill"  # of the pass begun last (what prefetches' disk reads are counted to)
+        self.price = LoadPrice(len(self.layers))  # when a prefetch pays (price.py)
+        self._queued: dict[int, tuple[Key, int]] = {}  # slot -> (key, generation it is for): prefetches not started
+        self._routed_gen = np.full(len(self.layers), -1, np.int64)  # per layer, the last generation that routed it
+        self._reading = 0  # loads reading now
+        self._pass_start: float | None = None
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
         self._use_tier(config.default_tier)
         self._pool = FetchPool(config.io_threads)
@@ -187,10 +195,11 @@ class ExpertStore:
             for k in keys.tolist():
                 counts[k] = counts.get(k, 0) + 1
         start = time.perf_counter()
-        slots, jobs, waits = self._acquire(keys, phase)
+        self._time_layer(li, phase, start)
+        slots, jobs, waits = self._acquire(li, keys, phase)
         small = self.slot_bytes < SMALL_EXPERT_BYTES  # (at the default tier)
         staged = staged and not small  # small experts: nothing worth hiding, they are read here one after another
-        self._start_loads(jobs, n_here=len(jobs) if small else 0 if staged else 1)
+        self._start_loads(jobs, phase, n_here=len(jobs) if small else 0 if staged else 1)
         if self.listeners:
             routed = keys.tolist()
             for listener in self.listeners:
@@ -209,14 +218,25 @@ class ExpertStore:
 
     # ---- slot decisions (under the lock) -------------------------------------------------------------------------
 
+    def _time_layer(self, li: int, phase: str, start: float) -> None:
+        """A one-row decode pass's compute from the previous MoE layer's call to this one's, stalls excluded (what
+        a load wanted by the next layer can hide behind: `price.LoadPrice`)."""
+        local = self._local
+        if phase == "decode" and li > 0 and getattr(local, "prev_li", -1) == li - 1:
+            with self._cond:
+                self.price.observe_layer(max(0.0, start - local.prev_start - local.stall))
+        local.prev_li, local.prev_start, local.stall = li, start, 0.0
+
     def _acquire(
-        self, keys: IntArray, phase: str
+        self, li: int, keys: IntArray, phase: str
     ) -> tuple[IntArray, list[tuple[int, Key]], list[tuple[int, Future[None]]]]:
         """Lease every routed expert's slot, admitting the misses (and experts resident at another tier than
-        planned) as one batch. -> (slots, loads to run, (slot, load) pairs to wait for)."""
+        planned) as one batch; prefetches of them still queued are this call's own loads now (a demand never waits
+        behind the prefetch queue). -> (slots, loads to run, (slot, load) pairs to wait for)."""
         thread, t = threading.current_thread(), self.table
         with self._cond:
             self._release_locked(thread)
+            self._routed_gen[li] = t.now_gen
             t.now_tick += 1
             while True:
                 stale = t.stale(keys)
@@ -232,21 +252,28 @@ class ExpertStore:
                 self._cond.wait(0.05)
             counts = [stats.phase(phase) for stats in self._targets()]
             present = have[have >= 0]
+            claimed = [s for s in present.tolist() if s in self._queued] if self._queued else []
             sources = t.source[present]
             n_prefetched = int(np.count_nonzero(sources))
             for c in counts:
                 c.hits += len(present) - n_prefetched
-                c.prefetch_hits += n_prefetched
-                c.misses += len(missing)
+                c.prefetch_hits += n_prefetched - len(claimed)
+                c.misses += len(missing) + len(claimed)
                 c.layer_calls += 1
             if n_prefetched:
-                for src in sources[sources > 0].tolist():
-                    self.stats.source(self.sources[src - 1]).used += 1
+                for slot, src in zip(present.tolist(), sources.tolist(), strict=True):
+                    if src:
+                        counts_of = self.stats.source(self.sources[src - 1])
+                        if slot in self._queued:
+                            counts_of.late += 1
+                        else:
+                            counts_of.used += 1
+                            self.price.observe_outcome(self.sources[src - 1], True)
                 t.source[present] = 0
             loading = present[t.state[present] == LOADING].tolist() if self._futures else []
             waits = [(s, self._futures[s]) for s in loading]
-            jobs = self._admitted_locked(admission)
-            waits += [(slot, self._futures[slot]) for slot, _ in jobs]
+            jobs = self._admitted_locked(admission) + [(s, self._queued.pop(s)[0]) for s in claimed]
+            waits += [(slot, self._futures[slot]) for slot, _ in jobs if slot not in claimed]
             slots = t.touch(keys)
             self._leases[thread] = slots
             return slots, jobs, waits
@@ -267,6 +294,7 @@ class ExpertStore:
             self.stats.evictions += 1
             if old_source:
                 self.stats.source(self.sources[old_source - 1]).wasted += 1
+                self.price.observe_outcome(self.sources[old_source - 1], False)
         self._free_pages_locked(admission.freed)
         for slot in admission.slots:
             self._futures[slot] = Future()
@@ -300,15 +328,15 @@ class ExpertStore:
 
     # ---- loads (outside the lock) --------------------------------------------------------------------------------
 
-    def _start_loads(self, jobs: list[tuple[int, Key]], n_here: int) -> None:
+    def _start_loads(self, jobs: list[tuple[int, Key]], phase: str, n_here: int) -> None:
         """Run this call's misses: the last `n_here` on this thread (its caller waits for them anyway), the rest on
         the I/O threads."""
         targets = self._targets()
         n_pool = max(0, len(jobs) - n_here)
         for slot, key in jobs[:n_pool]:
-            self._pool.submit(0, functools.partial(self._load, slot, key, targets))
+            self._pool.submit(0, functools.partial(self._load, slot, key, targets, phase))
         for slot, key in jobs[n_pool:]:
-            self._load(slot, key, targets)
+            self._load(slot, key, targets, phase)
 
     def _wait(self, futures: list[Future[None]], phase: str, start: float | None) -> None:
         """Wait for a call's loads; the stall counted runs from `start` (default: now)."""
@@ -319,19 +347,26 @@ class ExpertStore:
         except BaseException:
             self.release()
             raise
+        stall = time.perf_counter() - start
+        self._local.stall = getattr(self._local, "stall", 0.0) + stall
         with self._cond:
             for stats in self._targets():
-                stats.phase(phase).stall_s += time.perf_counter() - start
+                stats.phase(phase).stall_s += stall
 
-    def _load(self, slot: int, key: Key, targets: list[PagerStats]) -> None:
-        """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future."""
+    def _load(self, slot: int, key: Key, targets: list[PagerStats], phase: str) -> None:
+        """Read `key` at its slot's tier into the slot; complete (or fail) the slot's future. `phase`: of the pass
+        that issued the load (its disk bytes are counted to it)."""
         handle = self._handles[key // self.n_experts][key % self.n_experts]
         tier = int(self.table.tier[slot])
+        with self._cond:
+            self._reading += 1
+            concurrent = self._reading
         start = time.perf_counter()
         try:
             level, n_bytes = self.storage.load_into(handle, tier, self._pools.slot(tier, slot))
         except BaseException as e:
             with self._cond:
+                self._reading -= 1
                 fut = self._futures.pop(slot)
                 self._free_pages_locked(self.table.failed(slot))
                 self._cond.notify_all()
@@ -339,24 +374,39 @@ class ExpertStore:
             return
         seconds = time.perf_counter() - start
         with self._cond:
+            self._reading -= 1
+            if level == "disk":
+                self.price.observe_read(seconds, max(concurrent, self._reading + 1))
             fut = self._futures.pop(slot)
             self._free_pages_locked(self.table.loaded(slot))
             for stats in targets:
                 stats.add_read(level, TIER_NAMES[tier], n_bytes, seconds)
+                if level == "disk":
+                    stats.add_disk(phase, n_bytes)
             self._cond.notify_all()
         fut.set_result(None)
 
     # ---- prefetch, generations, plans ----------------------------------------------------------------------------
 
-    def prefetch(self, layer: int, experts: Iterable[int], source: str) -> int:
+    def prefetch(
+        self, layer: int, experts: Iterable[int], source: str, ahead: int = 0, p: float | None = None
+    ) -> int:
         """Start loading these experts of `layer` in the background where a slot is free or stale; never waits.
         -> loads started."""
         base = self._index[layer] * self.n_experts
-        return self.prefetch_keys([base + int(e) for e in experts], source)
+        return self.prefetch_keys([base + int(e) for e in experts], source, ahead, p)
 
-    def prefetch_keys(self, keys: Iterable[Key], source: str) -> int:
+    def prefetch_threshold(self, ahead: int, source: str | None = None) -> float:
+        """The least probability of use at which a prefetch by `source` for `ahead` passes later pays
+        (price.py)."""
+        return self.price.threshold(ahead, source)
+
+    def prefetch_keys(self, keys: Iterable[Key], source: str, ahead: int | None = 0, p: float | None = None) -> int:
         """Start loading these experts (at their planned tiers) where room can be made without waiting; experts
-        resident at any tier are left as they are. -> loads started."""
+        resident at any tier are left as they are. Each is for the pass `ahead` of the one begun last: still queued
+        when that pass has routed its layer without it, it is dropped unread (None: for any later pass, never
+        dropped). `p`: the probability of use the source gave them (its loads' yield is then measured). -> loads
+        started."""
         with self._cond:
             if source not in self.sources:
                 self.sources.append(source)
@@ -366,9 +416,36 @@ class ExpertStore:
             assert admission is not None
             jobs = self._admitted_locked(admission)
             self.stats.source(source).issued += len(jobs)
-        for slot, key in jobs:
-            self._pool.submit(1, functools.partial(self._load, slot, key, [self.stats]))
+            if p is not None:
+                for _ in jobs:
+                    self.price.observe_issue(source, p)
+            target = NEVER_STALE if ahead is None else self.table.now_gen + ahead
+            for slot, key in jobs:
+                self._queued[slot] = (key, target)
+        for slot, _ in jobs:
+            self._pool.submit(1, functools.partial(self._run_prefetch, slot))
         return len(jobs)
+
+    def _run_prefetch(self, slot: int) -> None:
+        """A queued prefetch's turn: load it, unless a demand took it over (it is that call's load now) or it went
+        stale (the pass it was for routed its layer without it: the slot is freed unread)."""
+        with self._cond:
+            entry = self._queued.pop(slot, None)
+            if entry is None:
+                return
+            key, target = entry
+            if self._routed_gen[key // self.n_experts] < target:
+                phase = self._phase_now
+            else:
+                fut = self._futures.pop(slot)
+                name = self.sources[int(self.table.source[slot]) - 1]
+                self.stats.source(name).dropped += 1
+                self.price.observe_outcome(name, False)
+                self._free_pages_locked(self.table.failed(slot))
+                self._cond.notify_all()
+                fut.set_result(None)
+                return
+        self._load(slot, key, [self.stats], phase)
 
     def count_prediction(self, source: str, predicted: int, correct: int, routed: int) -> None:
         with self._cond:
@@ -381,9 +458,15 @@ class ExpertStore:
 
     def _new_generation(self, phase: str) -> None:
         """A pass begins (first MoE layer): a new token generation; at a prefill -> decode switch, warm the pool."""
-        local = self._local
+        local, now = self._local, time.perf_counter()
         with self._cond:
             self.table.now_gen += 1
+            self._phase_now = phase
+            if self._pass_start is not None:
+                self.price.observe_pass(now - self._pass_start)
+            self._pass_start = now
+            for stats in self._targets():
+                stats.passes[phase] = stats.passes.get(phase, 0) + 1
         boundary = getattr(local, "last_phase", None) == "prefill" and phase == "decode"
         local.last_phase = phase
         if boundary and self.live_planner is not None:
@@ -403,7 +486,7 @@ class ExpertStore:
             keys = sorted(prefill_counts, key=lambda k: -prefill_counts[k])
         else:
             return 0
-        return self.prefetch_keys(keys[: self.n_slots // 2], "warm")
+        return self.prefetch_keys(keys[: self.n_slots // 2], "warm", None)
 
     def apply(self, plan: Plan) -> None:
         """Obey a published plan from now on: pins (bias credit or hard), pin tiers, default tier, warm list. Experts
