@@ -165,8 +165,11 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
 
 def check_pool(lm: Any, expert_memory: MemorySpec | None) -> None:
     """InputError if the expert pool cannot hold the experts one token routes to in one MoE layer, so that no pass
-    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold)."""
-    if not paged(lm) or (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
+    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold). A
+    distributed run's provider has no pool of its own: each rank checks its share as it builds it (`dist.launch`)."""
+    if not paged(lm) or not hasattr(lm.provider, "n_slots"):
+        return
+    if (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
         return
     need = top_k * lm.provider.slot_bytes
     share = math.ceil(need / lm.provider.total_bytes * 1000) / 10  # (rounded up: a budget of it holds them)

@@ -35,7 +35,7 @@ from moelane.model.load import ProviderFactory, read_experts
 from moelane.model.load import load as load_folder
 from moelane.model.moe import MoeBlock
 from moelane.model.provider import ExpertProvider
-from moelane.pager.live.memory import MemorySpec
+from moelane.pager.live.memory import MemorySpec, format_bytes
 
 Handles = dict[int, list[ExpertHandle]]
 
@@ -137,6 +137,7 @@ def ready(ranks: Ranks, build: Callable[[], ExpertProvider], top_k: int) -> tupl
     local, error = None, None
     try:
         local = build()
+        error = too_small(local, top_k)
     except MoelaneError as e:
         error = str(e)
     max_rows = getattr(local, "max_rows", None)
@@ -150,6 +151,17 @@ def ready(ranks: Ranks, build: Callable[[], ExpertProvider], top_k: int) -> tupl
             close()
         raise RankError("; ".join(f"rank {rank} could not hold its experts: {why}" for rank, why in failed))
     return local, [report[0] if report is not None else None for report in reports]
+
+
+def too_small(local: ExpertProvider, top_k: int) -> str | None:
+    """Why a rank's store cannot run a pass (it holds fewer experts than one token may route to in its share of a
+    MoE layer), else None."""
+    n_slots, n_experts = getattr(local, "n_slots", None), getattr(local, "n_experts", None)
+    if n_slots is None or n_experts is None or n_slots >= (need := min(top_k, n_experts)):
+        return None
+    size = format_bytes(need * local.slot_bytes)  # type: ignore[attr-defined]
+    return (f"its --expert-memory holds {n_slots} expert{'s' * (n_slots != 1)}, but a token may route to {need} of "
+            f"its experts in one MoE layer: give it at least {size}")  # fmt: skip
 
 
 def layer_acts(family: Family[Config], config: Config) -> dict[int, Act]:

@@ -24,6 +24,7 @@ from moelane.dist.ranks import Ranks
 from moelane.dist.wire import LAYER, STOP, Request, header, pack_request, reply_bytes, unpack_reply
 from moelane.errors import MoelaneError
 from moelane.model.experts import Act, PairBias, pair_outputs
+from moelane.model.footprint import expert_bytes
 from moelane.model.provider import ExpertProvider, TierPool
 from moelane.pager.live.build import format_stats
 
@@ -69,6 +70,10 @@ class SpreadExperts:
 
     def slots(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         raise MoelaneError(NO_POOLS)
+
+    def expert_bytes(self, layer: int) -> float:
+        """Bytes of one expert of `layer` (`model.footprint`): as rank 0 holds its own share."""
+        return expert_bytes(self.local, layer)
 
     def max_rows(self, top_k: int) -> int:
         """The most rows a pass may route through one layer: the smallest of the ranks' limits."""
