@@ -1,5 +1,6 @@
 """Launching: a lone `moelane run` imports nothing distributed; `torchrun -m moelane run` on 2 ranks prints what one
-process prints (slow)."""
+process prints (slow); a placement that cannot be made, or placement flags that do not go together, stop the run
+in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist.helpers import free_port
+from moelane.commands import main
+from tests.dist.helpers import Logits, Rank, free_port, launch
 
 LONE = """
 import sys
@@ -44,3 +46,17 @@ def test_torchrun_run_prints_what_one_process_prints(tiny: Path) -> None:
     assert one.returncode == 0 and two.returncode == 0, two.stderr
     assert two.stdout == one.stdout and one.stdout.strip()
     assert "experts over 2 ranks (rank 0 [0, 5), rank 1 [5, 10) of 10 a layer)" in two.stderr
+
+
+def test_a_placement_rank_0_cannot_make_stops_every_rank_with_its_line(tiny: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "none.trc"
+    got = launch(tiny, Logits([[1, 2]]), [Rank({"placement_trace": missing}), Rank()])
+    assert got[:3] == ("error", 0, "InputError") and got[3] == f"placement trace {missing}: no such file"
+
+
+def test_placement_flags_that_do_not_go_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, said in [(["--placement", "balanced"], "this process runs alone"),
+                       (["--placement-trace", "x.trc"], "--placement-trace is read with --placement balanced only")]:  # fmt: skip
+        assert main(["run", "hi", "--max-tokens", "1", *args]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1

@@ -1,13 +1,19 @@
-"""The parts of a distributed run that need no second process: placement, the wire format, fingerprints."""
+"""The parts of a distributed run that need no second process: placement (balanced against the brute-force best
+split), the routing counted in a trace, the wire format, fingerprints."""
 
 from __future__ import annotations
 
 import itertools
+import random
+from pathlib import Path
 
+import pytest
 import torch
 
 from moelane.dist.fingerprint import difference
-from moelane.dist.placement import Placement
+from moelane.dist.placement import Placement, share_sizes
+from moelane.dist.routing import routing_counts
+from moelane.errors import InputError
 from moelane.dist.wire import (
     Request,
     pack_failure,
@@ -20,15 +26,68 @@ from moelane.dist.wire import (
 )
 from moelane.model.experts import PairBias
 
+TRACE = Path(__file__).parents[1] / "fixtures" / "traces" / "default.trc"
+
 
 def test_placement_splits_every_expert_once_in_contiguous_ranges() -> None:
     for n_experts, world in [(10, 2), (10, 3), (32, 3), (7, 7), (128, 5)]:
-        p = Placement(n_experts, world)
-        bounds = [p.bounds(r) for r in range(world)]
-        assert bounds[0][0] == 0 and bounds[-1][1] == n_experts
-        assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(bounds))
-        owners = p.owners()
-        assert owners.tolist() == [r for r, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]
+        p = Placement.contiguous([0, 2], n_experts, world)
+        shares = [p.experts(2, r) for r in range(world)]
+        assert [e for share in shares for e in share] == list(range(n_experts))
+        assert [len(share) for share in shares] == [(r + 1) * n_experts // world - r * n_experts // world
+                                                    for r in range(world)]  # fmt: skip
+        assert p.owner_ids(0).tolist() == [r for r, share in enumerate(shares) for _ in share]
+        assert p.local_ids(0).tolist() == [i for share in shares for i in range(len(share))]
+
+
+def brute_force_max_load(loads: list[int], world: int) -> int:
+    """The least max rank load of any split that gives each rank its contiguous share's number of experts."""
+    sizes = sorted(share_sizes(len(loads), world))
+    best = sum(loads)
+    for owners in itertools.product(range(world), repeat=len(loads)):
+        if sorted(owners.count(r) for r in range(world)) == sizes:
+            best = min(best, max(sum(n for n, o in zip(loads, owners, strict=True) if o == r) for r in range(world)))
+    return best
+
+
+def test_balanced_placement_is_near_the_best_split_and_holds_the_shares_sizes() -> None:
+    rng = random.Random(5)
+    for _ in range(60):
+        world = rng.choice([2, 3])
+        loads = [int(rng.expovariate(0.05)) for _ in range(rng.randint(world, 9))]
+        p = Placement.balanced({4: loads}, world)
+        per_rank = [sum(loads[e] for e in p.experts(4, r)) for r in range(world)]
+        assert [len(p.experts(4, r)) for r in range(world)] == share_sizes(len(loads), world)
+        assert max(per_rank) - min(per_rank) <= max(loads), (loads, per_rank)
+        assert 3 * max(per_rank) <= 4 * brute_force_max_load(loads, world), (loads, per_rank)
+
+
+def test_the_shipped_trace_balances_better_than_contiguous_ranges() -> None:
+    layers = list(range(6))
+    counts = routing_counts(TRACE, layers, 32, 4)
+    for world in (2, 3, 4):
+        for placement in (Placement.balanced(counts, world), Placement.contiguous(layers, 32, world)):
+            spread = [max(loads) - min(loads) for loads in layer_loads(placement, counts)]
+            if placement.kind == "balanced":
+                assert all(gap <= max(counts[layer]) for gap, layer in zip(spread, layers, strict=True))
+                balanced = spread
+        assert sum(balanced) < sum(spread)  # (`spread` last: the contiguous ranges')
+
+
+def layer_loads(placement: Placement, counts: dict[int, list[int]]) -> list[list[int]]:
+    return [[sum(counts[layer][e] for e in placement.experts(layer, r)) for r in range(placement.world)]
+            for layer in counts]  # fmt: skip
+
+
+def test_a_bad_or_foreign_trace_is_refused_in_one_line(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.trc"
+    junk.write_bytes(b"not a trace at all")
+    for path, said in [(tmp_path / "none.trc", "no such file"), (junk, "not a moelane trace"),
+                       (TRACE, "is of another model: 6 MoE layers of 32 experts, top-4; this model has 2 of 10, "
+                        "top-3")]:  # fmt: skip
+        with pytest.raises(InputError) as e:
+            routing_counts(path, [0, 2], 10, 3)
+        assert said in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_request_and_a_reply_read_back_as_written() -> None:

@@ -103,6 +103,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="launched by torchrun (experts spread over its ranks: docs/distributed.md): how long rank 0 "
                    "waits for another rank's experts before it fails the requests in flight and reports itself "
                    "degraded (default 30 s)")  # fmt: skip
+    p.add_argument("--placement", choices=("contiguous", "balanced"), default="contiguous",
+                   help="launched by torchrun: which rank holds which experts. contiguous: rank r of W holds expert "
+                   "ids [r*E/W, (r+1)*E/W) of every MoE layer; balanced: as many per rank, chosen so that the ranks "
+                   "carry equal shares of the routing counted in --placement-trace (rank 0 chooses for every rank) "
+                   "(default contiguous)")  # fmt: skip
+    p.add_argument("--placement-trace", metavar="FILE",
+                   help="with --placement balanced: a `moelane trace record` file of this model, whose routing "
+                   "counts balance the ranks")  # fmt: skip
+
+
+def placement_trace(args: argparse.Namespace, distributed: bool) -> str | None:
+    """The trace `--placement balanced` balances by (None: contiguous); InputError for flags that do not go together.
+    `distributed`: whether this process is one rank of a torchrun launch."""
+    balanced, trace = getattr(args, "placement", "contiguous") == "balanced", getattr(args, "placement_trace", None)
+    if balanced and not distributed:
+        raise InputError("--placement balanced spreads experts over the ranks of a torchrun launch; this process runs "
+                         "alone (docs/distributed.md)")  # fmt: skip
+    if balanced and trace is None:
+        raise InputError("--placement balanced needs --placement-trace FILE (a `moelane trace record` file of this "
+                         "model)")  # fmt: skip
+    if trace is not None and not balanced:
+        raise InputError("--placement-trace is read with --placement balanced only")
+    return trace
 
 
 def paged(lm: Any) -> bool:
@@ -141,6 +164,7 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     if args.pager_policy and args.expert_memory is None:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
     ranks = getattr(args, "ranks", None)
+    trace = placement_trace(args, ranks is not None)
     if ranks is not None:  # (rank 0 of a distributed run: `moelane.commands.distributed`)
         from moelane import dist
 
@@ -149,7 +173,8 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
                              "between ranks in every MoE layer)")  # fmt: skip
         lm = dist.load(ranks, args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
                        host_memory=args.host_memory, policy=args.pager_policy or "planner",
-                       default_tier=args.default_tier, progress=True, quantize=args.quantize)  # fmt: skip
+                       default_tier=args.default_tier, progress=True, quantize=args.quantize,
+                       placement_trace=trace)  # fmt: skip
     else:
         lm = moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
                           host_memory=args.host_memory, policy=args.pager_policy or "planner",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from moelane.commands.common import DTYPES, set_threads
+from moelane.commands.common import DTYPES, placement_trace, set_threads
 from moelane.errors import InputError
 
 log = logging.getLogger("moelane")
@@ -26,6 +26,7 @@ def run_rank(args: argparse.Namespace) -> int:
         raise InputError(f"moelane {args.command} does not run distributed; under torchrun: {', '.join(COMMANDS)}")
     if not 0 < args.dist_timeout < float("inf"):
         raise InputError(f"--dist-timeout must be a finite number of seconds > 0, got {args.dist_timeout}")
+    placement_trace(args, distributed=True)  # (its flags checked on every rank before they meet)
     ranks = dist.join(args.dist_timeout)
     try:
         if ranks.rank == 0:

@@ -2,13 +2,14 @@
 spread over ranks, each rank paging its share under its own memory budget.
 
 Layout. Rank 0 holds the dense weights and runs everything else (attention, routers, shared experts, the lanes engine,
-the HTTP server). Routed experts are split over all ranks, rank 0 included, contiguously by expert id (the same ranges
-in every MoE layer: `Placement`); each rank holds its share in its own provider, every expert resident or an expert
-store under its own `--expert-memory`, built by the same factories as in one process.
+the HTTP server). Routed experts are split over all ranks, rank 0 included, each rank holding as many experts of every
+MoE layer as its contiguous range of ids (`Placement`: those ranges, or experts balanced by a trace's routing counts,
+rank 0's choice for all); each rank holds its share in its own provider, every expert resident or an expert store
+under its own `--expert-memory`, built by the same factories as in one process.
 
 One MoE layer of one pass, on rank 0 (`SpreadExperts.pair_outputs`; the workers' side is `worker.serve_layers`):
 
-    owner  = placement.owners[ids]                    # [P]: the rank of each (token, expert) pair's expert
+    owner  = owners[layer][ids]                       # [P]: the rank of each (token, expert) pair's expert
     header -> every rank (control group)              # the layer, and each rank's numbers of rows and pairs
     rows, pairs -> their owners (data group)          # one all-to-all: each rank gets only its pairs' rows
     y[own] = pair_outputs(own pairs)                  # rank 0's share, while the others compute theirs

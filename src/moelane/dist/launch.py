@@ -22,6 +22,7 @@ from moelane.dist.errors import RankError, RankMismatch
 from moelane.dist.fingerprint import difference, fingerprint
 from moelane.dist.placement import Placement
 from moelane.dist.ranks import Ranks
+from moelane.dist.routing import routing_counts
 from moelane.dist.spread import SpreadExperts
 from moelane.dist.worker import serve_layers
 from moelane.errors import InputError, MoelaneError
@@ -52,15 +53,17 @@ def load(
     progress: bool = False,
     quantize: str = "none",
     provider: ProviderFactory | None = None,
+    placement_trace: str | Path | None = None,
 ) -> LM:
     """Rank 0's model, as `moelane.load` (the same settings, for rank 0's own share of the experts), its experts
-    spread over `ranks`. Its passes run eagerly (the decode step is not compiled). `provider`: a factory of one's
-    own for rank 0's share, in place of the expert settings."""
+    spread over `ranks`: contiguously, or balanced by the routing counted in `placement_trace` (a `moelane trace`
+    file of this model), rank 0's choice for every rank. Its passes run eagerly (the decode step is not compiled).
+    `provider`: a factory of one's own for rank 0's share, in place of the expert settings."""
     if ranks.rank != 0:
         raise ValueError(f"rank {ranks.rank} serves experts (serve_experts); rank 0 loads the model")
     factory = share_factory(expert_memory, host_memory, policy, default_tier, progress, provider)
     config, _, handles, compute = read_experts(path, dtype)
-    placement = agree(ranks, config, handles, compute, default_tier)
+    placement = agree(ranks, config, handles, compute, default_tier, placement_trace)
     top_k = config.top_k or 1
 
     def build(handles: Handles, dtype: torch.dtype) -> ExpertProvider:
@@ -112,23 +115,42 @@ def share_factory(expert_memory: MemorySpec | str | None, host_memory: MemorySpe
     return expert_factory(expert_memory, host_memory, policy, default_tier, progress)
 
 
-def agree(ranks: Ranks, config: Config, handles: Handles, dtype: torch.dtype, default_tier: str) -> Placement:
-    """The placement every rank uses, once every rank's fingerprint equals rank 0's (else RankMismatch on every
-    rank, naming the first difference)."""
+def agree(ranks: Ranks, config: Config, handles: Handles, dtype: torch.dtype, default_tier: str,
+          placement_trace: str | Path | None = None) -> Placement:  # fmt: skip
+    """Rank 0's placement (it alone reads `placement_trace`), for every rank, once every rank's fingerprint equals
+    rank 0's (else RankMismatch on every rank, naming the first difference). Where rank 0 could not place the
+    experts, every rank stops with its InputError."""
     if not any(handles.values()):
         raise InputError("this model has no routed experts (a dense model): there is nothing to spread over ranks")
-    prints: list[dict[str, str] | None] = [None] * ranks.world
-    dist.all_gather_object(prints, fingerprint(config, handles, dtype, default_tier), group=ranks.control)
-    ours = prints[0]
-    assert ours is not None
-    for rank, theirs in enumerate(prints[1:], 1):
-        assert theirs is not None
-        if (diff := difference(ours, theirs, rank)) is not None:
+    placement, problem = None, None
+    if ranks.rank == 0:
+        try:
+            placement = place(handles, config.top_k or 1, ranks.world, placement_trace)
+        except InputError as e:
+            problem = str(e)
+    reports: list[tuple[dict[str, str], Placement | None, str | None] | None] = [None] * ranks.world
+    dist.all_gather_object(reports, (fingerprint(config, handles, dtype, default_tier), placement, problem),
+                           group=ranks.control)  # fmt: skip
+    assert reports[0] is not None
+    ours, placement, problem = reports[0]
+    for rank, report in enumerate(reports[1:], 1):
+        assert report is not None
+        if (diff := difference(ours, report[0], rank)) is not None:
             raise RankMismatch(diff)
-    n_experts = len(next(hs for hs in handles.values() if hs))
-    if ranks.world > n_experts:
-        raise InputError(f"{ranks.world} ranks for {n_experts} experts a layer: at most one rank per expert")
-    return Placement(n_experts, ranks.world)
+    if problem is not None or placement is None:
+        raise InputError(problem or "rank 0 chose no placement")
+    return placement
+
+
+def place(handles: Handles, top_k: int, world: int, placement_trace: str | Path | None) -> Placement:
+    """Contiguous, or balanced by the routing counted in `placement_trace`."""
+    layers = sorted(layer for layer, hs in handles.items() if hs)
+    n_experts = len(handles[layers[0]])
+    if world > n_experts:
+        raise InputError(f"{world} ranks for {n_experts} experts a layer: at most one rank per expert")
+    if placement_trace is None:
+        return Placement.contiguous(layers, n_experts, world)
+    return Placement.balanced(routing_counts(placement_trace, layers, n_experts, top_k), world)
 
 
 def ready(ranks: Ranks, build: Callable[[], ExpertProvider], top_k: int) -> tuple[ExpertProvider, list[int | None]]:

@@ -46,14 +46,14 @@ class ExchangeStats:
 
 
 class SpreadExperts:
-    """The experts of `placement` over `ranks`; rank 0's share in `local` (its expert e is global id e)."""
+    """The experts of `placement` over `ranks`; rank 0's share in `local` (local ids: `Placement.local_ids`)."""
 
     def __init__(self, ranks: Ranks, placement: Placement, local: ExpertProvider, dims: tuple[int, int],
                  dtype: torch.dtype, limits: list[int | None]) -> None:  # fmt: skip
         self.ranks, self.placement, self.local, self.dtype = ranks, placement, local, dtype
         self.hidden, self.width = dims
-        self.owners = placement.owners()
-        self.firsts = [placement.bounds(r)[0] for r in range(ranks.world)]
+        self.owners = {layer: placement.owner_ids(layer) for layer in placement.owners}  # each [E]
+        self.local_ids = {layer: placement.local_ids(layer) for layer in placement.owners}  # each [E]
         self.limits = limits  # each rank's most rows a pass (None: no limit)
         self.stats = ExchangeStats()
         self.fault: RankFailure | None = None
@@ -91,7 +91,7 @@ class SpreadExperts:
             if self._closed:
                 raise MoelaneError("this distributed model was closed; load it again to use it")
             flat = ids.reshape(-1)
-            owner = self.owners[flat]
+            owner = self.owners[layer][flat]
             picks = [(owner == r).nonzero().reshape(-1) for r in range(self.ranks.world)]
             self.stats.calls += 1
             self.stats.local_pairs += picks[0].numel()
@@ -104,12 +104,12 @@ class SpreadExperts:
     def _own(self, rows: torch.Tensor, rows_of: torch.Tensor, layer: int, flat: torch.Tensor, n_tokens: int,
              act: Act, bias: PairBias | None) -> torch.Tensor:  # fmt: skip
         with phase_of(self.local, n_tokens):
-            return pair_outputs(rows, rows_of, layer, flat, self.local, act, bias)
+            return pair_outputs(rows, rows_of, layer, self.local_ids[layer][flat], self.local, act, bias)
 
     def _exchange(self, y: torch.Tensor, picks: list[torch.Tensor], rows: torch.Tensor, rows_of: torch.Tensor,
                   layer: int, flat: torch.Tensor, n_tokens: int, act: Act, bias: PairBias | None) -> None:  # fmt: skip
         world, data = self.ranks.world, self.ranks.data
-        requests = [self._request(r, picks[r], rows, rows_of, flat, bias) for r in range(1, world)]
+        requests = [self._request(layer, picks[r], rows, rows_of, flat, bias) for r in range(1, world)]
         counts = [(0, 0)] + [(int(q.rows.shape[0]), int(q.ids.numel())) for q in requests]
         blobs = [pack_request(q) for q in requests]
         sizes = [0] + [int(b.numel()) for b in blobs]
@@ -147,11 +147,13 @@ class SpreadExperts:
             raise failure
         self._place(y, picks, replies, back, layer)
 
-    def _request(self, rank: int, pick: torch.Tensor, rows: torch.Tensor, rows_of: torch.Tensor, flat: torch.Tensor,
+    def _request(self, layer: int, pick: torch.Tensor, rows: torch.Tensor, rows_of: torch.Tensor, flat: torch.Tensor,
                  bias: PairBias | None) -> Request:  # fmt: skip
-        """What `rank` computes: its pairs' rows (each once), each pair's row among them and its expert's local id."""
+        """What a rank computes (its pairs, `pick`): their rows (each once), each pair's row among them and its
+        expert's local id."""
         used, row_of = torch.unique(rows_of[pick], return_inverse=True)
-        return Request(rows[used], row_of, flat[pick] - self.firsts[rank], None if bias is None else bias.take(pick))
+        ids = self.local_ids[layer][flat[pick]]
+        return Request(rows[used], row_of, ids, None if bias is None else bias.take(pick))
 
     def _place(self, y: torch.Tensor, picks: list[torch.Tensor], replies: torch.Tensor, back: list[int],
                layer: int) -> None:  # fmt: skip
@@ -192,10 +194,8 @@ class SpreadExperts:
 
     def describe(self) -> str:
         """Lines for `moelane run --stats`: the spread, the exchange's counts, rank 0's own store."""
-        s, world = self.stats, self.ranks.world
-        spread = ", ".join(f"rank {r} [{lo}, {hi})" for r, (lo, hi) in enumerate(map(self.placement.bounds,
-                                                                                     range(world))))  # fmt: skip
-        return (f"experts over {world} ranks ({spread} of {self.placement.n_experts} a layer)\n"
+        s = self.stats
+        return (f"{self.placement.describe()}\n"
                 f"  MoE layer calls {s.calls}, {s.exchanges} exchanged; pairs {s.local_pairs} on rank 0, "
                 f"{s.remote_pairs} elsewhere; {s.bytes_out} bytes out, {s.bytes_in} in; {s.exchange_s:.3f} s in "
                 f"the exchange\nrank 0's share: {format_stats(self.local)}")  # fmt: skip

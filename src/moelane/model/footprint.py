@@ -69,7 +69,7 @@ def expert_bytes(provider: Any, layer: int) -> float:
         return float(own(layer))
     pools = provider.pools(layer)
     held = sum(tensor_bytes(t for part in (p.w13, p.w2) for t in part) for p in pools)
-    return held / sum(p.n_slots for p in pools)
+    return float(held / sum(p.n_slots for p in pools))
 
 
 def dense_bytes(model: nn.Module) -> int:
