@@ -96,7 +96,8 @@ def serve_experts(
     placement = agree(ranks, config, handles, compute, default_tier)
     local, _ = ready(ranks, lambda: factory(placement.share(handles, ranks.rank), compute), config.top_k or 1)
     try:
-        serve_layers(ranks, local, layer_acts(family, config), dims_of(handles), compute)
+        n_experts = sum(len(placement.experts(layer, ranks.rank)) for layer in placement.owners)
+        serve_layers(ranks, local, layer_acts(family, config), dims_of(handles), compute, n_experts)
     finally:
         close = getattr(local, "close", None)
         if close is not None:

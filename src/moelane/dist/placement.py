@@ -99,6 +99,7 @@ class Placement:
             bounds = [(owners.index(r), len(owners) - owners[::-1].index(r)) for r in range(self.world)]
             spread = ", ".join(f"rank {r} [{lo}, {hi})" for r, (lo, hi) in enumerate(bounds))
             return f"experts over {self.world} ranks ({spread} of {len(owners)} a layer)"
+        counts = share_sizes(len(owners), self.world)
         sizes = ", ".join(f"rank {r} {n} ({share:.1%} of the trace's pairs)"
-                          for r, (n, share) in enumerate(zip(share_sizes(len(owners), self.world), self.load)))  # fmt: skip
+                          for r, (n, share) in enumerate(zip(counts, self.load, strict=True)))  # fmt: skip
         return f"experts over {self.world} ranks, balanced by routing ({sizes}; of {len(owners)} a layer)"

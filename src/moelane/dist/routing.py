@@ -36,4 +36,5 @@ def check_shape(path: Path, header: TraceHeader, layers: list[int], n_experts: i
     theirs = (header.n_layers, header.n_experts, header.top_k)
     if theirs != (len(layers), n_experts, top_k) or header.moe_layers not in ((), tuple(layers)):
         raise InputError(f"placement trace {path} is of another model: {theirs[0]} MoE layers of {theirs[1]} "
-                         f"experts, top-{theirs[2]}; this model has {len(layers)} of {n_experts}, top-{top_k}")  # fmt: skip
+                         f"experts, top-{theirs[2]}; this model has {len(layers)} of {n_experts}, "
+                         f"top-{top_k}")  # fmt: skip

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moelane.dist.counters import RankCounts, Tally, counts_of, format_rank
 from moelane.dist.errors import RankError, RankFailure
 from moelane.dist.placement import Placement
 from moelane.dist.ranks import Ranks
-from moelane.dist.wire import LAYER, STOP, Request, header, pack_request, reply_bytes, unpack_reply
+from moelane.dist.wire import LAYER, STATS, STOP, Request, header, pack_request, reply_bytes, unpack_reply
 from moelane.errors import MoelaneError
 from moelane.model.experts import Act, PairBias, pair_outputs
 from moelane.model.footprint import expert_bytes
@@ -56,6 +57,8 @@ class SpreadExperts:
         self.local_ids = {layer: placement.local_ids(layer) for layer in placement.owners}  # each [E]
         self.limits = limits  # each rank's most rows a pass (None: no limit)
         self.stats = ExchangeStats()
+        self.tally = Tally()  # rank 0's own share's computation
+        self.n_held = [sum(len(placement.experts(layer, r)) for layer in placement.owners) for r in range(ranks.world)]
         self.fault: RankFailure | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -103,8 +106,11 @@ class SpreadExperts:
 
     def _own(self, rows: torch.Tensor, rows_of: torch.Tensor, layer: int, flat: torch.Tensor, n_tokens: int,
              act: Act, bias: PairBias | None) -> torch.Tensor:  # fmt: skip
+        local_ids, start = self.local_ids[layer][flat], time.perf_counter()
         with phase_of(self.local, n_tokens):
-            return pair_outputs(rows, rows_of, layer, self.local_ids[layer][flat], self.local, act, bias)
+            y = pair_outputs(rows, rows_of, layer, local_ids, self.local, act, bias)
+        self.tally.computed(local_ids, start)
+        return y
 
     def _exchange(self, y: torch.Tensor, picks: list[torch.Tensor], rows: torch.Tensor, rows_of: torch.Tensor,
                   layer: int, flat: torch.Tensor, n_tokens: int, act: Act, bias: PairBias | None) -> None:  # fmt: skip
@@ -192,13 +198,33 @@ class SpreadExperts:
         if close is not None:
             close()
 
+    def rank_counts(self) -> list[RankCounts]:
+        """Every rank's counters (`counters.py`), rank 0's first: the others' gathered in one collective on the data
+        group (so a rank that does not answer fails it within the timeout, as a pass). Only rank 0's once the run has
+        failed or closed."""
+        with self._lock:
+            s = self.stats
+            ours = counts_of(0, self.local, self.n_held[0], Tally(self.tally.pairs, self.tally.accesses,
+                                                                  self.tally.compute_s, s.exchange_s))  # fmt: skip
+            if self.fault is not None or self._closed:
+                return [ours]
+            theirs: list[RankCounts | None] = [None] * self.ranks.world
+            try:
+                dist.broadcast(header(STATS, self.ranks.world), 0, group=self.ranks.control)
+                dist.gather_object(None, theirs, 0, group=self.ranks.data)
+            except RuntimeError as e:
+                raise self._failed(e) from None
+            return [ours] + [c for c in theirs[1:] if c is not None]
+
     def describe(self) -> str:
-        """Lines for `moelane run --stats`: the spread, the exchange's counts, rank 0's own store."""
+        """Lines for `moelane run --stats`: the spread, the exchange's counts, each rank's counters, rank 0's own
+        store."""
         s = self.stats
+        ranks = "\n".join(format_rank(c) for c in self.rank_counts())
         return (f"{self.placement.describe()}\n"
                 f"  MoE layer calls {s.calls}, {s.exchanges} exchanged; pairs {s.local_pairs} on rank 0, "
                 f"{s.remote_pairs} elsewhere; {s.bytes_out} bytes out, {s.bytes_in} in; {s.exchange_s:.3f} s in "
-                f"the exchange\nrank 0's share: {format_stats(self.local)}")  # fmt: skip
+                f"the exchange\n{ranks}\nrank 0's share: {format_stats(self.local)}")  # fmt: skip
 
 
 def phase_of(provider: Any, n_tokens: int) -> contextlib.AbstractContextManager[None]:

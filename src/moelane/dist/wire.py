@@ -20,7 +20,7 @@ import torch
 
 from moelane.model.experts import PairBias
 
-STOP, LAYER = 0, 1  # header ops
+STOP, LAYER, STATS = 0, 1, 2  # header ops (STATS: every rank sends its counters to rank 0, `counters.py`)
 HEAD = 4  # header fields before the per-rank counts
 OK, FAILED = 0, 1  # reply status
 

@@ -84,7 +84,8 @@ class ServerState:
         self.prompts = Prompts(lm, model_name)
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
-        self.metrics = ServerMetrics(engine, pager.stats if pager else None, getattr(lm, "memory", None))
+        rank_counts = getattr(getattr(lm, "provider", None), "rank_counts", None)  # (a distributed run's)
+        self.metrics = ServerMetrics(engine, pager.stats if pager else None, getattr(lm, "memory", None), rank_counts)
         self.requests = RequestLog(request_log)
         self.sampler = Sampler(engine, lm, model_name, self.requests, pager.stats if pager else None, show_text)
         self.in_flight = 0
@@ -437,7 +438,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await run_in_threadpool(state.metrics.render)  # (a distributed run's waits for its ranks' counters)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
