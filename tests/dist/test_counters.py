@@ -45,6 +45,7 @@ def test_metrics_and_stats_have_a_line_per_rank(tiny: Path) -> None:
         assert sample(metrics, "moelane_rank_pairs_total", rank) > 0
         assert sample(metrics, "moelane_rank_expert_hits_total", rank) > 0
         assert sample(metrics, "moelane_rank_exchange_seconds_total", rank) > 0
+        assert sample(metrics, "moelane_rank_cpu_user_seconds_total", rank) > 0
     assert sample(metrics, "moelane_rank_expert_misses_total", 0) == 0
     assert sample(metrics, "moelane_rank_experts_resident", 1) < 10
     assert sample(metrics, "moelane_rank_expert_misses_total", 1) > 0

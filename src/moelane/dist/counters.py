@@ -1,5 +1,5 @@
 """Each rank's counters, as plain data rank 0 gathers on request (`SpreadExperts.rank_counts`): the experts it holds,
-its accesses to them, the bytes it paged in, the pairs it computed, and its time in the exchange.
+its accesses to them, the bytes it paged in, the pairs it computed, its time in the exchange, its process's CPU time.
 
 A rank counts as it goes (`Tally`, on its own thread of exchanges) and reads its store's counters only when asked;
 an access is one (pass, layer, distinct expert), as an expert store counts them, so a rank whose experts are all
@@ -8,6 +8,7 @@ resident hits on every access.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ class RankCounts:
     pairs: int
     compute_s: float
     exchange_s: float
+    user_s: float  # the rank's process's CPU time so far (os.times), all its threads
+    system_s: float
 
 
 def counts_of(rank: int, provider: object, n_experts: int, tally: Tally) -> RankCounts:
@@ -55,8 +58,9 @@ def counts_of(rank: int, provider: object, n_experts: int, tally: Tally) -> Rank
         with provider._cond:
             totals = provider.stats.totals()
         hits, misses, resident = totals.hits + totals.prefetch_hits, totals.misses, min(provider.n_slots, n_experts)
+    cpu = os.times()
     return RankCounts(rank, n_experts, resident, hits, misses, disk_bytes(provider), tally.pairs, tally.compute_s,
-                      tally.exchange_s)  # fmt: skip
+                      tally.exchange_s, cpu.user, cpu.system)  # fmt: skip
 
 
 def format_rank(c: RankCounts) -> str:
@@ -64,4 +68,4 @@ def format_rank(c: RankCounts) -> str:
     paged = f"{c.paged_bytes / 2**20:.1f} MiB paged in" if c.resident < c.experts else "none paged (all resident)"
     return (f"  rank {c.rank}: {c.experts} experts, {c.resident} in memory at once; {c.hits} hits, {c.misses} "
             f"misses, {paged}; {c.pairs} pairs in {c.compute_s:.3f} s, {c.exchange_s:.3f} s in the "
-            "exchange")  # fmt: skip
+            f"exchange; CPU {c.user_s:.1f} s user, {c.system_s:.1f} s system")  # fmt: skip

@@ -36,6 +36,8 @@ RANK_METRICS = (
     ("compute_s", "moelane_rank_compute_seconds", "seconds the rank computed its pairs", CounterMetricFamily),
     ("exchange_s", "moelane_rank_exchange_seconds", "seconds the rank spent in the exchange's collectives",
      CounterMetricFamily),
+    ("user_s", "moelane_rank_cpu_user_seconds", "user CPU seconds of the rank's process", CounterMetricFamily),
+    ("system_s", "moelane_rank_cpu_system_seconds", "system CPU seconds of the rank's process", CounterMetricFamily),
 )  # fmt: skip
 
 
