@@ -11,7 +11,8 @@ import each other:
     pager                    the seam of the pager: trace.py, plan.py, and the planner both sides run
     pager.live | pager.lab   the store a running model uses | offline work on traces
     moelane.load             loading.py and the package itself: a model with its store, built and attached
-    lanes                    the engine (its drafters load a draft model through `model`)
+    lanes | dist             the engine (its drafters load a draft model through `model`) | experts spread over the
+                             ranks of a distributed run (torch.distributed)
     server                   the HTTP server over the engine
     commands                 the command line, and `python -m moelane`
 """
@@ -34,7 +35,7 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("moelane.pager",),),
     (("moelane.pager.live",), ("moelane.pager.lab",)),
     (("moelane.loading", "moelane"),),  # ("moelane" is the package's __init__ only, not a prefix of every module)
-    (("moelane.lanes",),),
+    (("moelane.lanes",), ("moelane.dist",)),
     (("moelane.server",),),
     (("moelane.commands", "moelane.__main__"),),
 )

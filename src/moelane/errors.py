@@ -17,6 +17,11 @@ class InputError(MoelaneError):
     """A request that cannot be served as asked (prompt too long, bad sampling setting, ...)."""
 
 
+class Unavailable(MoelaneError):
+    """A part the model runs on has failed (a rank of a distributed run that died or stopped answering): requests
+    cannot be served until it is restarted. The server answers 503 and says it is degraded."""
+
+
 class PromptTooLong(InputError):
     """A prompt that does not fit the model's context (the server says `context_length_exceeded`)."""
 

@@ -58,15 +58,8 @@ def load(
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
-    pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
-    try:
-        ceiling = Ceiling(pool, parse_tier(default_tier))
-    except ValueError as e:
-        raise StoreError(str(e)) from None
-    if pool is None and host is None:
-        factory = fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling)
-    else:
-        factory = store_factory(pool, host, policy, default_tier, ceiling=ceiling)
+    ceiling = memory_ceiling(expert_memory, default_tier)
+    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress, ceiling)
     lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize,
                      preflight=ceiling.check)  # fmt: skip
     lm.memory = ceiling.report
@@ -74,6 +67,30 @@ def load(
         lm.provider.attach(lm)
         lm.prefill_chunk = min(lm.prefill_chunk, lm.max_pass_rows() or lm.prefill_chunk)
     return lm
+
+
+def expert_factory(
+    expert_memory: MemorySpec | str | None = None,
+    host_memory: MemorySpec | str | None = None,
+    policy: str = "planner",
+    default_tier: str = "native",
+    progress: bool = False,
+    ceiling: Ceiling | None = None,
+) -> ProviderFactory:
+    """The provider factory `load` builds the experts with for these settings (see `load`); checked now. `ceiling`
+    decides the budget where none is given, and records the one given (default: one of its own)."""
+    pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
+    if pool is None and host is None:
+        return fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling)
+    return store_factory(pool, host, policy, default_tier, ceiling=ceiling)
+
+
+def memory_ceiling(expert_memory: MemorySpec | str | None, default_tier: str) -> Ceiling:
+    """The limit this process runs under, for a model's experts held at `default_tier` (StoreError for a bad tier)."""
+    try:
+        return Ceiling(memory_spec("expert_memory", expert_memory), parse_tier(default_tier))
+    except ValueError as e:
+        raise StoreError(str(e)) from None
 
 
 def memory_spec(name: str, value: MemorySpec | str | None) -> MemorySpec | None:

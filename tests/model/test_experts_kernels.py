@@ -88,10 +88,11 @@ def test_run_experts_computes_pools_with_a_kernels_view_in_the_kernels(monkeypat
     pools = pools_of(("int8", "int4"), hidden, width, seed=8)
     x, slots, weights = routed(5, 9, 2, hidden, seed=9)
     calls: list[int] = []
-    real = experts_module.kernel_dispatch
-    monkeypatch.setattr(experts_module, "kernel_dispatch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want = kernel_dispatch(x, slots, weights, pools)
+    real = experts_module.kernel_pairs
+    monkeypatch.setattr(experts_module, "kernel_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
     got = run_experts(x, 0, slots, weights, Pools(pools, slots))
-    assert calls == [1] and torch.equal(got, real(x, slots, weights, pools))
+    assert calls == [1] and torch.equal(got, want)
     plain = tuple(TierPool(p.first, p.kind, p.w13, p.w2) for p in pools)  # no kernels' view: the reference path
     run_experts(x, 0, slots, weights, Pools(plain, slots))
     assert calls == [1]

@@ -59,15 +59,15 @@ def test_greedy_tokens_identical_at_every_budget(
     n_staged = []
     if staged:
         monkeypatch.setattr(store_module, "SMALL_EXPERT_BYTES", 0)
-        plain, kernel = experts.dispatch_staged, experts.kernel_dispatch
+        plain, kernel = experts.staged_pairs, experts.kernel_pairs
 
         def kernel_staged(*a: Any) -> torch.Tensor:  # (the kernels' path stages when handed the pending pairs)
             if len(a) > 6 and a[6] is not None:
                 n_staged.append(1)
             return kernel(*a)
 
-        monkeypatch.setattr(experts, "dispatch_staged", lambda *a: n_staged.append(1) or plain(*a))
-        monkeypatch.setattr(experts, "kernel_dispatch", kernel_staged)
+        monkeypatch.setattr(experts, "staged_pairs", lambda *a: n_staged.append(1) or plain(*a))
+        monkeypatch.setattr(experts, "kernel_pairs", kernel_staged)
     lm = moelane.load(wide, expert_memory=share)  # (its store attached: predictors, the live planner)
     store = lm.provider
     assert isinstance(store, ExpertStore)

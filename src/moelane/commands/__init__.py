@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 
 from moelane.commands import bench, run, serve, trace
-from moelane.commands.common import Parser, Terminated
+from moelane.commands.common import Parser, Terminated, distributed_launch
 from moelane.errors import MoelaneError
 
 
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
+        if distributed_launch():  # (torchrun's environment: one rank of several)
+            from moelane.commands.distributed import run_rank
+
+            return run_rank(args)
         return int(args.func(args))
     except MoelaneError as e:
         return say_error(str(e))

@@ -20,8 +20,8 @@ import torch
 
 import moelane
 from moelane.errors import InputError
+from moelane.model.provider import ResidentProvider
 from moelane.pager.live.memory import MemorySpec, format_bytes, parse_memory
-from moelane.pager.live.store import ExpertStore
 
 log = logging.getLogger("moelane")
 
@@ -99,11 +99,45 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "is (default none: as stored)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N",
                    help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
+    p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",
+                   help="launched by torchrun (experts spread over its ranks: docs/distributed.md): how long rank 0 "
+                   "waits for another rank's experts before it fails the requests in flight and reports itself "
+                   "degraded (default 30 s)")  # fmt: skip
+    p.add_argument("--placement", choices=("contiguous", "balanced"), default="contiguous",
+                   help="launched by torchrun: which rank holds which experts. contiguous: rank r of W holds expert "
+                   "ids [r*E/W, (r+1)*E/W) of every MoE layer; balanced: as many per rank, chosen so that the ranks "
+                   "carry equal shares of the routing counted in --placement-trace (rank 0 chooses for every rank) "
+                   "(default contiguous)")  # fmt: skip
+    p.add_argument("--placement-trace", metavar="FILE",
+                   help="with --placement balanced: a `moelane trace record` file of this model, whose routing "
+                   "counts balance the ranks")  # fmt: skip
+
+
+def placement_trace(args: argparse.Namespace, distributed: bool) -> str | None:
+    """The trace `--placement balanced` balances by (None: contiguous); InputError for flags that do not go together.
+    `distributed`: whether this process is one rank of a torchrun launch."""
+    balanced, trace = getattr(args, "placement", "contiguous") == "balanced", getattr(args, "placement_trace", None)
+    if balanced and not distributed:
+        raise InputError("--placement balanced spreads experts over the ranks of a torchrun launch; this process runs "
+                         "alone (docs/distributed.md)")  # fmt: skip
+    if balanced and trace is None:
+        raise InputError("--placement balanced needs --placement-trace FILE (a `moelane trace record` file of this "
+                         "model)")  # fmt: skip
+    if trace is not None and not balanced:
+        raise InputError("--placement-trace is read with --placement balanced only")
+    return trace
 
 
 def paged(lm: Any) -> bool:
-    """Whether a loaded model's experts are in an expert store (asked for, or because they did not fit)."""
-    return isinstance(lm.provider, ExpertStore)
+    """Whether a loaded model's experts are not all resident in this process (in an expert store, asked for or
+    because they did not fit, or spread over the ranks of a distributed run): its decode step is then not compiled
+    unless asked."""
+    return not isinstance(lm.provider, ResidentProvider)
+
+
+def distributed_launch() -> bool:
+    """Whether torchrun started this process as one rank of several (its RANK and WORLD_SIZE in the environment)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
 
 
 def usable_cores() -> int:
@@ -129,10 +163,23 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     set_threads(args)
     if args.pager_policy and args.expert_memory is None:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
-    dtypes: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
-    lm = moelane.load(args.model, dtypes[args.dtype], expert_memory=args.expert_memory, host_memory=args.host_memory,
-                      policy=args.pager_policy or "planner", default_tier=args.default_tier, compile=compile,
-                      progress=True, quantize=args.quantize)  # fmt: skip
+    ranks = getattr(args, "ranks", None)
+    trace = placement_trace(args, ranks is not None)
+    if ranks is not None:  # (rank 0 of a distributed run: `moelane.commands.distributed`)
+        from moelane import dist
+
+        if compile:
+            raise InputError("--compile on: a distributed run computes eagerly (its experts' outputs are exchanged "
+                             "between ranks in every MoE layer)")  # fmt: skip
+        lm = dist.load(ranks, args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
+                       host_memory=args.host_memory, policy=args.pager_policy or "planner",
+                       default_tier=args.default_tier, progress=True, quantize=args.quantize,
+                       placement_trace=trace)  # fmt: skip
+    else:
+        lm = moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
+                          host_memory=args.host_memory, policy=args.pager_policy or "planner",
+                          default_tier=args.default_tier, compile=compile, progress=True,
+                          quantize=args.quantize)  # fmt: skip
     try:
         check_pool(lm, args.expert_memory)
     except InputError:
@@ -143,14 +190,20 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
 
 def check_pool(lm: Any, expert_memory: MemorySpec | None) -> None:
     """InputError if the expert pool cannot hold the experts one token routes to in one MoE layer, so that no pass
-    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold)."""
-    if not paged(lm) or (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
+    could run: said in one line before anything runs (the engine would first warn of the rows a pass may hold). A
+    distributed run's provider has no pool of its own: each rank checks its share as it builds it (`dist.launch`)."""
+    if not paged(lm) or not hasattr(lm.provider, "n_slots"):
+        return
+    if (n_slots := lm.provider.n_slots) >= (top_k := lm.args.num_experts_per_tok):
         return
     need = top_k * lm.provider.slot_bytes
     share = math.ceil(need / lm.provider.total_bytes * 1000) / 10  # (rounded up: a budget of it holds them)
     given = "the free memory" if expert_memory is None else f"--expert-memory {expert_memory}"
     raise InputError(f"{given} holds {n_slots} expert{'s' * (n_slots != 1)}, but a token routes to {top_k} at once "
                      f"in each MoE layer: give at least {format_bytes(need)} ({share:g}%)")  # fmt: skip
+
+
+DTYPES: dict[str, torch.dtype | str] = {"auto": "auto", "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @contextlib.contextmanager

@@ -300,7 +300,8 @@ def print_stats(lm, decoded: tuple[int, int]) -> None:  # type: ignore[no-untype
     token, tokens after it)."""
     from moelane.pager.live.build import format_stats
 
-    print(format_stats(lm.provider, lm.memory, decoded), file=sys.stderr)
+    describe = getattr(lm.provider, "describe", None)  # (a distributed run's: its ranks, then rank 0's own store)
+    print(describe() if describe is not None else format_stats(lm.provider, lm.memory, decoded), file=sys.stderr)
 
 
 def disk_read(lm) -> int:  # type: ignore[no-untyped-def]

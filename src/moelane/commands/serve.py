@@ -121,8 +121,9 @@ def build(args: argparse.Namespace) -> Any:
     name = args.served_model_name or Path(lm.folder).name
     limits = Limits(request_s=args.request_timeout, idle_s=args.idle_timeout)
     try:
+        fault = (lambda: lm.provider.fault) if hasattr(lm.provider, "fault") else None  # (a distributed run's)
         return create_app(engine, lm, model_name=name, max_queue=args.max_queue, limits=limits, pager=pager,
-                          api_key=api_key(args), show_text=args.dashboard_show_text)  # fmt: skip
+                          api_key=api_key(args), show_text=args.dashboard_show_text, fault=fault)  # fmt: skip
     except BaseException:  # (a chat template that cannot be compiled): an expert store's threads end first
         lm.close()
         raise

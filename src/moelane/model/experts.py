@@ -13,6 +13,10 @@ its tier (fp32, bf16, int8, int4, tiers mixed), dequantising in registers (docs/
 built: over one native pool from slot 0, the BLAS paths below; otherwise (int8 or int4 slots, or tiers mixed within
 one call) `dispatch_tiers`, a reference path in plain torch that dequantises the slots the pairs use.
 
+Eagerly, `run_experts` is `weighted_sum(pair_outputs(...))`: each (token, expert) pair's output in pair order, then
+the sum over k in one fixed order. A provider whose experts other processes compute (`moelane.dist`) answers
+`pair_outputs` itself, each process running `pair_outputs` here on its share, and the sum stays where it was.
+
 In every dispatch path a row's numbers do not depend on the other rows of the pass (docs/batch-invariance.md):
 - eager: sort the pairs by slot, pad each used slot's rows to whole tiles, and compute each slot's group as `linear`
   would (one grouped product over the slots' range, or one product per used slot where they are sparse);
@@ -216,9 +220,25 @@ def dispatch_staged(
     """`dispatch` while some experts are still loading (`pending` [T, K]): the resident ones compute first, then
     `wait()`, then the rest. Bit-identical to `dispatch` once everything is resident."""
     rows, rows_of = pair_rows(x, slots.shape[1])
-    flat, late = slots.reshape(-1), pending.reshape(-1)
+    y = staged_pairs(rows, rows_of, slots.reshape(-1), pending.reshape(-1), w13, w2, wait, act, bias)
+    return weighted_sum(y, weights)
+
+
+def staged_pairs(
+    rows: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    late: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    wait: Callable[[], None],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """`grouped` while the pairs marked `late` [P] wait for their experts: the others first, then `wait()`, then
+    those. -> [P, H] in pair order."""
     pairs = torch.arange(flat.numel())
-    y = x.new_empty(flat.numel(), x.shape[-1])
+    y = rows.new_empty(flat.numel(), rows.shape[-1])
     early = pairs[~late]
     if early.numel():
         y[early] = grouped(rows, rows_of[early], flat[early], w13, w2, act, None if bias is None else bias.take(early))
@@ -227,7 +247,7 @@ def dispatch_staged(
     if late_pairs.numel():
         y[late_pairs] = grouped(rows, rows_of[late_pairs], flat[late_pairs], w13, w2, act,
                                 None if bias is None else bias.take(late_pairs))  # fmt: skip
-    return weighted_sum(y, weights)
+    return y
 
 
 def run_experts(
@@ -240,22 +260,53 @@ def run_experts(
     bias: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum for rows x [T, H] (or one input per pair, [T, K, H]); `bias`: per-expert
-    (b13 [E, 2I], b2 [E, H]) or None."""
-    staged = None if torch.compiler.is_compiling() else getattr(provider, "slots_staged", None)
-    slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
-    pools = provider.pools(layer)
+    (b13 [E, 2I], b2 [E, H]) or None. Eager: each pair's output (`pair_outputs`, or the provider's own
+    `pair_outputs` where other processes compute its experts: moelane.dist), then their weighted sum in one fixed
+    order (`weighted_sum`)."""
     pairs = pair_bias(bias, ids)
+    if not torch.compiler.is_compiling():
+        rows, rows_of = pair_rows(x, ids.shape[1])
+        spread = getattr(provider, "pair_outputs", None)
+        if spread is not None:
+            return weighted_sum(spread(rows, rows_of, layer, ids, act, pairs), weights)
+        return weighted_sum(pair_outputs(rows, rows_of, layer, ids, provider, act, pairs), weights)
+    slots, pools = provider.slots(layer, ids), provider.pools(layer)
     if computes_in_kernels(pools):
-        return kernel_dispatch(x, slots, weights, pools, act, pairs, pending, wait)
+        return kernel_dispatch(x, slots, weights, pools, act, pairs)
+    native = native_pool(pools, slots)
+    if native is None:
+        return dispatch_tiers(x, slots, weights, pools, act, pairs)
+    return dispatch(x, slots, weights, native[0], native[1], act, pairs)
+
+
+def pair_outputs(
+    rows: torch.Tensor,
+    rows_of: torch.Tensor,
+    layer: int,
+    ids: torch.Tensor,
+    provider: ExpertProvider,
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """Each pair's expert output, unweighted, [P, H] in pair order (eager): pair p reads row `rows_of[p]` of rows
+    [R, H] and computes expert `ids.reshape(-1)[p]`; `ids` in the shape the provider is asked with ([T, K] in a
+    pass). What `run_experts` sums. A pair's bits depend only on its row and its expert's weights, so any subset of
+    the pairs, computed anywhere with the same weights, gives each the same bits."""
+    staged = getattr(provider, "slots_staged", None)
+    slots, pending, wait = staged(layer, ids) if staged is not None else (provider.slots(layer, ids), None, None)
+    flat, late = slots.reshape(-1), None if pending is None else pending.reshape(-1)
+    pools = provider.pools(layer)
+    if computes_in_kernels(pools):
+        return kernel_pairs(rows, rows_of, flat, pools, act, bias, late, wait)
     native = native_pool(pools, slots)
     if native is None:
         if wait is not None:
             wait()  # (the reference path computes once every slot has loaded)
-        return dispatch_tiers(x, slots, weights, pools, act, pairs)
+        return tier_pairs(rows, rows_of, flat, pools, act, bias)
     w13, w2 = native
-    if pending is None or wait is None:
-        return dispatch(x, slots, weights, w13, w2, act, pairs)
-    return dispatch_staged(x, slots, pending, weights, w13, w2, wait, act, pairs)
+    if late is None or wait is None:
+        return grouped(rows, rows_of, flat, w13, w2, act, bias)
+    return staged_pairs(rows, rows_of, flat, late, w13, w2, wait, act, bias)
 
 
 def native_pool(pools: tuple[TierPool, ...], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -296,19 +347,34 @@ def kernel_dispatch(
     gather_linear's products are batch-invariant (moelane.kernels), each rounded once to x's dtype, the activation
     and biases element-wise."""
     rows, rows_of = pair_rows(x, slots.shape[1])
-    flat, xf = slots.reshape(-1), rows.float()
-    if pending is None or wait is None:
-        return weighted_sum(pool_pairs(xf, rows_of, flat, pools, act, bias, x.dtype), weights)
-    y = x.new_empty(flat.numel(), x.shape[-1])
-    late = pending.reshape(-1)
+    late = None if pending is None else pending.reshape(-1)
+    return weighted_sum(kernel_pairs(rows, rows_of, slots.reshape(-1), pools, act, bias, late, wait), weights)
+
+
+def kernel_pairs(
+    rows: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+    late: torch.Tensor | None = None,
+    wait: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """The pairs' outputs [P, H] through `gather_linear` (pair p: row rows_of[p] of rows, slot flat[p]); with `late`
+    [P] marked, the others first, then `wait()`, then those."""
+    xf = rows.float()
+    if late is None or wait is None:
+        return pool_pairs(xf, rows_of, flat, pools, act, bias, rows.dtype)
+    y = rows.new_empty(flat.numel(), rows.shape[-1])
     pairs = torch.arange(flat.numel())
     for part in (pairs[~late], None, pairs[late]):
         if part is None:
             wait()
         elif part.numel():
             y[part] = pool_pairs(xf, rows_of[part], flat[part], pools, act, None if bias is None else bias.take(part),
-                                 x.dtype)  # fmt: skip
-    return weighted_sum(y, weights)
+                                 rows.dtype)  # fmt: skip
+    return y
 
 
 def pool_pairs(
@@ -379,9 +445,22 @@ def dispatch_tiers(
         y = pair_products(x, w13, w2, act, bias)
         return weighted_sum(y.reshape(-1, y.shape[-1]), weights)
     rows, rows_of = pair_rows(x, slots.shape[1])
-    used, local = torch.unique(slots.reshape(-1), return_inverse=True)  # used slots ascending; each pair's index
-    w13, w2 = dequantized_slots(pools, used, x.dtype, n_in)
-    return weighted_sum(grouped(rows, rows_of, local, w13, w2, act, bias), weights)
+    return weighted_sum(tier_pairs(rows, rows_of, slots.reshape(-1), pools, act, bias), weights)
+
+
+def tier_pairs(
+    rows: torch.Tensor,
+    rows_of: torch.Tensor,
+    flat: torch.Tensor,
+    pools: tuple[TierPool, ...],
+    act: Act = swiglu,
+    bias: PairBias | None = None,
+) -> torch.Tensor:
+    """The reference path's pair outputs [P, H] (eager): the used slots dequantised, then `grouped`."""
+    n_in = (rows.shape[-1], pools[0].w13[0].shape[1] // 2)  # (H, I)
+    used, local = torch.unique(flat, return_inverse=True)  # used slots ascending; each pair's index
+    w13, w2 = dequantized_slots(pools, used, rows.dtype, n_in)
+    return grouped(rows, rows_of, local, w13, w2, act, bias)
 
 
 def dequantized(

@@ -56,13 +56,20 @@ def footprint(lm: Any) -> Footprint | None:
     """The footprint of a loaded `LM` (None for a model without routed experts)."""
     if not lm.moe_layers or not lm.args.num_experts_per_tok:
         return None
-    per_slot = []
-    for layer in lm.moe_layers:
-        pools = lm.provider.pools(layer)
-        held = sum(tensor_bytes(t for part in (p.w13, p.w2) for t in part) for p in pools)
-        per_slot.append(held / sum(p.n_slots for p in pools))
+    per_slot = [expert_bytes(lm.provider, layer) for layer in lm.moe_layers]
     return Footprint(dense_bytes(lm.model), sum(per_slot) / len(per_slot), len(lm.moe_layers), lm.args.num_experts,
                      lm.args.num_experts_per_tok)  # fmt: skip
+
+
+def expert_bytes(provider: Any, layer: int) -> float:
+    """Bytes of one expert of `layer` as its provider holds it: its pools' over their slots, or what a provider
+    without pools of its own (a distributed run's) says."""
+    own = getattr(provider, "expert_bytes", None)
+    if callable(own):
+        return float(own(layer))
+    pools = provider.pools(layer)
+    held = sum(tensor_bytes(t for part in (p.w13, p.w2) for t in part) for p in pools)
+    return float(held / sum(p.n_slots for p in pools))
 
 
 def dense_bytes(model: nn.Module) -> int:

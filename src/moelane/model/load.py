@@ -84,20 +84,8 @@ def load(
     resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
     quantised (`weights.prepare_weights`). `preflight` is called with the model's `MemoryNeeds`, its experts' handles
     and the compute dtype before any weight is read (a memory check that refuses early raises there)."""
-    if dtype != "auto" and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
-    if path is None:
-        from moelane.assets import default_model_path
-
-        path = default_model_path()
-    folder = Path(path)
-    gguf_file = open_gguf(folder) if is_gguf(folder) else None
-    raw = hf_config(gguf_file) if gguf_file else read_config(folder)
-    family = family_of(raw["model_type"])
-    config = family.config_class.from_dict(raw)
+    folder, gguf_file, raw, family, config, compute = opened(path, dtype)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
-    compute = checkpoint_dtype(config) if dtype == "auto" else dtype
-    assert isinstance(compute, torch.dtype)
     model = family.build(config)
     if gguf_file is None:
         handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block, preflight)
@@ -109,6 +97,42 @@ def load(
     if compile:
         lm.enable_compile()
     return lm
+
+
+def opened(
+    path: str | Path | None, dtype: torch.dtype | str
+) -> tuple[Path, GgufFile | None, dict[str, Any], Family[Any], Config, torch.dtype]:
+    """A model's folder, its GGUF file (or None), raw and typed config, family and compute dtype: nothing read but
+    config.json (or the GGUF's metadata)."""
+    if dtype != "auto" and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+    if path is None:
+        from moelane.assets import default_model_path
+
+        path = default_model_path()
+    folder = Path(path)
+    gguf_file = open_gguf(folder) if is_gguf(folder) else None
+    raw = hf_config(gguf_file) if gguf_file else read_config(folder)
+    family = family_of(raw["model_type"])
+    config = family.config_class.from_dict(raw)
+    compute = checkpoint_dtype(config) if dtype == "auto" else dtype
+    assert isinstance(compute, torch.dtype)
+    return folder, gguf_file, raw, family, config, compute
+
+
+def read_experts(
+    path: str | Path | None = None, dtype: torch.dtype | str = torch.float32
+) -> tuple[Config, Family[Any], dict[int, list[ExpertHandle]], torch.dtype]:
+    """A model's config, family, routed experts' handles and compute dtype, without reading a weight: what a process
+    that computes experts only needs (`moelane.dist`'s ranks but the first)."""
+    folder, gguf_file, _, family, config, compute = opened(path, dtype)
+    fp8_block = check_quantization(config.quantization_config, family.quantized)
+    if gguf_file is None:
+        handles = expert_handles(family, config, config.moe_layers(), scan_checkpoint(folder), fp8_block)
+    else:
+        handles = gguf_experts(gguf_file, config, config.moe_layers())
+        check_expert_shapes(config, handles)
+    return config, family, handles, compute
 
 
 def read_folder(

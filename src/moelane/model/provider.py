@@ -11,6 +11,10 @@ block gathers weights by slot. Model code never knows where an expert lives or h
   (optional in the protocol): the slots at once, a mask of the pairs whose experts are still loading, and a `wait`
   to call before computing those, so eager dispatch computes the resident experts while the misses load.
 
+- A provider whose experts live in other processes (`moelane.dist`) has `pair_outputs(rows, rows_of, layer, ids,
+  act, bias)` (optional in the protocol): each pair's expert output, computed wherever its expert is, which eager
+  `experts.run_experts` then sums as it sums its own (`experts.pair_outputs`).
+
 Routing decisions reach observers (the trace recorder, the planner) after each forward pass as a `RoutingRecord`, so
 the hot path itself carries no callbacks.
 

@@ -17,15 +17,16 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from moelane.errors import Unavailable
 from moelane.model.grammar import Grammar
 from moelane.server import errors
 from moelane.server.auth import ApiKey
@@ -76,12 +77,15 @@ class ServerState:
         pager: PagerHooks | None,
         show_text: bool = False,
         request_log: int = REQUEST_LOG,
+        fault: Callable[[], BaseException | None] | None = None,
     ) -> None:
         self.engine, self.lm, self.model_name, self.limits, self.pager = engine, lm, model_name, limits, pager
+        self._fault = fault
         self.prompts = Prompts(lm, model_name)
         self.capacity = max_streams + max_queue
         self.max_streams = max_streams
-        self.metrics = ServerMetrics(engine, pager.stats if pager else None, getattr(lm, "memory", None))
+        rank_counts = getattr(getattr(lm, "provider", None), "rank_counts", None)  # (a distributed run's)
+        self.metrics = ServerMetrics(engine, pager.stats if pager else None, getattr(lm, "memory", None), rank_counts)
         self.requests = RequestLog(request_log)
         self.sampler = Sampler(engine, lm, model_name, self.requests, pager.stats if pager else None, show_text)
         self.in_flight = 0
@@ -90,6 +94,12 @@ class ServerState:
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: str(lm.tokenizer.decode([token])))
 
+    def problem(self) -> str | None:
+        """What has failed of the parts the model runs on (a rank of a distributed run), or None: then the server
+        is degraded, and answers every request with 503."""
+        fault = self._fault() if self._fault is not None else None
+        return None if fault is None else str(fault)
+
     # ---- admission ----------------------------------------------------------------------------------------------
 
     def admit(self, n: int = 1, param: str = "n") -> None:
@@ -97,6 +107,8 @@ class ServerState:
         that asked for so many (`n`, or `prompt` for a list of prompts)."""
         if self.stopping:
             raise ServerStopping("the server is shutting down")
+        if (problem := self.problem()) is not None:
+            raise Unavailable(f"the server is degraded: {problem}")
         if n > self.capacity:
             raise bad_request(f"the request asks for {n} choices (n times the prompts); this server holds at most "
                               f"{self.capacity} at once", param)  # fmt: skip
@@ -357,6 +369,7 @@ def create_app(
     api_key: str | None = None,
     show_text: bool = False,
     request_log: int = REQUEST_LOG,
+    fault: Callable[[], BaseException | None] | None = None,
 ) -> FastAPI:
     """The app. `engine`: a lanes `Engine` (or anything with its interface); `lm`: the model it serves (tokenizer,
     `max_context`, `vocab_size`). `max_streams` defaults to the engine's. `pager`: an expert store's ledger
@@ -364,13 +377,15 @@ def create_app(
     app's lifespan starts and stops the engine thread. A request body over `max_body_bytes` gets 413 unread. With
     `api_key`, every endpoint but /health wants it as a bearer token (auth.py). The dashboard (`/dashboard`,
     `/v1/stats`) lists the last `request_log` requests, with their prompts' first characters if `show_text`.
-    ModelLoadError if the model's chat template cannot be compiled."""
+    `fault`: what has failed of the parts the model runs on, or None (a distributed run's failed rank): while it
+    says something, /health says "degraded" and requests get 503. ModelLoadError if the model's chat template
+    cannot be compiled."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     check_chat_template(lm.tokenizer)
     streams = max_streams if max_streams is not None else engine.config.max_streams
     state = ServerState(engine, lm, model_name, streams, max_queue, limits or Limits(), pager,
-                        show_text, request_log)  # fmt: skip
+                        show_text, request_log, fault)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -401,9 +416,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.head("/health", include_in_schema=False)  # (what load balancers' and uptime checks often send)
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
-        body = Health(status="stopping" if state.stopping else "ok", active_streams=state.engine.n_active,
-                      waiting_streams=state.engine.n_waiting)  # fmt: skip
-        return JSONResponse(body.model_dump(), status_code=503 if state.stopping else 200)
+        problem = state.problem()
+        status: Literal["ok", "stopping", "degraded"] = (
+            "stopping" if state.stopping else "degraded" if problem is not None else "ok"
+        )
+        body = Health(status=status, active_streams=state.engine.n_active, waiting_streams=state.engine.n_waiting,
+                      problem=problem)  # fmt: skip
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if status == "ok" else 503)
 
     def card() -> ModelCard:
         return ModelCard(id=state.model_name, created=state.created, max_model_len=state.lm.max_context)
@@ -419,7 +438,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await run_in_threadpool(state.metrics.render)  # (a distributed run's waits for its ranks' counters)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:

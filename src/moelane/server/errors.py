@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from moelane.errors import InputError, MoelaneError
+from moelane.errors import InputError, MoelaneError, Unavailable
 from moelane.server.generation import EngineError, RequestTimeout, ServerStopping
 from moelane.server.protocol import FieldError
 from moelane.server.responses import ErrorDetail, ErrorResponse
@@ -46,6 +46,7 @@ ERROR_KINDS: tuple[tuple[type[Exception], int, str, str | None], ...] = (
     (ServerStopping, 503, "server_error", "server_stopping"),
     (ClientGone, 499, "invalid_request_error", "client_closed_request"),
     (RequestTimeout, 504, "timeout_error", "timeout"),
+    (Unavailable, 503, "server_error", "service_unavailable"),
     (EngineError, 500, "server_error", "engine_error"),
     (InputError, 400, "invalid_request_error", None),
     (MoelaneError, 400, "invalid_request_error", None),

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from moelane.errors import MoelaneError
+from moelane.errors import MoelaneError, Unavailable
 from moelane.lanes.stream import TokenLogprob
 from moelane.model.grammar import Grammar
 from moelane.model.reasoning import ANSWER, CALL, REASONING, Openings, splitter_for
@@ -324,6 +324,8 @@ class Generation:
 def _finish(engine_reason: str | None, error: BaseException | None = None) -> str:
     if engine_reason in ("stop", "length"):
         return engine_reason
+    if engine_reason == "error" and isinstance(error, Unavailable):  # (a rank of a distributed run failed: 503)
+        raise Unavailable(f"the server cannot compute this request: {error}")
     if engine_reason == "error":  # a failure of ours (a truncated shard, say) says what it was; a bug does not
         said = f": {error}" if isinstance(error, MoelaneError) else ""
         raise EngineError(f"the engine failed while generating this request{said}")

@@ -1,8 +1,10 @@
 """Prometheus metrics of one server: a registry per app (never the global default one), request-side counters the
 handlers update, and a collector that reads the engine's and the pager's own counters at scrape time.
 
-Invariants: nothing here is module state; two apps in one process have separate registries; scraping never blocks
-the engine (it reads counters, it does not wait for a round).
+Invariants: nothing here is module state; two apps in one process have separate registries; scraping never waits
+for a round (it reads counters). A distributed run's scrape gathers every rank's counters in one collective between
+two MoE layers' exchanges (docs/distributed.md#metrics): it waits for the layer in flight, and holds the next one
+back for that collective only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ RATE_WINDOW_S = 10.0
 
 
 PagerStats = Callable[[], dict[str, Any]]  # the plain-data form of the store's counters (`PagerStats.to_dict`)
+RankCounts = Callable[[], list[Any]]  # a distributed run's counters of each rank (`moelane.dist.counters.RankCounts`)
+RANK_METRICS = (
+    ("experts", "moelane_rank_experts", "routed experts the rank holds (its share)", GaugeMetricFamily),
+    ("resident", "moelane_rank_experts_resident", "experts the rank's memory holds at once", GaugeMetricFamily),
+    ("hits", "moelane_rank_expert_hits", "expert accesses found in the rank's memory", CounterMetricFamily),
+    ("misses", "moelane_rank_expert_misses", "expert accesses the rank read from disk", CounterMetricFamily),
+    ("paged_bytes", "moelane_rank_paged_bytes", "bytes of experts the rank read from disk", CounterMetricFamily),
+    ("pairs", "moelane_rank_pairs", "(token, expert) pairs the rank computed", CounterMetricFamily),
+    ("compute_s", "moelane_rank_compute_seconds", "seconds the rank computed its pairs", CounterMetricFamily),
+    ("exchange_s", "moelane_rank_exchange_seconds", "seconds the rank spent in the exchange's collectives",
+     CounterMetricFamily),
+    ("user_s", "moelane_rank_cpu_user_seconds", "user CPU seconds of the rank's process", CounterMetricFamily),
+    ("system_s", "moelane_rank_cpu_system_seconds", "system CPU seconds of the rank's process", CounterMetricFamily),
+)  # fmt: skip
 
 
 class TokenRate:
@@ -45,9 +61,13 @@ class TokenRate:
 class EngineCollector(Collector):
     """Engine and pager counters, read at scrape time."""
 
-    def __init__(self, engine: Any, rate: TokenRate, pager_stats: PagerStats | None, memory: Any = None) -> None:
-        """`memory`: the `MemoryReport` of the model's load (limit, source, minimum, budget), None if unknown."""
+    def __init__(self, engine: Any, rate: TokenRate, pager_stats: PagerStats | None, memory: Any = None,
+                 rank_counts: RankCounts | None = None) -> None:  # fmt: skip
+        """`memory`: the `MemoryReport` of the model's load (limit, source, minimum, budget), None if unknown.
+        `rank_counts`: a distributed run's gathering of each rank's counters (it waits for the exchange of the layer
+        in flight, and the other ranks' answer), None in one process."""
         self.engine, self.rate, self.pager_stats, self.memory = engine, rate, pager_stats, memory
+        self.rank_counts = rank_counts
 
     def collect(self) -> Iterator[Any]:
         s = self.engine.stats()
@@ -77,6 +97,18 @@ class EngineCollector(Collector):
         yield guard
         yield from self._memory()
         yield from self._pager(float(s.committed))
+        yield from self._ranks()
+
+    def _ranks(self) -> Iterator[Any]:
+        """Each rank's counters, labelled by rank (a run that has failed: rank 0's only)."""
+        if self.rank_counts is None:
+            return
+        counts = self.rank_counts()
+        for field, name, doc, kind in RANK_METRICS:
+            family = kind(name, doc, labels=["rank"])
+            for c in counts:
+                family.add_metric([str(c.rank)], float(getattr(c, field)))
+            yield family
 
     def _memory(self) -> Iterator[Any]:
         """The memory limit found (labelled with its source: a cgroup, free memory or --expert-memory), the minimum
@@ -132,7 +164,8 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The app's registry and the request-side metrics its handlers update."""
 
-    def __init__(self, engine: Any, pager_stats: PagerStats | None = None, memory: Any = None) -> None:
+    def __init__(self, engine: Any, pager_stats: PagerStats | None = None, memory: Any = None,
+                 rank_counts: RankCounts | None = None) -> None:  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rate = TokenRate()
@@ -152,7 +185,7 @@ class ServerMetrics:
         self.req_experts = Counter("moelane_request_pager_experts_fetched", "experts fetched for requests", registry=r)
         self.req_bytes = Counter("moelane_request_pager_bytes", "bytes fetched for requests", registry=r)
         self.req_stall = Counter("moelane_request_pager_stall_seconds", "stall charged to requests", registry=r)
-        r.register(EngineCollector(engine, self.rate, pager_stats, memory))
+        r.register(EngineCollector(engine, self.rate, pager_stats, memory, rank_counts))
 
     def observe_request(
         self, n_prompt: int, started: float, choices: list[tuple[int, float | None]], cost: PagerCost

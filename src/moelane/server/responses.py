@@ -167,9 +167,10 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "stopping"]
+    status: Literal["ok", "stopping", "degraded"]  # degraded: a part the model runs on has failed (`problem`)
     active_streams: int
     waiting_streams: int
+    problem: str | None = None
 
 
 # ---- formatting ------------------------------------------------------------------------------------------------
