@@ -13,6 +13,7 @@ config and git revision.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -36,6 +37,9 @@ POLICIES = ("lru", "lfu", "recent-k", "ema:0.85", "bandit", "planner", "planner:
             "planner:score", "planner:score:hard", "planner:score:nowarm", "lru+ahead", "planner+ahead",
             "planner:hard+ahead", "planner:score+ahead", "belady")  # fmt: skip
 FRACTIONS = (0.2, 0.25, 0.35, 0.5, 0.75)
+PRICE_FRACTIONS = (0.25, 0.5, 0.75)
+INFLATED_BYTES = 9_437_184  # the inflated model's expert: 3 x 192 x 8192 bf16
+INFLATED_FLOOR = 1 / 45  # its bf16 decode, s/token, one client (docs/server.md)
 SOURCE = {"prefill_union": "66%", "decode_recency": "58%", "prefill_tail": "47%", "stable": "1.4%",
           "freq_top_k": "2.8%", "last_1": "41%", "last_2": "51%", "last_4": "59%"}  # fmt: skip
 
@@ -100,6 +104,36 @@ def policy_table(trace: Trace, cost: CostModel) -> tuple[list[str], dict[tuple[s
             cells.append(f"{pct(d['decode_hit_rate'])} ({d['tok_s_aggregate']:.0f})")
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return lines, results
+
+
+def with_expert_bytes(trace: Trace, nbytes: int) -> Trace:
+    """`trace` as if its experts were `nbytes` at tier 0 (every tier scaled alike)."""
+    h = trace.header
+    tiers = tuple((name, round(b * nbytes / h.expert_bytes)) for name, b in h.tiers)
+    return dataclasses.replace(trace, header=dataclasses.replace(h, tiers=tiers))
+
+
+def price_table(trace: Trace, cost: CostModel) -> tuple[list[str], list[dict[str, Any]]]:
+    """lru+ahead with the live store's admission rule and without (+ahead:all), at the trace's expert size and at the
+    inflated model's."""
+    m = trace.header.n_total
+    lines = ["| experts | pool | look-ahead loads | loads issued | wasted | decode hit rate | predicted tok/s | "
+             "threshold at the end |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = []
+    inflated = dataclasses.replace(cost, compute_floor=INFLATED_FLOOR)
+    sizes = ((trace, cost), (with_expert_bytes(trace, INFLATED_BYTES), inflated))
+    for sized, sized_cost in sizes:
+        for f in PRICE_FRACTIONS:
+            for spec, rule in (("lru+ahead", "that pay"), ("lru+ahead:all", "all")):
+                policy = make_policy(spec)
+                r = replay(sized, policy, round(f * m), "slots", sized_cost)
+                d, least = r.to_dict(), policy.sim.ahead.threshold()
+                rows.append({"policy": spec, "fraction": f, "expert_bytes": sized.header.expert_bytes,
+                             "threshold": least, **d})  # fmt: skip
+                lines.append(f"| {sized.header.expert_bytes / 1e6:.2f} MB | {f:.0%} ({round(f * m)}) | {rule} | "
+                             f"{r.decode.prefetched} | {r.decode.prefetch_wasted} | {pct(d['decode_hit_rate'])} | "
+                             f"{d['tok_s_aggregate']:.1f} | {least:.2f} |")  # fmt: skip
+    return lines, rows
 
 
 def first_tokens_hit(r: ReplayResult, n: int = 32) -> float:
@@ -183,12 +217,17 @@ def main() -> None:
             f"{cost.compute_floor * 1e3:.2f} ms/token.")  # fmt: skip
     warm_title = "### Warm start: decode hit rate over the first 32 decode tokens of each request"
     bandit_title = "### Decay bandit: prediction hit rate of the top-`pool` experts (decode)"
+    price_title = "### Cost-aware look-ahead: the live store's admission rule, at two expert sizes"
+    price_lines, price_rows = price_table(trace, cost)
     traces = {"default model": trace, "synthetic, phase shift every 96 tokens": shift}
     sections = [meta, "", "### Coverage", "", *coverage_table(report), "", "### Policies by pool size", "", *table,
-                "", warm_title, "", *warm_table(results), "", bandit_title, "", *bandit_table(traces)]  # fmt: skip
+                "", warm_title, "", *warm_table(results), "", bandit_title, "", *bandit_table(traces), "",
+                price_title, "", *price_lines]  # fmt: skip
     write_doc(sections)
     for (spec, f), r in results.items():
         print(json.dumps({"git": git_rev(), "trace": a.trace, "policy": spec, "fraction": f, **r.to_dict()}))
+    for row in price_rows:
+        print(json.dumps({"git": git_rev(), "trace": a.trace, "table": "price", **row}))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import moelane
-from moelane.pager.live.prefetch import Calibration
-from moelane.pager.live.price import LoadPrice
+from moelane.pager.live.price import Calibration, LoadPrice, least_probability
 from moelane.pager.live.store import ExpertStore, StoreConfig
 from tests.helpers import random_model
 
@@ -29,6 +28,23 @@ def test_the_threshold_weighs_disk_time_against_the_compute_it_hides_behind() ->
     idle.observe_layer(0.002)
     idle.observe_pass(0.100)  # the disk busy 0.1% of the time: a wasted load costs almost nothing
     assert idle.threshold(0) < 0.01
+
+
+MEASURED = [(0.010, 0.002, 1.0), (0.0002, 0.0006, 0.3), (0.007, 0.004, 0.8)]  # read_s, layer_s, busy
+
+
+@pytest.mark.parametrize(("read_s", "layer_s", "busy"), MEASURED)
+def test_the_store_prices_a_load_by_the_same_rule_as_the_replay(read_s: float, layer_s: float, busy: float) -> None:
+    """One function decides for both (`least_probability`); the store only measures its inputs."""
+    price = LoadPrice(n_layers=6)
+    price.observe_read(read_s, concurrent=1)
+    price.observe_layer(layer_s)
+    price.observe_pass(read_s / busy)
+    assert price.threshold(0) == pytest.approx(least_probability(read_s, layer_s, busy))
+    assert price.threshold(1) == pytest.approx(least_probability(read_s, 6 * layer_s, busy))
+    r, h, u = read_s, layer_s, busy
+    assert least_probability(r, h, u) == pytest.approx(r * u / (r * u + min(h, r)))  # docs: p > r*u / (r*u + min(h, r))
+    assert least_probability(r, h, 0.0) == 0.0
 
 
 def test_a_source_whose_loads_go_unused_must_be_surer_and_tries_again_later() -> None:

@@ -85,7 +85,8 @@ def add_parser(subparsers: Any) -> None:
         "--policy",
         action="append",
         help="lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:score][:hard][:nowarm]; append +ahead to "
-        "prefetch the look-ahead's predictions (traces recorded with it); repeat the flag for several",
+        "prefetch the look-ahead's predictions that pay for their load, by the live store's rule (+ahead:all: every "
+        "prediction; traces recorded with it); repeat the flag for several",
     )
     size = rp.add_mutually_exclusive_group()
     size.add_argument("--slots", type=int, help="pool size in experts")

@@ -13,7 +13,8 @@ recent-k, planner) use the simulator's key `last access step + pin credit`.
 - planner[:score][:hard|:bias][:nowarm]: a store obeying the planner's plans: pins (credit 2 * window_k, or hard), warm
   start at the boundary (docs/design.md#the-boundary-and-the-warm-start); LRU order (the live store's) or, with `score`,
   the bandit's EMA order.
-- any of these + `+ahead`: also prefetch the next-layer look-ahead's predictions during decode (replay.py).
+- any of these + `+ahead`: also prefetch the next-layer look-ahead's predictions during decode, those whose probability
+  of use pays for the load by the live store's rule (replay.py, ahead.py); `+ahead:all`: every prediction.
 """
 
 from __future__ import annotations
@@ -187,16 +188,18 @@ POLICY_NAMES = ("lru", "lfu", "recent-k", "belady", "ema:D", "bandit", "planner"
 
 def make_policy(spec: str, header: TraceHeader | None = None, *, plan_path: str | None = None) -> Policy:
     """Policy from a command-line spec: lru, lfu, recent-k[:K], belady, ema:D, bandit, planner[:score][:hard][:nowarm],
-    each but belady with an optional `+ahead` (prefetch the look-ahead's predictions, as the live store does).
+    each but belady with an optional `+ahead` (prefetch the look-ahead's predictions that pay, as the live store does)
+    or `+ahead:all` (every prediction).
     `header` is accepted for callers that pass it (policies read the trace header when bound); `plan_path`: the
     planner writes every published plan there, atomically."""
-    if spec.endswith("+ahead"):
-        policy = make_policy(spec.removesuffix("+ahead"), header, plan_path=plan_path)
-        if policy.name == "belady":
-            raise MoelaneError("belady is the demand-only optimum; it takes no +ahead")
-        policy.lookahead = True
-        policy.name += "+ahead"
-        return policy
+    for suffix in ("+ahead", "+ahead:all"):
+        if spec.endswith(suffix):
+            policy = make_policy(spec.removesuffix(suffix), header, plan_path=plan_path)
+            if policy.name == "belady":
+                raise MoelaneError("belady is the demand-only optimum; it takes no +ahead")
+            policy.lookahead, policy.priced = True, suffix == "+ahead"
+            policy.name += suffix
+            return policy
     name, _, rest = spec.partition(":")
     args = [a for a in rest.split(":") if a]
     try:

@@ -9,10 +9,11 @@ step. Cost model: a step with misses stalls `latency + miss_bytes / bandwidth`; 
 
 Look-ahead prefetch (a policy named `...+ahead`, on traces that carry the look-ahead): in a decode segment, once
 layer l's experts are resident, the experts the look-ahead predicts for layer l+1 are loaded early as one batch
-(evicting in the policy's order, never layer l's experts or hard pins), as the live store does. That load overlaps
-layer l's compute
-(`compute_floor / L`); only the excess stalls. Its bytes count with the rest; `prefetched` / `prefetch_hits` count
-the experts it loaded and those a step then used.
+(evicting in the policy's order, never layer l's experts or hard pins), as the live store does. Which predictions
+load is the live store's rule: a prediction's calibrated probability of use must reach the least at which a load
+pays (ahead.py; `+ahead:all` loads every prediction). That load overlaps layer l's compute (`compute_floor / L`);
+only the excess stalls. Its bytes count with the rest; `prefetched` / `prefetch_hits` / `prefetch_wasted` count the
+experts it loaded, those a step then used, and those evicted before any step used them.
 
 A segment is "decode" when labelled so, or when unlabelled ("unknown"/"mixed") and one token long; else "prefill".
 Decode tokens of LRU-ordered policies are simulated a whole token at a time (vectorised over layers) when that provably
@@ -31,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moelane.errors import MoelaneError, check_number
+from moelane.pager.lab.ahead import AheadPrice
 from moelane.pager.lab.lrutoken import lru_token
 from moelane.pager.plan import Plan
 from moelane.pager.trace import IntArray, Segment, Trace, TraceHeader, token_flat_ids
@@ -69,6 +71,7 @@ class PhaseStats:
     n_tokens: int = 0
     prefetched: int = 0
     prefetch_hits: int = 0
+    prefetch_wasted: int = 0
 
     @property
     def misses(self) -> int:
@@ -89,6 +92,7 @@ class PhaseStats:
             "n_tokens": self.n_tokens,
             "prefetched": self.prefetched,
             "prefetch_hits": self.prefetch_hits,
+            "prefetch_wasted": self.prefetch_wasted,
         }
 
 
@@ -147,6 +151,7 @@ class Policy:
     name = "policy"
     lru_keyed = False
     lookahead = False  # prefetch the look-ahead's predictions (traces that carry them)
+    priced = True  # ... those whose probability of use pays for the load (ahead.py), else all
 
     def bind(self, sim: Simulator) -> None:
         self.sim = sim
@@ -193,6 +198,7 @@ class Simulator:
         self.ids_desc = m - 1 - np.arange(m, dtype=np.int64)  # tie-break: larger id evicted first
         self.tokens: list[tuple[int, int, float, int]] = []
         self.tier_read: IntArray | None = None  # bytes loaded at each tier, when a report asks (`count_tiers`)
+        self.ahead = AheadPrice(header.n_layers, cost.compute_floor, policy.priced)
         policy.bind(self)
 
     # --- keys and eviction ---
@@ -257,6 +263,10 @@ class Simulator:
             np.add.at(self.tier_read, self.load_tier[loaded], self.tier_bytes[self.load_tier[loaded]])
 
     def _evict(self, victims: IntArray) -> None:
+        wasted = int(self.fresh[victims].sum())
+        if wasted:
+            self.stats["decode"].prefetch_wasted += wasted  # (only decode segments prefetch)
+            self.ahead.outcome(False, wasted)
         self.used -= int(self.units[victims].sum())
         self.resident[victims] = False
         self.units[victims] = 0
@@ -272,17 +282,28 @@ class Simulator:
             assert admitted is not None
             moved = admitted[1]
             phase.bytes += moved
-            stall = self.cost.stall(moved, 1)
+            stall = self._disk(moved, miss.size)
         phase.accesses += ids.size
         phase.hits += int(hit.sum())
-        phase.prefetch_hits += int(self.fresh[ids].sum())
+        used = int(self.fresh[ids].sum())
+        if used:
+            phase.prefetch_hits += used
+            self.ahead.outcome(True, used)
         self.fresh[ids] = False
         self.last[ids] = self.step
         self.step += 1
         return stall
 
-    def prefetch(self, ids: IntArray, protect: IntArray, phase: PhaseStats) -> float:
-        """Load `ids` early, while the current layer computes; returns the stall beyond that layer's compute."""
+    def _disk(self, moved: int, n_loads: int) -> float:
+        """Disk time of one batch of `n_loads` experts, `moved` bytes (the price sees each its share)."""
+        seconds = self.cost.stall(moved, 1)
+        self.ahead.read(seconds, n_loads)
+        return seconds
+
+    def prefetch(self, predicted: IntArray, protect: IntArray, phase: PhaseStats) -> float:
+        """Load what pays of the [T, K] flat ids predicted for the next layer, early, while the current layer
+        computes; returns the stall beyond that layer's compute."""
+        ids, p = self.ahead.choose(predicted)
         miss = ids[~self.resident[ids]]
         if not miss.size:
             return 0.0
@@ -292,10 +313,11 @@ class Simulator:
         moved = admitted[1]
         phase.bytes += moved
         phase.prefetched += int(miss.size)
+        self.ahead.issued(int(miss.size), p)
         self.fresh[miss] = True
         self.last[miss] = self.step
         overlap = self.cost.compute_floor / self.header.n_layers
-        return max(0.0, self.cost.stall(moved, 1) - overlap)
+        return max(0.0, self._disk(moved, miss.size) - overlap)
 
     def _token_fast(self, flat: IntArray, phase: PhaseStats) -> float | None:
         """Whole decode token at once (LRU-keyed policies), exactly as step by step; None: run the steps."""
@@ -340,8 +362,10 @@ class Simulator:
             for layer, ids in enumerate(layer_steps(flat)):
                 stall += self.run_step(ids, phase)
                 self.policy.on_step(ids, layer, flat)
-                if ahead is not None and layer < ahead.shape[1]:
-                    stall += self.prefetch(np.unique(ahead[:, layer]), ids, phase)
+                if ahead is not None:
+                    self.ahead.routed(ids)
+                    if layer < ahead.shape[1]:
+                        stall += self.prefetch(ahead[:, layer], ids, phase)
         if decode:
             stall += self.pending_stall
             self.pending_stall = 0.0
@@ -349,6 +373,7 @@ class Simulator:
             self.tokens.append((n_hits, phase.accesses, stall, pos))
         phase.stall_s += stall
         phase.n_tokens += seg.n_tokens
+        self.ahead.end_pass(stall + seg.n_tokens * self.cost.compute_floor)
         self.policy.end_segment(seg, flat)
 
     # --- plans (planner policies) ---
@@ -381,7 +406,7 @@ class Simulator:
             moved = admitted[1]
             self.warm_bytes += moved
             self.stats["decode"].bytes += moved
-            self.pending_stall += self.cost.stall(moved, 1)
+            self.pending_stall += self._disk(moved, miss.size)
         self.last[want] = self.step
         self.step += 1
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from moelane.model.provider import RoutingRecord, host_side
+from moelane.pager.live.price import Calibration
 from moelane.pager.plan import Plan
 from moelane.pager.planner import Planner, PlannerConfig
 from moelane.pager.trace import Segment
@@ -98,30 +99,6 @@ class FetchPool:
 
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a MoE block's `route`: x -> (weights, ids)
-
-
-class Calibration:
-    """How often predictions of a given score came true: scores in [0, 1] in `n_bins` bins, each bin's hit rate
-    with `PRIOR` pseudo-predictions at the score itself (so an unseen bin trusts the score)."""
-
-    PRIOR = 4.0
-
-    def __init__(self, n_bins: int = 10) -> None:
-        self.n_bins = n_bins
-        self.seen = np.zeros(n_bins)
-        self.hits = np.zeros(n_bins)
-
-    def _bin(self, score: float) -> int:
-        return min(self.n_bins - 1, max(0, int(score * self.n_bins)))
-
-    def add(self, score: float, hit: bool) -> None:
-        b = self._bin(score)
-        self.seen[b] += 1.0
-        self.hits[b] += float(hit)
-
-    def p(self, score: float) -> float:
-        b, prior = self._bin(score), min(1.0, max(0.0, score))
-        return float((self.hits[b] + self.PRIOR * prior) / (self.seen[b] + self.PRIOR))
 
 
 class LookAhead:

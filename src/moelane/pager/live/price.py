@@ -18,13 +18,26 @@ token is evicted before that token comes (or evicts what this token still needs)
 divided by its yield factor: the share of its loads that were used, over the probability it predicted for them
 (1 while they agree). Without new loads a source's yield drifts back to what it predicts (`FORGET` a pass), so a
 source that stopped loading tries again later.
-`LoadPrice` is a plain object: `observe_*` in, `threshold(ahead)` out; the store updates it under its lock.
+`least_probability` is the rule itself, a pure function: the replay (`moelane.pager.lab.ahead`) applies it to its
+simulated disk and compute, so replay and live decide alike. `LoadPrice` is a plain object: `observe_*` in,
+`threshold(ahead)` out; the store updates it under its lock. `Calibration` turns a predictor's score into the
+probability of use it has measured for such scores.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 ALPHA = 0.1  # weight of each new measurement
 FORGET = 0.01  # a pass's drift of a source's yield back to the probability it predicts
+
+
+def least_probability(read_s: float, hide_s: float, busy: float) -> float:
+    """The least probability of use at which a load pays, p > r * u / (r * u + min(h, r)) (module docstring), for a
+    read of `read_s` seconds of disk, `hide_s` seconds of compute to hide it behind and a disk busy `busy` of the
+    time; 0 where a wasted load costs nothing."""
+    cost = read_s * busy
+    return cost / (cost + min(hide_s, read_s)) if cost > 0 else 0.0
 
 
 def ema(old: float | None, new: float) -> float:
@@ -79,8 +92,31 @@ class LoadPrice:
         measurements, above 1 where nothing does."""
         if self.read_s is None or self.layer_s is None or self.busy is None:
             return 0.0
-        r, hide = self.read_s, self.layer_s * (1 if ahead == 0 else self.n_layers)
-        cost = r * self.busy
-        least = cost / (cost + min(hide, r)) if cost > 0 else 0.0
+        hide = self.layer_s * (1 if ahead == 0 else self.n_layers)
+        least = least_probability(self.read_s, hide, self.busy)
         factor = 1.0 if source is None else self.factor(source)
         return least / factor if factor > 0 else float("inf")
+
+
+class Calibration:
+    """How often predictions of a given score came true: scores in [0, 1] in `n_bins` bins, each bin's hit rate
+    with `PRIOR` pseudo-predictions at the score itself (so an unseen bin trusts the score)."""
+
+    PRIOR = 4.0
+
+    def __init__(self, n_bins: int = 10) -> None:
+        self.n_bins = n_bins
+        self.seen = np.zeros(n_bins)
+        self.hits = np.zeros(n_bins)
+
+    def _bin(self, score: float) -> int:
+        return min(self.n_bins - 1, max(0, int(score * self.n_bins)))
+
+    def add(self, score: float, hit: bool) -> None:
+        b = self._bin(score)
+        self.seen[b] += 1.0
+        self.hits[b] += float(hit)
+
+    def p(self, score: float) -> float:
+        b, prior = self._bin(score), min(1.0, max(0.0, score))
+        return float((self.hits[b] + self.PRIOR * prior) / (self.seen[b] + self.PRIOR))
