@@ -1,4 +1,5 @@
-"""What a prefetch costs and what it can save: the least probability of use at which a load pays (issue 33).
+"""What a prefetch costs and what it can save: the least probability of use at which a load pays (docs/pager.md,
+"Bigger than memory").
 
     r = disk time of one expert read (seconds a read took on its thread, over the loads in flight with it)
     h = compute it can hide behind: one MoE layer's compute for a load wanted later in this pass (`ahead` 0),

@@ -3,8 +3,8 @@ pass's routing as one trace segment, with the next-layer look-ahead's prediction
 the model (as `open_recorder` does). Torch stays here; `moelane.pager.trace` is numpy only.
 
 Bytes per expert: tier 0 is the checkpoint's own tensors (sum of the expert's `TensorRef.nbytes`); int8 and int4
-tiers are estimates for group-wise quantisation with one 2-byte scale per 64 weights, until the store (issue 5)
-records the real sizes.
+tiers are estimates for group-wise quantisation with one 2-byte scale per 64 weights (a trace is recorded apart from
+any store, so it holds no pool's real sizes).
 """
 
 from __future__ import annotations
