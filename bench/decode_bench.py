@@ -12,6 +12,14 @@ summary line with medians and ratios. llama.cpp runs only when `llama_cpp` is im
 `--quant` runs each precision in both engines (bf16 against llama.cpp's BF16, int8 and int4 of all weights against
 Q8_0 and Q4_0; experts-int4 has no llama.cpp match); llama.cpp runs in a worker process (bench/llama_worker.py) under
 `--llama-python`, so a build of one's choice can be compared. Each summary says how many greedy tokens agree.
+
+`--moelane-gguf` also runs moelane on llama.cpp's GGUF file itself (engine `gguf`, compiled where moelane-compiled
+runs), as `moelane run --model x.gguf` loads it: Q8_0 / Q4_0 experts held as the file's own codes (int8 / int4),
+dense tensors decoded to float32. `--expert-memory` gives every moelane engine that expert budget; a summary line
+per paged engine then says its hit rate.
+
+    python bench/decode_bench.py --model inflated-8192 --quant int8,int4 --engines llama.cpp --moelane-gguf \
+        --gguf-dir gguf --llama-python PY --rounds 3 --tokens 64
 """
 
 from __future__ import annotations
@@ -81,11 +89,13 @@ SETTINGS = {
 }
 
 
-def moelane_runner(folder: Path, setting: Setting, compiled: bool, tokens: int) -> Callable[[], float]:
+def moelane_runner(
+    folder: Path, setting: Setting, compiled: bool, tokens: int, expert_memory: str | None = None
+) -> Callable[[], float]:
     import moelane
 
     lm = moelane.load(folder, setting.dtype, compile=compiled, default_tier=setting.default_tier,
-                      quantize=setting.quantize)  # fmt: skip
+                      quantize=setting.quantize, expert_memory=expert_memory)  # fmt: skip
     last: list[list[int]] = []
 
     def run() -> float:
@@ -99,6 +109,7 @@ def moelane_runner(folder: Path, setting: Setting, compiled: bool, tokens: int) 
 
     run()  # warm-up (compiles when compiled)
     run.tokens = last  # type: ignore[attr-defined]
+    run.lm = lm  # type: ignore[attr-defined]
     return run
 
 
@@ -179,6 +190,10 @@ def main() -> None:
     p.add_argument("--llama-python", default=sys.executable,
                    help="the Python whose llama-cpp-python runs llama.cpp (default this one)")  # fmt: skip
     p.add_argument("--engines", default="moelane,moelane-compiled,transformers,llama.cpp")
+    p.add_argument("--moelane-gguf", action="store_true",
+                   help="also run moelane on the GGUF file llama.cpp runs (its default tier: Q8_0 / Q4_0 experts as "
+                   "their codes)")  # fmt: skip
+    p.add_argument("--expert-memory", help="moelane's expert budget (512MiB, 25%%; default: all resident)")
     args = p.parse_args()
     folder = build_model(args.model)
     from tokenizers import Tokenizer
@@ -191,12 +206,20 @@ def main() -> None:
             raise SystemExit(f"unknown --quant {quant!r}: use {', '.join(SETTINGS)}")
         setting = SETTINGS[quant]
         if "moelane" in wanted:
-            runners[(quant, "moelane")] = moelane_runner(folder, setting, False, args.tokens)
+            runners[(quant, "moelane")] = moelane_runner(folder, setting, False, args.tokens, args.expert_memory)
         if "moelane-compiled" in wanted:
             t0 = time.perf_counter()
-            runners[(quant, "moelane-compiled")] = moelane_runner(folder, setting, True, args.tokens)
+            runners[(quant, "moelane-compiled")] = moelane_runner(folder, setting, True, args.tokens,
+                                                                  args.expert_memory)  # fmt: skip
             print(json.dumps({"event": "compiled", "quant": quant, "seconds": round(time.perf_counter() - t0, 1)}),
                   flush=True)  # fmt: skip
+        if args.moelane_gguf and setting.gguf is not None:
+            path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp, args.llama_python)
+            if path is None:
+                raise SystemExit(f"--moelane-gguf: no {setting.gguf} GGUF of the model (--gguf-dir, --llama-cpp)")
+            as_read = Setting(torch.float32, "auto", "none", setting.gguf)
+            compiled = "moelane-compiled" in wanted or "moelane" not in wanted
+            runners[(quant, "gguf")] = moelane_runner(path, as_read, compiled, args.tokens, args.expert_memory)
         if "transformers" in wanted and setting.quantize == "none" and setting.default_tier == "native":
             runners[(quant, "transformers")] = transformers_runner(folder, setting.dtype, args.tokens)
         if "llama.cpp" in wanted and setting.gguf is not None:
@@ -226,21 +249,29 @@ def print_summary(
             "summary": True, "git": git_rev(), "quant": quant, "threads": torch.get_num_threads(),
             "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
         }  # fmt: skip
-        best = max((v for k, v in medians.items() if k.startswith("moelane")), default=None)
+        best = max((v for k, v in medians.items() if k.startswith("moelane") or k == "gguf"), default=None)
         for ref in ("transformers", "llama.cpp"):
             if best is not None and ref in medians:
                 summary[f"moelane_vs_{ref}"] = round(best / medians[ref], 2)
-        ours = [runners[(quant, k)] for k in ("moelane-compiled", "moelane") if (quant, k) in runners]
+        ours = [runners[(quant, k)] for k in ("gguf", "moelane-compiled", "moelane") if (quant, k) in runners]
         if ours and (quant, "llama.cpp") in runners:
             a, b = ours[0].tokens[0], runners[(quant, "llama.cpp")].tokens[0]  # type: ignore[attr-defined]
             agree = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
             summary["same_tokens_as_llama.cpp"] = agree[0] if agree else len(a)
         print(json.dumps(summary), flush=True)
+        for (q, name), run in runners.items():
+            store = getattr(getattr(run, "lm", None), "provider", None)
+            if q == quant and hasattr(store, "stats"):
+                c = store.stats.totals()  # type: ignore[union-attr]
+                print(json.dumps({"quant": quant, "engine": name, "expert_memory": args.expert_memory, "hit_rate":
+                                  round((c.hits + c.prefetch_hits) / max(1, c.accesses), 3), "misses": c.misses}),
+                      flush=True)  # fmt: skip
         rows.append((quant, medians, summary.get("moelane_vs_llama.cpp")))
-    print(f"\n{'quant':<14}{'moelane':>10}{'compiled':>10}{'llama.cpp':>11}{'ratio':>7}")
+    print(f"\n{'quant':<14}{'moelane':>10}{'compiled':>10}{'gguf':>10}{'llama.cpp':>11}{'ratio':>7}")
     for quant, m, ratio in rows:
-        cells = [f"{m[k]:.1f}" if k in m else "-" for k in ("moelane", "moelane-compiled", "llama.cpp")]
-        print(f"{quant:<14}{cells[0]:>10}{cells[1]:>10}{cells[2]:>11}{ratio if ratio is not None else '-':>7}")
+        cells = [f"{m[k]:.1f}" if k in m else "-" for k in ("moelane", "moelane-compiled", "gguf", "llama.cpp")]
+        shown = "-" if ratio is None else ratio
+        print(f"{quant:<14}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}{cells[3]:>11}{shown:>7}")
 
 
 if __name__ == "__main__":

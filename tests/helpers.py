@@ -143,14 +143,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12) -> None:
-    """Greedy tokens with the pager at half the expert bytes (misses on the way) equal the all-resident run's; the
-    look-ahead predicted experts on the way (a model of two MoE layers or more)."""
+def check_pages_as_resident(folder: Path, prompt: list[int], n_tokens: int = 12, expert_memory: str = "50%") -> None:
+    """Greedy tokens with the pager at `expert_memory` (default half the expert bytes: misses on the way) equal the
+    all-resident run's; the look-ahead predicted experts on the way (a model of two MoE layers or more)."""
     import moelane
     from moelane.pager.live.store import ExpertStore
 
     want = list(moelane.load(folder).generate_ids(prompt, n_tokens))
-    lm = moelane.load(folder, expert_memory="50%")  # (its store attached, prefill chunks fitted to its pool)
+    lm = moelane.load(folder, expert_memory=expert_memory)  # (its store attached, prefill chunks fitted to its pool)
     store = lm.provider
     assert isinstance(store, ExpertStore)
     assert list(lm.generate_ids(prompt, n_tokens)) == want

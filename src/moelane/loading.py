@@ -27,7 +27,7 @@ from moelane.pager.live.build import fitting_factory, store_factory
 from moelane.pager.live.ceiling import Ceiling
 from moelane.pager.live.memory import MemorySpec, parse_memory
 from moelane.pager.live.store import ExpertStore, StoreError
-from moelane.pager.live.tiers import parse_tier
+from moelane.pager.live.tiers import check_default_tier
 
 
 def load(
@@ -37,7 +37,7 @@ def load(
     expert_memory: MemorySpec | str | None = None,
     host_memory: MemorySpec | str | None = None,
     policy: str = "planner",
-    default_tier: str = "native",
+    default_tier: str = "auto",
     compile: bool = False,
     progress: bool = False,
     provider: ProviderFactory | None = None,
@@ -49,13 +49,14 @@ def load(
     (`"25%"`; experts held at a quantised tier take fewer of those bytes each); `host_memory`: for host-RAM copies
     of experts' stored forms (bytes, or a share of the bytes as stored); `policy`: what the pool evicts ("planner",
     "lru", "lfu"); `default_tier`: the precision experts are held at unless a plan pins them at another ("native",
-    "int8", "int4"). `compile` compiles the one-token decode step; `progress` shows a progress bar
+    "int8", "int4"; "auto": int8 for a GGUF whose experts are Q8_0, int4 for Q4_0, holding the file's own codes,
+    else native). `compile` compiles the one-token decode step; `progress` shows a progress bar
     while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
     handles and the compute dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the
     dense projections (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file
     holds a model; the routed experts' precision is `default_tier`'s."""
     if provider is not None:
-        if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
+        if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "auto"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
     ceiling = memory_ceiling(expert_memory, default_tier)
@@ -73,7 +74,7 @@ def expert_factory(
     expert_memory: MemorySpec | str | None = None,
     host_memory: MemorySpec | str | None = None,
     policy: str = "planner",
-    default_tier: str = "native",
+    default_tier: str = "auto",
     progress: bool = False,
     ceiling: Ceiling | None = None,
 ) -> ProviderFactory:
@@ -88,7 +89,8 @@ def expert_factory(
 def memory_ceiling(expert_memory: MemorySpec | str | None, default_tier: str) -> Ceiling:
     """The limit this process runs under, for a model's experts held at `default_tier` (StoreError for a bad tier)."""
     try:
-        return Ceiling(memory_spec("expert_memory", expert_memory), parse_tier(default_tier))
+        check_default_tier(default_tier)
+        return Ceiling(memory_spec("expert_memory", expert_memory), default_tier)
     except ValueError as e:
         raise StoreError(str(e)) from None
 

@@ -3,8 +3,9 @@
 Each case writes a tiny random transformers model as a GGUF the way llama.cpp's converter does (`gguf_helpers`:
 its names, metadata and layouts) and loads both with `moelane.load`:
 - F32: the logits equal the safetensors load's (<= 1e-4) -- names, layouts and config all mapped back;
-- Q8_0, Q4_0 and K-quants: the logits equal those of an F32 GGUF holding the values the quantised file decodes to
-  (bit for bit), so the quantised tensors are decoded as the `gguf` package decodes them, experts included;
+- Q8_0, Q4_0 and K-quants at `default_tier="native"`: the logits equal those of an F32 GGUF holding the values the
+  quantised file decodes to (bit for bit), so the quantised tensors are decoded as the `gguf` package decodes them,
+  experts included (Q8_0 / Q4_0 experts held as their own codes by default: test_gguf_codes.py);
 - the tokenizer encodes as the Hugging Face tokenizer it was converted from, the chat template and EOS come along;
 - a split file, the pager at half the experts' bytes, and `moelane run --model x.gguf` work;
 - a truncated file, an unknown architecture, an unreadable tensor type and a vocabulary larger than the embeddings
@@ -88,11 +89,13 @@ def test_fused_gate_up_experts_load_as_separate_ones(tmp_path: Path, family: str
 
 
 def check_decodes_as_gguf(tmp_path: Path, family: str, qtype: str, **overrides: Any) -> None:
-    """A `qtype` file's logits equal those of the F32 file of its decoded values; its experts are stored blocks."""
+    """A `qtype` file's logits, its experts decoded (native), equal those of the F32 file of its decoded values; its
+    experts are stored blocks."""
     folder = model(tmp_path, family, **overrides)
     quantised = write_gguf(folder, tmp_path / "q.gguf", qtype)
     decoded = write_gguf(folder, tmp_path / "d.gguf", qtype, roundtrip=True)
-    lm = moelane.load(quantised)
+    lm = moelane.load(quantised, default_tier="native")
+    assert lm.provider.kind == "native"
     first = lm.expert_handles[lm.moe_layers[0]][0]
     assert first.layout == ("gguf_pairs" if family == "gpt_oss" else "gguf")
     assert {ref.dtype for ref in first.tensors.values()} == {qtype}
@@ -145,19 +148,20 @@ def test_split_gguf_loads_as_one_file(tmp_path: Path) -> None:
 
 
 def test_quantised_experts_page_from_the_gguf(tmp_path: Path) -> None:
-    """At half the experts' bytes the pager reads each expert's blocks from the file, and decodes as all-resident."""
+    """With half the experts' bytes the pager reads each expert's blocks from the file, and decodes as all-resident
+    (Q4_0: its experts held at int4, ~1/7 of their float32 bytes)."""
     gguf = write_gguf(model(tmp_path, "qwen3_moe", **quantisable("qwen3_moe")), tmp_path / "q.gguf", "Q4_0")
-    check_pages_as_resident(gguf, PROMPT)
+    check_pages_as_resident(gguf, PROMPT, expert_memory="7%")
 
 
-def test_int4_tier_of_a_gguf_encodes_its_decoded_values(tmp_path: Path) -> None:
-    """The int4 tier file, built beside the GGUF, holds the same experts as one built from the F32 file of the
-    values the Q4_0 blocks decode to."""
+def test_int4_tier_of_a_q8_0_gguf_encodes_its_decoded_values(tmp_path: Path) -> None:
+    """The int4 tier file of a Q8_0 file, built beside the GGUF, holds the same experts as one built from the F32 file
+    of the values the blocks decode to."""
     folder = model(tmp_path, "qwen3_moe", **quantisable("qwen3_moe"))
     (tmp_path / "q").mkdir()
     (tmp_path / "d").mkdir()
-    quantised = write_gguf(folder, tmp_path / "q" / "m.gguf", "Q4_0")
-    decoded = write_gguf(folder, tmp_path / "d" / "m.gguf", "Q4_0", roundtrip=True)
+    quantised = write_gguf(folder, tmp_path / "q" / "m.gguf", "Q8_0")
+    decoded = write_gguf(folder, tmp_path / "d" / "m.gguf", "Q8_0", roundtrip=True)
     with torch.no_grad():
         ours = moelane.load(quantised, default_tier="int4").logits(PROMPT)
         assert torch.equal(ours, moelane.load(decoded, default_tier="int4").logits(PROMPT))

@@ -89,10 +89,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="budget for host-RAM copies of experts (same units)")  # fmt: skip
     p.add_argument("--pager-policy", choices=("planner", "lru", "lfu"),
                    help="eviction policy of the expert pool (with --expert-memory; default planner)")  # fmt: skip
-    p.add_argument("--default-tier", choices=("native", "int8", "int4"), default="native",
+    p.add_argument("--default-tier", choices=("auto", "native", "int8", "int4"), default="auto",
                    help="precision experts are held at in memory (native: the compute dtype; int8 and int4 hold "
                    "more experts in the same memory, at a small cost in quality); all resident at it where they "
-                   "fit")  # fmt: skip
+                   "fit. Default auto: a GGUF's Q8_0 / Q4_0 experts at int8 / int4 as the file's own codes, anything "
+                   "else native; native decodes a GGUF's experts to the compute dtype")  # fmt: skip
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
                    "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "

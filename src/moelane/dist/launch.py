@@ -104,16 +104,20 @@ def serve_experts(
             close()
 
 
+# The tiers a distributed run takes: native, and auto, which is native there (a GGUF's own codes included).
+NATIVE = ("native", "auto")
+
+
 def share_factory(expert_memory: MemorySpec | str | None, host_memory: MemorySpec | str | None, policy: str,
                   default_tier: str, progress: bool, provider: ProviderFactory | None) -> ProviderFactory:  # fmt: skip
     """The factory of a rank's share: its own, or `moelane.load`'s for these settings (checked before loading)."""
     if provider is not None:
-        if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "native"):
+        if (expert_memory, host_memory, policy, default_tier in NATIVE) != (None, None, "planner", True):
             raise ValueError("give either an expert provider factory or expert settings, not both")
         return provider
-    if default_tier != "native":  # (a tier file holds a whole model's experts; a share's would overwrite it)
+    if default_tier not in NATIVE:  # (a tier file holds a whole model's experts; a share's would overwrite it)
         raise InputError("a distributed run holds experts at the native tier only (--default-tier native)")
-    return expert_factory(expert_memory, host_memory, policy, default_tier, progress)
+    return expert_factory(expert_memory, host_memory, policy, "native", progress)
 
 
 def agree(ranks: Ranks, config: Config, handles: Handles, dtype: torch.dtype, default_tier: str,

@@ -3,6 +3,11 @@ per group. int8: groups of 64, codes in [-127, 127]. int4: groups of 32, codes i
 nibble first), stored offset by 8. A row whose length is not a multiple of the group uses half or a quarter of it
 when that divides the row (at least 16), else is zero-padded to whole groups.
 
+A format carries its group: `FORMATS` are the tiers' own, and a GGUF's Q8_0 experts are held as `QuantFormat(8, 32)`,
+Q4_0's as int4's format, with the file's codes (docs/gguf.md). Those may be -128 (int8) or -8 (int4, nibble 0), which
+`quantize` never writes; `dequantize` and the kernels decode every code the same way (code * scale, (nibble - 8) *
+scale).
+
 These are the pager's precision tiers 1 and 2 (`moelane.pager.live.tiers`) and the formats `gather_linear` computes
 from (`pool.py`); they live here, below both, so the kernels need nothing from the pager.
 """

@@ -11,9 +11,11 @@ G scale groups per row (C / group).
 
 int8 and int4 are moelane's tiers 1 and 2 (`formats.py`, the pager's tiers), exactly as `quantize` writes a matrix:
 groups of 64 (int8) or 32 (int4) along I, or half / a quarter of that where it divides I (at least 16), else I is
-zero-padded to whole groups. The int4 layout stays tiers' own: the half-group layout the kernel study tried
-(byte j = code j | code j + 16 << 4) was no faster here (one MoE layer, 2 threads: 0.95 ms tiers' against 0.98 ms on
-the inflated shape, 1.79 against 1.68 ms on Qwen3-30B-A3B's), so the store needs no conversion at admission.
+zero-padded to whole groups. A pool's group is what its shapes say (C / G), any the kernel computes from (int8: 16, 32
+or 64; int4: 16 or 32): a GGUF's Q8_0 experts are int8 in groups of 32, held as the file has them (docs/gguf.md). The
+int4 layout stays tiers' own: the half-group layout the kernel study tried (byte j = code j | code j + 16 << 4) was no
+faster here (one MoE layer, 2 threads: 0.95 ms tiers' against 0.98 ms on the inflated shape, 1.79 against 1.68 ms on
+Qwen3-30B-A3B's), so the store needs no conversion at admission.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from moelane.kernels.formats import quantize as tier_quantize
 
 KINDS = ("f32", "bf16", "int8", "int4")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
-QUANT = {"int8": FORMATS[1], "int4": FORMATS[2]}
+QUANT = {"int8": FORMATS[1], "int4": FORMATS[2]}  # each kind's format as `quantize` writes it by default
+GROUPS = {"int8": (16, 32, 64), "int4": (16, 32)}  # the groups `gather_linear` takes (csrc/gather_linear.cpp)
 FLOAT_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the kind that holds unquantised weights of a dtype
 
 
@@ -55,18 +58,26 @@ class Pool:
             object.__setattr__(self, "in_features", data.shape[2])
 
     def _check_quantised(self) -> None:
-        if self.in_features is None or self.in_features < 1:
+        n_in, s = self.in_features, self.scales
+        if n_in is None or n_in < 1:
             raise ValueError(f"a {self.kind} pool needs in_features (the columns before padding)")
-        fmt = QUANT[self.kind]
-        cols, n_groups = padded_cols(self.in_features, fmt), fmt.n_groups(self.in_features)
-        stored = self.data.shape[2] * (2 if self.kind == "int4" else 1)
-        s = self.scales
-        if stored != cols:
-            raise ValueError(f"{self.kind} rows of {self.in_features} columns are stored as {cols}, got {stored}")
-        if s is None or s.dtype != torch.float16 or tuple(s.shape) != (*self.data.shape[:2], n_groups):
-            raise ValueError(f"{self.kind} scales must be float16 [S, Out, {n_groups}]")
+        if s is None or s.dtype != torch.float16 or s.dim() != 3 or tuple(s.shape[:2]) != tuple(self.data.shape[:2]):
+            raise ValueError(f"{self.kind} scales must be float16 [S, Out, G]")
         if not s.is_contiguous():
             raise ValueError(f"{self.kind} scales must be contiguous")
+        stored, n_groups = self.data.shape[2] * (2 if self.kind == "int4" else 1), s.shape[2]
+        group = stored // max(1, n_groups)
+        if group * n_groups != stored or group not in GROUPS[self.kind] or not 0 <= stored - n_in < group:
+            groups = " / ".join(map(str, GROUPS[self.kind]))
+            raise ValueError(f"{self.kind} rows of {n_in} columns must be stored padded to whole groups of {groups}, "
+                             f"got {stored} in {n_groups} groups")  # fmt: skip
+
+    @property
+    def group(self) -> int | None:
+        """Weights under one scale (int8 / int4), None for float kinds."""
+        if self.scales is None:
+            return None
+        return int(self.data.shape[2] * (2 if self.kind == "int4" else 1) // self.scales.shape[2])
 
     @property
     def n_slots(self) -> int:
@@ -87,14 +98,16 @@ def padded_cols(in_features: int, fmt: QuantFormat) -> int:
     return fmt.n_groups(in_features) * fmt.group_for(in_features)
 
 
-def quantize(w: torch.Tensor, kind: str) -> Pool:
+def quantize(w: torch.Tensor, kind: str, fmt: QuantFormat | None = None) -> Pool:
     """w [S, O, I] float -> a pool of `kind`. int8 / int4 codes and scales are `tiers.quantize`'s, matrix by
-    matrix; f32 / bf16 are a cast."""
+    matrix, in `fmt` (default: the kind's tier format, `QUANT`); f32 / bf16 are a cast."""
     if w.dim() != 3:
         raise ValueError(f"quantize takes weights [S, Out, In], got {tuple(w.shape)}")
     if kind not in QUANT:
         return Pool(kind, w.to(DTYPES[kind]).contiguous())
-    fmt = QUANT[kind]
+    fmt = QUANT[kind] if fmt is None else fmt
+    if fmt.bits != (8 if kind == "int8" else 4):
+        raise ValueError(f"a {kind} pool cannot hold {fmt.bits}-bit codes")
     n_slots, n_out, n_in = w.shape
     codes, scales = zip(*(tier_quantize(w[s], fmt) for s in range(n_slots)), strict=True)
     data = torch.stack(codes).view(n_slots, n_out, -1)

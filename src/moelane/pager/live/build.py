@@ -26,7 +26,8 @@ from moelane.pager.live.memory import MemorySpec, format_bytes
 from moelane.pager.live.stats import format_counts
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
-from moelane.pager.live.tiers import TIER_NAMES, parse_tier, slot_bytes, slot_parts
+from moelane.pager.live.tiers import TIER_NAMES, check_default_tier, expert_slot_bytes, slot_parts, tier_format
+from moelane.pager.live.tiers import default_tier as tier_of
 
 log = logging.getLogger(__name__)
 NO_EXPERTS = ("this model has no experts (a dense model): --expert-memory, --host-memory and --default-tier apply "
@@ -37,24 +38,25 @@ def store_factory(
     expert_memory: MemorySpec | None = None,
     host_memory: MemorySpec | None = None,
     policy: str = "planner",
-    default_tier: str = "native",
+    default_tier: str = "auto",
     ceiling: Ceiling | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run with an expert budget: an expert store, or every expert resident at a quantised
-    `default_tier` where they all fit the budget at it. `expert_memory`: bytes or a share of all expert bytes in the
-    compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host cache). `ceiling`
-    records the budget for the run's report."""
+    `default_tier` where they all fit the budget at it ("auto": `tiers.default_tier`). `expert_memory`: bytes or a share
+    of all expert bytes in the compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host
+    cache). `ceiling` records the budget for the run's report."""
     pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
     host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
-        tier = parse_tier(default_tier)
-        StoreConfig(budget_bytes=1, policy=policy, default_tier=tier)
+        check_default_tier(default_tier)
+        StoreConfig(budget_bytes=1, policy=policy)
     except ValueError as e:
         raise StoreError(str(e)) from None
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
         if not any(handles.values()):
             raise StoreError(NO_EXPERTS)
+        tier = tier_of(default_tier, handles)
         n_experts, each = expert_count_and_bytes(handles, dtype)
         stored = sum(h.nbytes for hs in handles.values() for h in hs)
         budget = pool.resolve(n_experts * each)
@@ -79,7 +81,7 @@ def expert_count_and_bytes(
     n_experts = sum(len(hs) for hs in handles.values())
     if not n_experts:
         return 0, 0
-    return n_experts, slot_bytes(tier, *next(iter(handles.values()))[0].dims, dtype)
+    return n_experts, expert_slot_bytes(tier, handles, dtype)
 
 
 def resident_at_tier(
@@ -88,10 +90,11 @@ def resident_at_tier(
     """Every expert resident at `tier`, one pool a layer, slot == expert id, read as the store reads a miss (storage.py:
     nothing left in the page cache, no copy of a layer between the file and its pool): at native, each expert's
     checkpoint tensors in the compute dtype (the bytes `read_expert` gives); quantised, its codes and scales read from
-    the tier's file (built first if missing)."""
+    the tier's file (built first if missing), or a GGUF's own Q8_0 / Q4_0 codes at their tier (`tiers.tier_format`)."""
     from tqdm import tqdm
 
-    parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype)
+    fmt = tier_format(tier, handles) if tier else None
+    parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype, fmt)
     storage = Storage(handles, 0, check_finite=tier > 0)
     pools: dict[int, TierPool] = {}
     desc = "loading experts" + ("" if tier == 0 else f" at {TIER_NAMES[tier]}")
@@ -113,7 +116,7 @@ def resident_at_tier(
 def fitting_factory(
     host_memory: MemorySpec | None = None,
     policy: str = "planner",
-    default_tier: str = "native",
+    default_tier: str = "auto",
     progress: bool = False,
     ceiling: Ceiling | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
@@ -122,10 +125,10 @@ def fitting_factory(
     else an expert store whose pool takes that budget, with a warning that says so. A model that does not fit then
     runs paged instead of being killed for memory halfway through loading."""
     store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
-    tier = parse_tier(default_tier)
-    ceiling = Ceiling(None, tier) if ceiling is None else ceiling
+    ceiling = Ceiling(None, default_tier) if ceiling is None else ceiling
 
     def build(handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> ExpertProvider:
+        tier = tier_of(default_tier, handles)
         n_experts, each = expert_count_and_bytes(handles, dtype, tier)
         if not n_experts and tier > 0:
             raise StoreError(NO_EXPERTS)
@@ -144,7 +147,7 @@ def fitting_factory(
                              f"({format_bytes(each)}): raise the limit, or compute in bfloat16 (--dtype)")  # fmt: skip
         log.warning("the experts take %s in %s and %s: paging them within %s (--expert-memory sets the budget)",
                     format_bytes(need), str(dtype).removeprefix("torch."), where, format_bytes(room))  # fmt: skip
-        return store_factory(MemorySpec(n_bytes=room), host_memory, policy, default_tier)(handles, dtype)
+        return store_factory(MemorySpec(n_bytes=room), host_memory, policy, TIER_NAMES[tier])(handles, dtype)
 
     return build
 

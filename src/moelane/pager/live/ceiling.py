@@ -30,7 +30,8 @@ from moelane.model.load import MemoryNeeds
 from moelane.pager.live.limits import memory_limit, process_memory
 from moelane.pager.live.memory import MemorySpec, format_bytes
 from moelane.pager.live.store import StoreError
-from moelane.pager.live.tiers import slot_bytes
+from moelane.pager.live.tiers import default_tier as tier_of
+from moelane.pager.live.tiers import expert_slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class MemoryReport:
 class Ceiling:
     """The ceiling of one load: `check` before any weight is read, `budget` once the dense weights are in."""
 
-    def __init__(self, flag: MemorySpec | None = None, default_tier: int = 0) -> None:
-        self.flag, self.tier = flag, default_tier
+    def __init__(self, flag: MemorySpec | None = None, default_tier: str = "native") -> None:
+        self.flag, self.tier = flag, default_tier  # (resolved for the model's experts in `check`: `tiers.default_tier`)
         found = memory_limit()
         self.report = MemoryReport(found.source, found.limit, found.room)
         self.needs: MemoryNeeds | None = None
@@ -81,7 +82,7 @@ class Ceiling:
         """StoreError, before any weight is read, where the room left is below what this model needs at least."""
         self.needs = needs
         found, own = memory_limit(), process_memory()
-        token = one_token_bytes(needs, handles, dtype, self.tier)
+        token = one_token_bytes(needs, handles, dtype, tier_of(self.tier, handles))
         minimum = own.anon + own.file + needs.dense_bytes + token + reserve(needs)
         self.report = replace(self.report, minimum=minimum, room=found.room)
         if not token or found.room + own.anon >= minimum:
@@ -114,7 +115,6 @@ def reserve(needs: MemoryNeeds | None) -> int:
 
 def one_token_bytes(needs: MemoryNeeds, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int) -> int:
     """The experts one token routes to (`top_k` in each MoE layer), held at `tier`."""
-    first = next((hs[0] for hs in handles.values() if hs), None)
-    if first is None:
+    if not any(handles.values()):
         return 0
-    return needs.n_moe_layers * needs.top_k * slot_bytes(tier, *first.dims, dtype)
+    return needs.n_moe_layers * needs.top_k * expert_slot_bytes(tier, handles, dtype)

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from moelane.kernels.formats import QuantFormat
 from moelane.model.provider import TIER_KINDS, TierPool, tier_pool
 from moelane.pager.live.slots import EMPTY
 from moelane.pager.live.tiers import slot_parts
@@ -35,8 +36,11 @@ PAGE = mmap.PAGESIZE
 class PagedPool:
     """One tier's pool of `n_slots` slots, the provider's slots `first ..< first + n_slots`."""
 
-    def __init__(self, tier: int, dims: tuple[int, int], dtype: torch.dtype, n_slots: int, first: int) -> None:
-        parts = slot_parts(tier, *dims, dtype)
+    def __init__(
+        self, tier: int, dims: tuple[int, int], dtype: torch.dtype, n_slots: int, first: int,
+        fmt: QuantFormat | None = None,
+    ) -> None:  # fmt: skip
+        parts = slot_parts(tier, *dims, dtype, fmt)
         self.tier, self.first, self.n_slots = tier, first, n_slots
         self.slot_bytes = [dtype.itemsize * rows * cols for dtype, (rows, cols) in parts]
         self.offsets, size = [], 0
@@ -79,17 +83,20 @@ class PagedPool:
 
 class TierPools:
     """The store's pools, one a tier, each made when its tier is first used: tier t's slots are the provider's
-    `first[t] ..< first[t] + capacity[t]`, whether or not its pool exists yet."""
+    `first[t] ..< first[t] + capacity[t]`, whether or not its pool exists yet; a quantised tier's in `formats[t]`
+    (`tiers.tier_format`)."""
 
-    def __init__(self, dims: tuple[int, int], dtype: torch.dtype, first: Sequence[int], capacity: Sequence[int]):
-        self.dims, self.dtype = dims, dtype
+    def __init__(self, dims: tuple[int, int], dtype: torch.dtype, first: Sequence[int], capacity: Sequence[int],
+                 formats: dict[int, QuantFormat]):  # fmt: skip
+        self.dims, self.dtype, self.formats = dims, dtype, formats
         self.first, self.capacity = [int(f) for f in first], [int(c) for c in capacity]
         self.by_tier: dict[int, PagedPool] = {}
         self.tier_pools: tuple[TierPool, ...] = ()  # those made, ascending `first` (the provider's `pools`)
 
     def use(self, tier: int) -> None:
         if tier not in self.by_tier:
-            self.by_tier[tier] = PagedPool(tier, self.dims, self.dtype, self.capacity[tier], self.first[tier])
+            self.by_tier[tier] = PagedPool(tier, self.dims, self.dtype, self.capacity[tier], self.first[tier],
+                                          self.formats.get(tier))  # fmt: skip
             self.tier_pools = tuple(sorted((p.tier_pool for p in self.by_tier.values()), key=lambda p: p.first))
 
     def slot(self, tier: int, slot: int) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,8 @@
   the model (or under ~/.cache/moelane when the model folder is read-only), with a CRC-32 per expert checked on every
   read and a fingerprint of the shards it was built from (a changed checkpoint rebuilds it). Built once, on first use.
 - `HostCache`: stored forms (any tier) kept in host RAM under their own byte budget, least recently used dropped first.
+- A GGUF's Q8_0 / Q4_0 experts at their own codes' tier (`tiers.tier_format`) need no tier file: their stored form
+  there is the file's blocks, as at tier 0, repacked into the slot's codes and scales (`model.gguf.codes`).
 
 An expert's *stored form* is a flat uint8 buffer: at tier 0 its checkpoint tensors' raw bytes back to back in handle
 order, at tier > 0 its `ExpertCodec` blob. Tier 0 is decoded straight into a pool slot (converted to the compute
@@ -33,6 +35,7 @@ import torch
 
 from moelane.errors import MoelaneError
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
+from moelane.model.gguf.codes import codes_tier, expert_codes_into
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
@@ -134,13 +137,19 @@ def read_in_place(files: ShardFiles, handle: ExpertHandle, w13_out: torch.Tensor
     return True
 
 
-def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
-    """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does (other
-    layouts than "linear": as `read_expert` does, through `expert_tensors`)."""
+def split_native(handle: ExpertHandle, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tier-0 stored form -> the expert's tensors as stored, by name (views of `buf`)."""
     stored, pos = {}, 0
     for name, ref in handle.tensors.items():
         stored[name] = buf[pos : pos + ref.nbytes].view(DTYPES[ref.dtype]).view(ref.shape)
         pos += ref.nbytes
+    return stored
+
+
+def decode_native(handle: ExpertHandle, buf: torch.Tensor, w13_out: torch.Tensor, w2_out: torch.Tensor) -> None:
+    """Tier-0 stored form -> pool slot views, converting to the pool's dtype exactly as `Tensor.to` does (other
+    layouts than "linear": as `read_expert` does, through `expert_tensors`)."""
+    stored = split_native(handle, buf)
     if handle.layout != "linear":
         w13, w2 = expert_tensors(stored, handle, w13_out.dtype)
         copy_blocks(w13_out, w13)
@@ -330,13 +339,16 @@ class Storage:
         self.files = ShardFiles()
         self.host = HostCache(host_bytes)
         self.model_folder = Path(next(iter(handles.values()))[0].path).parent
+        own = codes_tier(handles)
+        self.codes_tier = None if own is None else own[0]  # the tier read from the model's own blocks
         self._tiers: dict[int, TierFile] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
 
     def tier_source(self, tier: int) -> TierFile | None:
-        """The tier file of a quantised tier, built on first use; None for tier 0 (the shards themselves)."""
-        if tier == 0:
+        """The tier file of a quantised tier, built on first use; None for tier 0 and the codes tier (the shards
+        themselves)."""
+        if tier in (0, self.codes_tier):
             return None
         with self._lock:
             if tier not in self._tiers:
@@ -351,6 +363,8 @@ class Storage:
         slot_parts`: w13, w2 at tier 0; codes and scales at a quantised tier). -> (level, bytes read)."""
         if tier == 0:
             return self._load_native(handle, parts[0], parts[1])
+        if tier == self.codes_tier:
+            return self._load_codes(handle, parts)
         source = self.tier_source(tier)
         assert source is not None
         cache_key = (handle.layer, handle.expert, tier)
@@ -389,6 +403,21 @@ class Storage:
             decode_native(handle, buf, w13, w2)
         if self.check_finite and not (all_finite(w13) and all_finite(w2)):
             raise ExpertReadError(f"{expert_name(handle)}: non-finite weights read from {handle.path} (corrupt file?)")
+        return level, handle.nbytes
+
+    def _load_codes(self, handle: ExpertHandle, parts: tuple[torch.Tensor, ...]) -> tuple[str, int]:
+        """The expert's blocks from the file (or host RAM) repacked into its slot's codes and scales."""
+        cache_key = (handle.layer, handle.expert, self.codes_tier or 0)
+        buf, level = self.host.get(cache_key), "host"
+        if buf is None:
+            level = "disk"
+            cached = self.host.budget > 0
+            buf = read_native(self.files, handle, None if cached else self._scratch(handle.nbytes))
+            if cached:
+                self.host.put(cache_key, buf)
+        expert_codes_into(handle, split_native(handle, buf), parts)
+        if self.check_finite and not all(all_finite(scales) for scales in parts[1::2]):
+            raise ExpertReadError(f"{expert_name(handle)}: non-finite scales read from {handle.path} (corrupt file?)")
         return level, handle.nbytes
 
     def _scratch(self, n_bytes: int) -> torch.Tensor:

@@ -64,7 +64,7 @@ from moelane.pager.live.price import LoadPrice
 from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
-from moelane.pager.live.tiers import TIER_NAMES, slot_bytes
+from moelane.pager.live.tiers import TIER_NAMES, expert_slot_bytes, tier_format
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 
@@ -125,7 +125,7 @@ class ExpertStore:
         if any(len(hs) != self.n_experts for hs in self._handles):
             raise StoreError("every MoE layer must have the same number of routed experts")
         self._dims = self._handles[0][0].dims  # (hidden, width)
-        self.tier_bytes = tuple(slot_bytes(t, *self._dims, dtype) for t in range(len(TIER_NAMES)))
+        self.tier_bytes = tuple(expert_slot_bytes(t, handles, dtype) for t in range(len(TIER_NAMES)))
         self.slot_bytes = self.tier_bytes[config.default_tier]  # one expert at the default tier
         n_total = len(self.layers) * self.n_experts
         self.total_bytes = n_total * self.tier_bytes[0]  # all experts in the compute dtype (what "100%" means)
@@ -135,7 +135,8 @@ class ExpertStore:
                              f"at tier {TIER_NAMES[config.default_tier]})")  # fmt: skip
         self.table = SlotTable(capacity, self.tier_bytes, config.budget_bytes, n_total, config.policy,
                                config.default_tier)  # fmt: skip
-        self._pools = TierPools(self._dims, dtype, self.table.first.tolist(), self.table.capacity.tolist())
+        formats = {t: tier_format(t, handles) for t in range(1, len(TIER_NAMES))}
+        self._pools = TierPools(self._dims, dtype, self.table.first.tolist(), self.table.capacity.tolist(), formats)
         self._futures: dict[int, Future[None]] = {}  # slot -> its load in flight
         self._leases: dict[threading.Thread, IntArray] = {}
         self.plan: Plan | None = None

@@ -10,9 +10,13 @@ slot holds its codes and scales as they are stored (`slot_parts`, the pool forma
 compute dequantises them (`moelane.model.experts`). A lower tier so saves pool bytes as well as storage, host RAM and
 bytes read per miss, and costs the rounding error measured as held-out perplexity (docs/pager.md).
 
-An expert's stored form at tier > 0 is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H, I]), exactly the
-bytes of its four slot parts back to back; its size is fixed by the shapes, so a cache file holds experts at fixed
-offsets.
+A GGUF's Q8_0 (Q4_0) experts are held at int8 (int4) as the file's own codes (`model.gguf.codes`): that tier's
+pool then has the file's format (`tier_format`: int8 in groups of 32 for Q8_0), its stored form is the file's blocks,
+and no tier file is built for it. `--default-tier auto` (the default) is that tier for such a file, native otherwise.
+
+An expert's stored form at tier > 0 (from a tier file) is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H,
+I]), exactly the bytes of its four slot parts back to back; its size is fixed by the shapes, so a cache file holds
+experts at fixed offsets.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from moelane.kernels.formats import FORMATS, QuantFormat, dequantize, quantize
+from moelane.model.checkpoint import ExpertHandle
+from moelane.model.gguf.codes import codes_tier
 from moelane.model.layers import GRAIN  # torch runs element-wise work of at most this many elements unthreaded
 from moelane.model.provider import TIER_KINDS
 
@@ -40,6 +46,7 @@ def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
 
 TIER_NAMES = TIER_KINDS  # ("native", "int8", "int4"): tier t's name is the kind of its pools
 TIER_ALIASES = {"0": 0, "native": 0, "tier0": 0, "1": 1, "int8": 1, "2": 2, "int4": 2}
+AUTO = "auto"  # the default tier: a GGUF's Q8_0 / Q4_0 experts' own codes' tier, else native
 
 
 def parse_tier(text: str | int) -> int:
@@ -48,6 +55,27 @@ def parse_tier(text: str | int) -> int:
     if key not in TIER_ALIASES:
         raise ValueError(f"unknown precision tier {text!r}; use one of {', '.join(TIER_NAMES)}")
     return TIER_ALIASES[key]
+
+
+def check_default_tier(text: str | int) -> None:
+    """ValueError unless `text` is a tier or 'auto'."""
+    if str(text).strip().lower() != AUTO:
+        parse_tier(text)
+
+
+def default_tier(text: str | int, handles: dict[int, list[ExpertHandle]]) -> int:
+    """The tier a default of `text` holds these experts at: 'auto' is the tier of their own codes (a GGUF's Q8_0:
+    int8, Q4_0: int4), else native; a named tier is itself (native decodes any GGUF to the compute dtype)."""
+    if str(text).strip().lower() != AUTO:
+        return parse_tier(text)
+    own = codes_tier(handles)
+    return 0 if own is None else own[0]
+
+
+def tier_format(tier: int, handles: dict[int, list[ExpertHandle]]) -> QuantFormat:
+    """Quantised tier `tier`'s format for these experts: the file's (their own codes' tier), else `FORMATS[tier]`."""
+    own = codes_tier(handles)
+    return own[1] if own is not None and own[0] == tier else FORMATS[tier]
 
 
 def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, cols: int, fmt: QuantFormat) -> None:
@@ -108,12 +136,15 @@ class ExpertCodec:
 Part = tuple[torch.dtype, tuple[int, int]]  # one tensor of a pool slot: its dtype and shape
 
 
-def slot_parts(tier: int, hidden: int, width: int, dtype: torch.dtype) -> tuple[Part, ...]:
+def slot_parts(
+    tier: int, hidden: int, width: int, dtype: torch.dtype, fmt: QuantFormat | None = None
+) -> tuple[Part, ...]:
     """The tensors of one expert's pool slot at `tier`: native (w13 [2I, H], w2 [H, I]) in the compute `dtype`;
-    quantised (codes13, scales13, codes2, scales2), in the order and with the bytes of its blob (`ExpertCodec`)."""
+    quantised (codes13, scales13, codes2, scales2) in `fmt` (default `FORMATS[tier]`; see `tier_format`), in the
+    order and with the bytes of its blob (`ExpertCodec`)."""
     if tier == 0:
         return (dtype, (2 * width, hidden)), (dtype, (hidden, width))
-    fmt, parts = FORMATS[tier], []
+    fmt, parts = FORMATS[tier] if fmt is None else fmt, []
     code_dtype = torch.int8 if fmt.bits == 8 else torch.uint8
     for rows, cols in ((2 * width, hidden), (hidden, width)):
         padded = fmt.n_groups(cols) * fmt.group_for(cols)
@@ -121,6 +152,12 @@ def slot_parts(tier: int, hidden: int, width: int, dtype: torch.dtype) -> tuple[
     return tuple(parts)
 
 
-def slot_bytes(tier: int, hidden: int, width: int, dtype: torch.dtype) -> int:
-    """The bytes of one expert's pool slot at `tier` (quantised: its blob's size)."""
-    return sum(dt.itemsize * rows * cols for dt, (rows, cols) in slot_parts(tier, hidden, width, dtype))
+def slot_bytes(tier: int, hidden: int, width: int, dtype: torch.dtype, fmt: QuantFormat | None = None) -> int:
+    """The bytes of one expert's pool slot at `tier` in `fmt` (quantised: its blob's size)."""
+    return sum(dt.itemsize * rows * cols for dt, (rows, cols) in slot_parts(tier, hidden, width, dtype, fmt))
+
+
+def expert_slot_bytes(tier: int, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> int:
+    """`slot_bytes` of these experts (their dims; the tier's format for them, `tier_format`)."""
+    dims = next(h for hs in handles.values() for h in hs).dims
+    return slot_bytes(tier, *dims, dtype, tier_format(tier, handles) if tier else None)
