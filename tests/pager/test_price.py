@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import moelane
-from moelane.pager.live.price import Calibration, LoadPrice, least_probability
 from moelane.pager.live.store import ExpertStore, StoreConfig
+from moelane.pager.price import Calibration, LoadPrice, least_probability
 from tests.helpers import random_model
 
 

@@ -1,4 +1,4 @@
-"""The replay's look-ahead loads what the live store's rule admits (lab/ahead.py, live/price.py): everything when a
+"""The replay's look-ahead loads what the live store's rule admits (lab/ahead.py, pager/price.py): everything when a
 wasted load costs nothing, only confident predictions when reads are long and the disk busy."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from moelane.pager import price
 from moelane.pager.lab.policies import make_policy
 from moelane.pager.lab.replay import CostModel, ReplayResult, replay
-from moelane.pager.live import price
 from moelane.pager.trace import Trace
 
 from .helpers import small_trace, with_lookahead

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelane.pager.live.price import Calibration, LoadPrice
+from moelane.pager.price import Calibration, LoadPrice
 from moelane.pager.trace import IntArray
 
 SOURCE = "lookahead"

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from moelane.model.provider import RoutingRecord, host_side
-from moelane.pager.live.price import Calibration
 from moelane.pager.plan import Plan
 from moelane.pager.planner import Planner, PlannerConfig
+from moelane.pager.price import Calibration
 from moelane.pager.trace import Segment
 
 log = logging.getLogger(__name__)

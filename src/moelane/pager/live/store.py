@@ -60,13 +60,13 @@ from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import TierPool, native_weights
 from moelane.pager.live.pools import TierPools
 from moelane.pager.live.prefetch import Attachment, FetchPool, LivePlanner, RoutingListener, attach
-from moelane.pager.live.price import LoadPrice
 from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, SlotTable
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.tiers import TIER_NAMES, expert_slot_bytes, tier_format
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
+from moelane.pager.price import LoadPrice
 
 POLICIES = ("planner", "lru", "lfu")
 # Misses of experts smaller than this (at the default tier) are read by the computing thread itself, one after
