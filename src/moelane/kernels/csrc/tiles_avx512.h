@@ -5,25 +5,41 @@
 // A weight is widened to its exact fp32 value before it meets x (bf16 -> fp32; int8 code * fp16 scale and
 // int4 (nibble - 8) * fp16 scale are exact in fp32: at most 19 significant bits), so every kind is the same fp32
 // dot product of x with the dequantised row: chunk c of 16 columns into lane c % 16 by FMA, in column order.
+// Scales come as a pointer per tile row: fp32 (widened by the caller) or fp16 (widened here, see `tile_scales`).
 #pragma once
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace moelane {
+namespace {  // internal linkage: calls are direct (no PLT), and may be inlined
 
 constexpr const char* kIsa = "avx512";
 
-// A row's fp16 scales as fp32, so each group's scale is one broadcast from memory (no shuffle-port work).
-constexpr int kMaxGroups = 1024;  // scales per row held on the stack (a multiple of 16)
+// fp16 scales as fp32, so each group's scale is one broadcast from memory (no shuffle-port work). out needs room for
+// n rounded up to 16.
 inline void widen_scales(const uint16_t* s, int64_t n, float* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
-  if (i < n) {  // a whole vector stored (out has room): a masked store would not forward to the loads that follow
+  if (i < n) {  // a whole vector stored: a masked store would not forward to the loads that follow
     const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
     _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + i)));
   }
+}
+
+// A tile's rows of n scales as fp32 in sf: fp16 rows widened into `local` (in the tile's stack frame, so the loop
+// addresses them from the stack pointer: no row pointers to hold; rows of 24-256 groups lost 4-7% from L2 to
+// pointers), fp32 rows as given.
+constexpr int64_t kMaxGroups = 1024;  // scales per row the stack holds (a multiple of 16)
+inline void tile_scales(const uint16_t* const* s, int64_t n, float (&local)[4][kMaxGroups], const float** sf) {
+  for (int r = 0; r < 4; ++r) {
+    widen_scales(s[r], n, local[r]);
+    sf[r] = local[r];
+  }
+}
+inline void tile_scales(const float* const* s, int64_t, float (&)[4][kMaxGroups], const float** sf) {
+  for (int r = 0; r < 4; ++r) sf[r] = s[r];
 }
 
 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
@@ -80,14 +96,14 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
 }
 
 // int8 codes, one fp16 scale per G columns (G in 16, 32, 64); n (padded) a multiple of G.
-template <int NM, int G>
-inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint16_t* const* s, int64_t n,
-                      float* out) {
+template <int NM, int G, class S>
+inline void tile_int8(const float* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
   __m512 acc[NM][4];
   for (int m = 0; m < NM; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-  float sf[4][kMaxGroups];
-  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
+  alignas(64) float local[4][kMaxGroups];
+  const float* sf[4];
+  tile_scales(s, n / G, local, sf);
   for (int64_t g = 0; g < n / G; ++g) {
     __m512 sv[4];
     for (int r = 0; r < 4; ++r) sv[r] = _mm512_set1_ps(sf[r][g]);
@@ -110,18 +126,21 @@ inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint
 // int4, tiers' layout (byte j = code 2j | code 2j+1 << 4, stored + 8), one fp16 scale per G columns (G in 16, 32).
 // x is prepared per 32 columns as [16 even columns, 16 odd columns] (per 16-column tail: [8 even, 8 odd]), so low
 // nibbles meet the first half and high nibbles the second. A nibble becomes its weight by one permute of the
-// 16-entry table (-8..7) * scale.
-template <int NM, int G>
-inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uint16_t* const* s, int64_t n,
-                      float* out) {
+// 16-entry table (-8..7) * scale. Per 32 columns and row that is a zero-extend, a shift, the table's multiply, two
+// permutes and, per activation row, two FMAs: 7 vector uops at NM 1, on the two 512-bit ports (~16 GB/s of weight
+// bytes a core from L2, docs/kernels.md). Other ways to index the table take as many (a 16-byte broadcast and two
+// variable shifts: measured the same) or give lanes of several groups a vector (one table no longer serves).
+template <int NM, int G, class S>
+inline void tile_int4(const float* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
   const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
   const __m512i low4 = _mm512_set1_epi32(15);
   __m512 acc[NM][4];
   for (int m = 0; m < NM; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-  float sf[4][kMaxGroups];
-  for (int r = 0; r < 4; ++r) widen_scales(s[r], n / G, sf[r]);
+  alignas(64) float local[4][kMaxGroups];
+  const float* sf[4];
+  tile_scales(s, n / G, local, sf);
   int64_t c = 0;
   for (; c + 32 <= n; c += 32) {
     __m512 lo[4], hi[4];
@@ -162,4 +181,5 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uin
   finish<NM>(acc, out);
 }
 
+}  // namespace
 }  // namespace moelane

@@ -13,9 +13,9 @@
 #include <cstring>
 
 namespace moelane {
+namespace {
 
 constexpr const char* kIsa = "generic";
-constexpr int kMaxGroups = 1024;  // scales per row (the AVX-512 tiles hold a row's on the stack; same limit here)
 
 inline float fma_lane(float a, float b, float c) {
 #ifdef __FMA__
@@ -40,6 +40,14 @@ inline float half_to_float(uint16_t h) {
   if (exp == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
   return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
 }
+
+inline void widen_scales(const uint16_t* s, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(s[i]);
+}
+
+constexpr int64_t kMaxGroups = 1024;  // as tiles_avx512.h: above it, gather_linear.cpp widens scales per work item
+inline float scale_of(uint16_t h) { return half_to_float(h); }
+inline float scale_of(float s) { return s; }
 
 inline float widen(float w) { return w; }
 inline float widen(uint16_t bf16) { return bits_to_float(static_cast<uint32_t>(bf16) << 16); }
@@ -85,15 +93,14 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
   finish<NM>(acc, out);
 }
 
-template <int NM, int G>
-inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint16_t* const* s, int64_t n,
+template <int NM, int G, class S>
+inline void tile_int8(const float* const* xs, const int8_t* const* q, const S* const* s, int64_t n,
                       float* out) {
   float acc[NM][4][16] = {};
   float xv[NM][16], wv[4][16];
   for (int64_t c = 0; c < n; c += 16) {
     for (int r = 0; r < 4; ++r) {
-      const float scale = half_to_float(s[r][c / G]);
-      for (int l = 0; l < 16; ++l) wv[r][l] = static_cast<float>(q[r][c + l]) * scale;
+      for (int l = 0; l < 16; ++l) wv[r][l] = static_cast<float>(q[r][c + l]) * scale_of(s[r][c / G]);
     }
     load_x<NM>(xv, xs, c, 16);
     chunk<NM>(acc, xv, wv);
@@ -103,8 +110,8 @@ inline void tile_int8(const float* const* xs, const int8_t* const* q, const uint
 
 // int4: per 32 columns, chunk 1 holds the low nibbles of the 16 bytes (even columns), chunk 2 the high nibbles (odd
 // columns); a 16-column tail (G == 16) is one chunk: low nibbles of its 8 bytes, then their high nibbles.
-template <int NM, int G>
-inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uint16_t* const* s, int64_t n,
+template <int NM, int G, class S>
+inline void tile_int4(const float* const* xs, const uint8_t* const* p, const S* const* s, int64_t n,
                       float* out) {
   float acc[NM][4][16] = {};
   float xv[NM][16], wv[4][16];
@@ -115,14 +122,14 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uin
         for (int l = 0; l < 16; ++l) {
           const uint8_t byte = p[r][c / 2 + l];
           const int code = (half ? byte >> 4 : byte & 15) - 8;
-          wv[r][l] = static_cast<float>(code) * half_to_float(s[r][(c + 2 * l) / G]);
+          wv[r][l] = static_cast<float>(code) * scale_of(s[r][(c + 2 * l) / G]);
         }
       load_x<NM>(xv, xs, c + 16 * half, 16);
       chunk<NM>(acc, xv, wv);
     }
   if (c < n) {
     for (int r = 0; r < 4; ++r) {
-      const float scale = half_to_float(s[r][c / G]);
+      const float scale = scale_of(s[r][c / G]);
       for (int l = 0; l < 16; ++l) {
         const uint8_t byte = p[r][c / 2 + l % 8];
         wv[r][l] = static_cast<float>((l < 8 ? byte & 15 : byte >> 4) - 8) * scale;
@@ -134,4 +141,5 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const uin
   finish<NM>(acc, out);
 }
 
+}  // namespace
 }  // namespace moelane
