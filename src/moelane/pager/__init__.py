@@ -11,7 +11,8 @@ Two sides speak the same formats:
 The seam between them is this package's top level: the formats, `trace.py` (routing traces, which live records and
 lab reads) and `plan.py` (the plain-data plan a policy publishes and the store obeys); and the policy both sides run,
 `planner.py` with `scoreboard.py` and `segment.py` (the live store drives it from a model's routing, replay from a
-trace), and the rule both sides load predictions by, `price.py`. It sits here, not in either side, so that each side imports it and neither imports the other.
+trace), and the rule both sides load predictions by, `price.py`. It sits here, not in either side, so that each side
+imports it and neither imports the other.
 
 Imports: the top level imports neither side; `live` imports the top level and the model, `lab` the top level alone
 (both `moelane.errors` too); `live` never imports `lab`, nor `lab` `live` (tests/test_layers.py checks it).
