@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist.helpers import FailingGenerate, Faulty, Logits, Rank, launch
+from tests.distributed.helpers import FailingGenerate, Faulty, Logits, Rank, launch
 from tests.helpers import random_model
 
 TIMEOUT_S = 4.0

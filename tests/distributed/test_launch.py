@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moelane.commands import main
-from tests.dist.helpers import Logits, Rank, free_port, launch
+from tests.distributed.helpers import Logits, Rank, free_port, launch
 
 LONE = """
 import sys
@@ -55,8 +55,11 @@ def test_a_placement_rank_0_cannot_make_stops_every_rank_with_its_line(tiny: Pat
 
 
 def test_placement_flags_that_do_not_go_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    for args, said in [(["--placement", "balanced"], "this process runs alone"),
-                       (["--placement-trace", "x.trc"], "--placement-trace is read with --placement balanced only")]:  # fmt: skip
+    cases = [
+        (["--placement", "balanced"], "this process runs alone"),
+        (["--placement-trace", "x.trc"], "--placement-trace is read with --placement balanced only"),
+    ]
+    for args, said in cases:
         assert main(["run", "hi", "--max-tokens", "1", *args]) == 2
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1

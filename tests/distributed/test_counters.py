@@ -12,7 +12,7 @@ import httpx
 
 from moelane.lanes import Engine, EngineConfig
 from moelane.server.app import create_app
-from tests.dist.helpers import Rank, launch
+from tests.distributed.helpers import Rank, launch
 from tests.server.conftest import running
 
 

@@ -13,7 +13,6 @@ import torch
 from moelane.dist.fingerprint import difference
 from moelane.dist.placement import Placement, share_sizes
 from moelane.dist.routing import routing_counts
-from moelane.errors import InputError
 from moelane.dist.wire import (
     Request,
     pack_failure,
@@ -24,6 +23,7 @@ from moelane.dist.wire import (
     unpack_reply,
     unpack_request,
 )
+from moelane.errors import InputError
 from moelane.model.experts import PairBias
 
 TRACE = Path(__file__).parents[1] / "fixtures" / "traces" / "default.trc"

@@ -15,7 +15,7 @@ import torch
 
 import moelane
 from moelane.pager.trace import TraceHeader, TraceWriter
-from tests.dist.helpers import Logits, Rank, Replies, launch, replies
+from tests.distributed.helpers import Logits, Rank, Replies, launch, replies
 from tests.helpers import FAMILY_CONFIGS, random_model
 from tests.lanes.reference import prompts
 
