@@ -1,0 +1,65 @@
+"""The README's test loop (`pytest -m "not slow"`) is held to 3 minutes on a 2-core machine: the tests named here are
+marked `slow` at collection, besides those marked in their files, and `.ci/run` runs them with the rest of `-m slow`.
+
+Each is a second case of what a fast test already asserts (another variant of a family, another tool syntax, a second
+stream count or drafter, a second path through the command line), or a multi-process test whose fast sibling stays.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# nodeid prefixes (a test, a parametrized case, or a whole file)
+SLOW_IN_THE_FAST_LOOP = (
+    # distributed: identity, a killed rank and the refusals stay fast; the per-rank counters are slow
+    "tests/distributed/test_counters.py",
+    # a second stream or drafter case of the identity and prefix tests
+    "tests/pager/test_store_concurrency.py::test_eight_streams_at_ten_percent[True-False]",
+    "tests/model/test_gguf_codes.py::test_replies_equal_solo_decode_at_any_stream_count[paged-q8_0]",
+    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[none-sampled]",
+    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[copy-sampled]",
+    "tests/lanes/test_prefix.py::test_many_streams_sharing_prefixes_in_waves_reply_as_alone[recall]",
+    "tests/model/test_core.py::test_cli_run_with_a_drafter_prints_the_very_same_reply[model]",
+    # second paths through the command line
+    "tests/server/test_commands.py::test_ctrl_c_while_loading_interrupts_at_once[another thread]",
+    "tests/pager/test_commands.py::test_sigterm_stops_a_trace_command_as_ctrl_c_does[2-130]",
+    "tests/test_cli_inputs.py::test_run_drafts_by_default_and_replies_the_same",
+    "tests/server/test_load.py::test_disconnect_mid_stream_frees_the_stream",
+    "tests/pager/test_store.py::test_an_engine_fits_its_rounds_to_a_small_pool",
+    "tests/server/test_errors.py::test_bad_request_gets_clear_4xx[bias of more tokens than any vocabulary]",
+    # compiled identity: the compiled rows' own tests stay fast
+    "tests/lanes/test_engine_lm.py::test_compiled_model_replies_equal_its_compiled_solo_decode",
+    "tests/model/test_core.py::test_compiled_rows_do_not_depend_on_what_shares_the_call[1]",
+    # a second engine case: two ranks under the default placement, the copy drafter greedy
+    "tests/distributed/test_identity.py::test_two_ranks_reply_as_one_process_under_a_balanced_placement",
+    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[none-greedy]",
+    # the shipped fixtures and the inflated model's claim, read again by the benchmarks' own runs
+    "tests/pager/test_fixtures.py::test_default_model_fixture_reads_and_replays",
+    "tests/test_inflate.py::test_same_greedy_replies",
+)
+# every family's first config stays fast (fp32 parity, bf16 prefill bit for bit); other configs' parity and the bf16
+# greedy replies run with the slow set
+FAMILY_PARITY = ("test_fp32_matches_transformers", "test_bf16_prefill_logits_are_transformers_bit_for_bit")
+BF16_GREEDY = "test_bf16_greedy_matches_transformers"
+# each tool syntax's forced call stays fast with tool_choice "required"; by name it is slow
+FORCED_BY_NAME = "test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first: dict[str, str] = {}  # family -> its first case
+    for item in items:
+        named = item.nodeid.startswith(SLOW_IN_THE_FAST_LOOP) or getattr(item, "originalname", "") == BF16_GREEDY
+        if named or a_later_config(item, first) or forced_by_name(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def a_later_config(item: pytest.Item, first: dict[str, str]) -> bool:
+    """A family parity case that is not its family's first (test_families.py's CASES, in order)."""
+    if not isinstance(item, pytest.Function) or item.originalname not in FAMILY_PARITY:
+        return False
+    case, family = item.callspec.params["case"], item.callspec.params["family"]
+    return first.setdefault(family, case) != case
+
+
+def forced_by_name(item: pytest.Item) -> bool:
+    return isinstance(item, pytest.Function) and item.originalname == FORCED_BY_NAME and item.callspec.params["named"]
