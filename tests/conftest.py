@@ -1,8 +1,10 @@
 """The README's test loop (`pytest -m "not slow"`) is held to 3 minutes on a 2-core machine: the tests named here are
 marked `slow` at collection, besides those marked in their files, and `.ci/run` runs them with the rest of `-m slow`.
 
-Each is a second case of what a fast test already asserts (another variant of a family, another tool syntax, a second
-stream count or drafter, a second path through the command line), or a multi-process test whose fast sibling stays.
+A parametrized test keeps its first `SAMPLED` cases in the loop (family parity keeps each family's first config).
+Each of the others is a second case of what a fast test already asserts (another variant of a family, another tool
+syntax or bad request, a second stream count or drafter, a second path through the command line), or a
+multi-process test whose fast sibling stays.
 """
 
 from __future__ import annotations
@@ -45,9 +47,26 @@ BF16_GREEDY = "test_bf16_greedy_matches_transformers"
 FORCED_BY_NAME = "test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with"
 
 
+# a parametrized test's first cases stay fast, the rest of its matrix runs with the slow set
+SAMPLED = 10
+# matrices of cheap cases that stay whole: every family's config errors, the kernels' reference, the fake engine
+WHOLE = ("tests/model/test_config.py", "tests/kernels/", "tests/lanes/test_engine_fake.py",
+         "tests/model/test_families.py::test_bad_configs_raise_model_load_error")  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     first: dict[str, str] = {}  # family -> its first case
+    seen: dict[str, int] = {}  # test function -> its cases collected so far
     for item in items:
+        if (
+            isinstance(item, pytest.Function)
+            and hasattr(item, "callspec")
+            and item.originalname not in FAMILY_PARITY
+            and not item.nodeid.startswith(WHOLE)
+        ):
+            seen[item.nodeid.partition("[")[0]] = n = seen.get(item.nodeid.partition("[")[0], 0) + 1
+            if n > SAMPLED:
+                item.add_marker(pytest.mark.slow)
         named = item.nodeid.startswith(SLOW_IN_THE_FAST_LOOP) or getattr(item, "originalname", "") == BF16_GREEDY
         if named or a_later_config(item, first) or forced_by_name(item):
             item.add_marker(pytest.mark.slow)
