@@ -11,28 +11,21 @@ from moelane.errors import Unavailable
 from moelane.lanes.config import EngineConfig
 from moelane.lanes.engine import Engine
 from moelane.server.app import create_app
-from tests.server.conftest import MODEL, running
+from tests.server.conftest import MODEL, SlowTarget, running
 
 
-class BreaksAt:
+class BreaksAt(SlowTarget):
     """The model, until a pass holds `token`: from then on every pass raises `error` (as a failed rank does)."""
 
     def __init__(self, lm: Any, token: int) -> None:
-        self.lm, self.token, self.error = lm, token, Unavailable("rank 1 died (test)")
-        self.broken = False
-        self.vocab_size, self.eos_ids, self.max_context = lm.vocab_size, lm.eos_ids, lm.max_context
-
-    def new_cache(self, capacity: int) -> Any:
-        return self.lm.new_cache(capacity)
-
-    def cache_for(self, n_prompt: int, max_tokens: int) -> Any:
-        return self.lm.cache_for(n_prompt, max_tokens)
+        super().__init__(lm, poison=token)
+        self.error, self.broken = Unavailable("rank 1 died (test)"), False
 
     def forward(self, rows: list[Any], *args: Any, **kwargs: Any) -> Any:
-        self.broken = self.broken or any(self.token in r.token_ids for r in rows)
+        self.broken = self.broken or any(self.poison in r.token_ids for r in rows)
         if self.broken:
             raise self.error
-        return self.lm.forward(rows, *args, **kwargs)
+        return super().forward(rows, *args, **kwargs)
 
 
 def test_a_failed_part_gives_503_and_a_degraded_health(tiny_lm: Any) -> None:
