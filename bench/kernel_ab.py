@@ -60,8 +60,6 @@ def csrc_files(rev: str) -> dict[str, bytes]:
 
 def build(rev: str) -> ModuleType:
     """`rev`'s kernels as an extension named by their hash, built under the kernels' cache (once per source)."""
-    from torch.utils import cpp_extension
-
     from moelane.kernels import build as kbuild
 
     files = csrc_files(rev)
@@ -71,18 +69,7 @@ def build(rev: str) -> ModuleType:
     src = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     for name, data in files.items():
         (src / name).write_bytes(data)
-    with kbuild._ninja_on_path():
-        module = cpp_extension.load(
-            name=f"moelane_ab_{key}",
-            sources=[str(src / "gather_linear.cpp")],
-            extra_cflags=kbuild.FLAGS["native"],
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(src)],
-            build_directory=str(folder),
-            verbose=False,
-        )
-    assert isinstance(module, ModuleType)
-    return module
+    return kbuild._compile(f"moelane_ab_{key}", folder, "native", src)
 
 
 def layer_call(shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch.Generator) -> tuple[Call, float]:

@@ -121,17 +121,18 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _compile(name: str, folder: Path, variant: str) -> ModuleType:
+def _compile(name: str, folder: Path, variant: str, csrc: Path = CSRC) -> ModuleType:
+    """Build the extension from the sources in `csrc` (this package's, or another revision's copy) into `folder`."""
     from torch.utils import cpp_extension
 
     (folder / "lock").unlink(missing_ok=True)  # torch's baton, stale if a build was killed; we hold build.lock
     with _ninja_on_path():
         module = cpp_extension.load(
             name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=[str(csrc / s) for s in SOURCES],
             extra_cflags=FLAGS[variant],
             extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)],
+            extra_include_paths=[str(csrc)],
             build_directory=str(folder),
             verbose=False,
         )
