@@ -4,6 +4,8 @@ not, at 1 and 2 threads), odd sizes, `linear`, and errors at the edge."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -55,6 +57,32 @@ def test_pair_bits_do_not_depend_on_the_call(impl: str, kind: str, n_in: int, th
             moved = torch.roll(x, 5, dims=0)  # row 3 is now row 8
             y = kernels.gather_linear(moved, (rows + 5) % 16, slots, pool)
             assert torch.equal(y[at], alone), (n_threads, n, "x rows moved")
+
+
+def test_bits_hold_when_threads_take_each_others_items(extension: kernels.Availability, threads: None) -> None:
+    """The extension's threads take over the items of a slowed thread's share (gather_linear.cpp). With 6 threads on
+    this machine's cores, a busy Python thread beside them, threads are descheduled mid-call and items change hands:
+    every call still gives the 1-thread bits."""
+    pool = random_pool("int4", 4, 512, 256, seed=11)  # 512 output rows of 256: several items a slot
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(12))
+    rows, slots = pairs(12, 8, 4, seed=13)
+    torch.set_num_threads(1)
+    want = kernels.gather_linear(x, rows, slots, pool)
+    torch.set_num_threads(6)
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    try:
+        for _ in range(60):
+            assert torch.equal(kernels.gather_linear(x, rows, slots, pool), want)
+    finally:
+        stop.set()
+        busy.join()
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
