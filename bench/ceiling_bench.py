@@ -7,9 +7,13 @@ v2 `memory.max`; page cache counts against it) after the page cache is dropped. 
 token ids greedily, `--tokens` each, never stopping early. Engines alternate within every round (which goes first
 alternates too), rounds rotate the prompts (held-out code and prose, in the model's tokenizer).
 
-Ceiling rule: limit = share x the GGUF file's bytes + overhead, the same limit for both engines, where overhead is
-the larger of the two engines' fixed overheads, each measured first as its peak RSS in an unlimited run less the
-GGUF's bytes (all weights resident: moelane's in anonymous memory, llama.cpp's as mapped file pages).
+Ceiling rule (`--overhead each`, the default): an engine's limit = share x the GGUF file's bytes + that engine's own
+fixed overhead, each measured first as its peak RSS in an unlimited run less the GGUF's bytes (all weights resident:
+moelane's in anonymous memory, llama.cpp's as mapped file pages). moelane's overhead is measured as the row runs it:
+compiled for the 100% row (where it compiles, unless --eager), eager below (where it pages, and never compiles). So
+at every ceiling each engine has share x the file for its weights, beyond what it needs to run at all.
+`--overhead larger` gives both engines one limit instead, with the largest of the overheads: the engine with the
+smaller overhead (llama.cpp) then holds more than the share of its file in page cache.
 
 Per run: decode and prefill tok/s; disk bytes read per decode token (`/proc/self/io` read_bytes from the first token
 to the last, over the tokens after the first; the workers read it themselves); the cgroup's peak usage and failcnt;
@@ -170,16 +174,27 @@ def run_one(args: argparse.Namespace, engine: str, prompt: list[int], limit: int
 
 
 def overheads(args: argparse.Namespace, prompt: list[int], gguf_bytes: int) -> dict[str, int]:
-    """Each engine's fixed overhead: its peak RSS, unlimited (all weights resident), less the GGUF's bytes."""
+    """Each engine's fixed overhead: its peak RSS, unlimited (all weights resident), less the GGUF's bytes; moelane's
+    both eager ("moelane") and compiled ("moelane compiled", unless --eager)."""
     found = {}
-    for engine in ("moelane", "llama"):
-        record = run_one(args, engine, prompt[:8], 64 << 30)
+    runs = [("moelane", False), ("llama", False)] + ([("moelane", True)] if args.compile else [])
+    for engine, compiled in runs:
+        record = run_one(argparse.Namespace(**{**vars(args), "compile": compiled}), engine, prompt[:8], 64 << 30)
         if "max_rss" not in record:
             raise SystemExit(f"{engine} failed unlimited: {record}")
-        found[engine] = int(record["max_rss"]) - gguf_bytes  # type: ignore[call-overload]
-        print(json.dumps({"event": "overhead", "engine": engine, "max_rss": record["max_rss"],
-                          "overhead": found[engine]}), flush=True)  # fmt: skip
+        name = f"{engine} compiled" if compiled else engine
+        found[name] = int(record["max_rss"]) - gguf_bytes  # type: ignore[call-overload]
+        print(json.dumps({"event": "overhead", "engine": name, "max_rss": record["max_rss"],
+                          "overhead": found[name]}), flush=True)  # fmt: skip
     return found
+
+
+def limit_for(args: argparse.Namespace, found: dict[str, int], engine: str, share: float, gguf_bytes: int) -> int:
+    """The ceiling of `engine` at `share` of the GGUF (module docstring: the ceiling rule)."""
+    if args.overhead == "larger":
+        return int(share * gguf_bytes) + max(found.values())
+    compiled = engine == "moelane" and args.compile and share >= 1.0
+    return int(share * gguf_bytes) + found[f"{engine} compiled" if compiled else engine]
 
 
 def main() -> None:
@@ -199,6 +214,9 @@ def main() -> None:
         help="never compile moelane's decode step (by "
         "default it is compiled where every expert is resident, as `moelane serve` does)",
     )
+    p.add_argument("--overhead", choices=("each", "larger"), default="each",
+                   help="each: every engine's limit is the share plus its own overhead; larger: one limit for both, "
+                   "with the larger overhead (default each)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900, help="seconds before a run is killed")
     p.add_argument("--out", type=Path, help="also append every JSON line to this file")
     args = p.parse_args()
@@ -208,21 +226,20 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
     gguf_bytes = args.gguf.stat().st_size
-    overhead = max(overheads(args, prompts["code"], gguf_bytes).values())
+    found = overheads(args, prompts["code"], gguf_bytes)
     shares = [float(s) for s in args.shares.split(",")]
     records = []
     for r in range(args.rounds):
         name = list(prompts)[r % len(prompts)]
         for share in shares:
-            limit = int(share * gguf_bytes) + overhead
             order = ("moelane", "llama") if r % 2 == 0 else ("llama", "moelane")
             for engine in order:
-                record = run_one(args, engine, prompts[name], limit)
+                record = run_one(args, engine, prompts[name], limit_for(args, found, engine, share, gguf_bytes))
                 record.update(round=r, share=share, prompt=name, quant=args.quant, git=git_rev())
                 records.append(record)
                 emit(args, {k: v for k, v in record.items() if k != "tokens"})
-    emit(args, {"summary": True, "quant": args.quant, "overhead": overhead, "gguf_bytes": gguf_bytes,
-                "tokens": args.tokens, "rounds": args.rounds, "git": git_rev()})  # fmt: skip
+    emit(args, {"summary": True, "quant": args.quant, "overheads": found, "rule": args.overhead,
+                "gguf_bytes": gguf_bytes, "tokens": args.tokens, "rounds": args.rounds, "git": git_rev()})  # fmt: skip
     print(table(records, shares, args.quant))
 
 
