@@ -41,7 +41,7 @@ def load(
     compile: bool = False,
     progress: bool = False,
     provider: ProviderFactory | None = None,
-    quantize: str = "none",
+    quantize: str = "auto",
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
 
@@ -54,7 +54,8 @@ def load(
     while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
     handles and the compute dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the
     dense projections (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file
-    holds a model; the routed experts' precision is `default_tier`'s."""
+    holds a model; "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never
+    requantised) and anything else as stored ("none"); the routed experts' precision is `default_tier`'s."""
     if provider is not None:
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "auto"):
             raise ValueError("give either an expert provider factory or expert settings, not both")

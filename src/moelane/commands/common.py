@@ -94,10 +94,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "more experts in the same memory, at a small cost in quality); all resident at it where they "
                    "fit. Default auto: a GGUF's Q8_0 / Q4_0 experts at int8 / int4 as the file's own codes, anything "
                    "else native; native decodes a GGUF's experts to the compute dtype")  # fmt: skip
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+    p.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
                    "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "
-                   "is (default none: as stored)")  # fmt: skip
+                   "is. Default auto: a GGUF's Q8_0 / Q4_0 projections at int8 / int4 as the file's own codes, "
+                   "anything else as stored (none)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N",
                    help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",
