@@ -170,7 +170,7 @@ def test_int4_tier_of_a_q8_0_gguf_encodes_its_decoded_values(tmp_path: Path) -> 
     with torch.no_grad():
         ours = moelane.load(quantised, default_tier="int4", quantize="none").logits(PROMPT)
         assert torch.equal(ours, moelane.load(decoded, default_tier="int4").logits(PROMPT))
-    assert (tmp_path / "q" / ".moelane" / "experts-int4.bin").is_file()
+    assert (tmp_path / "q" / ".moelane" / "m.experts-int4.bin").is_file()
 
 
 def test_moelane_run_takes_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
