@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.errors import ModelLoadError
 from moelane.kernels.formats import FORMATS, quantize
 from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.gguf.blocks import byte_shape
@@ -87,6 +88,19 @@ def test_k_quant_experts_are_requantised_once_to_the_nearest_tier(tmp_path: Path
         assert store.stats.totals().misses > 0
         paged.close()
     assert cache.stat().st_mtime_ns == written
+
+
+@pytest.mark.parametrize("expert_memory", [None, "7%"], ids=["resident", "paged"])
+def test_no_place_for_the_tier_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                expert_memory: str | None) -> None:  # fmt: skip
+    """Neither the GGUF's folder nor the cache can take the tier file (a plain file stands where each folder would
+    be): one ModelLoadError at load, resident or paged."""
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **K_BLOCKS), tmp_path / "m.gguf", "Q4_K")
+    (tmp_path / ".moelane").write_text("")
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"^cannot build the int4 tier file of .*--default-tier native"):
+        moelane.load(path, expert_memory=expert_memory)
 
 
 def handles_of(kinds: dict[str, str], n_layers: int = 2) -> dict[int, list[ExpertHandle]]:

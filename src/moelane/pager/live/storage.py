@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moelane.errors import MoelaneError
+from moelane.errors import ModelLoadError, MoelaneError
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
 from moelane.model.gguf.file import is_gguf, model_name
@@ -362,8 +362,14 @@ class Storage:
             if tier not in self._tiers:
                 hidden, width = next(iter(self.handles.values()))[0].dims
                 codec = ExpertCodec(tier, width, hidden)
-                folder = tier_dir(self.model_folder)
-                self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files, self.tier_prefix)
+                try:
+                    folder = tier_dir(self.model_folder)
+                    self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files,
+                                                               self.tier_prefix)  # fmt: skip
+                except OSError as e:
+                    raise ModelLoadError(f"cannot build the {TIER_NAMES[tier]} tier file of {self.model_folder} "
+                                         f"(in its .moelane/ folder, else ~/.cache/moelane): {e}; --default-tier "
+                                         "native reads the experts as the model stores them") from None  # fmt: skip
             return self._tiers[tier]
 
     def load_into(self, handle: ExpertHandle, tier: int, parts: tuple[torch.Tensor, ...]) -> tuple[str, int]:
