@@ -79,7 +79,8 @@ def default_tier(text: str | int, handles: dict[int, list[ExpertHandle]]) -> int
 def nearest_tier(handles: dict[int, list[ExpertHandle]]) -> int:
     """The quantised tier nearest most of these experts' weights where every expert tensor is of a block type that
     has one (`NEAREST_TIER`: a GGUF's K-quants and others; a tie goes to int8), else native (float types, MXFP4, no
-    experts). A layer's experts are slices of the same stacked tensors: its first one stands for all."""
+    experts). A GGUF layer's experts are slices of the same stacked tensors, so its first one stands for all (any
+    other checkpoint's first expert is of a float type: native)."""
     weights = dict.fromkeys(FORMATS, 0)  # tier -> weights nearest it
     for layer_handles in handles.values():
         for ref in layer_handles[0].tensors.values() if layer_handles else ():
