@@ -216,6 +216,17 @@ def test_projection_codes_hold_the_decoded_weights(tmp_path: Path, family: str, 
         assert (lm.logits(PROMPT) - decoded.logits(PROMPT)).abs().max().item() <= 1e-4
 
 
+def test_auto_decodes_the_projections_where_only_the_fallback_serves(tmp_path: Path) -> None:
+    """The kernels' PyTorch fallback would compute the pools far slower than `F.linear` the decoded weights."""
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **SMALL), tmp_path / "q.gguf", "Q8_0")
+    kernels.use_fallback(True)
+    try:
+        lm = moelane.load(path)
+    finally:
+        kernels.use_fallback(False)
+    assert all(isinstance(m.weight, torch.Tensor) for m in projections(lm).values())
+
+
 def test_an_unknown_quantize_is_one_line(tmp_path: Path) -> None:
     path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **SMALL), tmp_path / "q.gguf", "Q8_0")
     with pytest.raises(ModelLoadError, match="quantize must be one of auto, none, int8, int4, got 'int3'"):

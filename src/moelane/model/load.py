@@ -47,7 +47,7 @@ from moelane.model.gguf.vocab import gguf_tokenizer, stop_ids
 from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
-from moelane.model.weights import check_quantize, prepare_weights
+from moelane.model.weights import check_quantize, holds_file_codes, prepare_weights
 
 __all__ = ["FAMILIES", "load"]
 log = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ def load(
     `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
     resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
     quantised (`weights.prepare_weights`); "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes
-    (`fill_dense`), anything else as "none" does. `preflight` is called with the model's `MemoryNeeds`, its experts'
-    handles and the compute dtype before any weight is read (a memory check that refuses early raises there)."""
+    where the kernels serve (`weights.holds_file_codes`, `fill_dense`), anything else as "none" does. `preflight` is
+    called with the model's `MemoryNeeds`, its experts' handles and the compute dtype before any weight is read (a
+    memory check that refuses early raises there)."""
     check_quantize(quantize)
     folder, gguf_file, raw, family, config, compute = opened(path, dtype)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
@@ -93,7 +94,8 @@ def load(
     if gguf_file is None:
         handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block, preflight)
     else:
-        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, quantize == "auto")
+        own_codes = holds_file_codes(quantize, progress)
+        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, own_codes)
     prepare_weights(model, quantize, progress)
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
