@@ -14,9 +14,9 @@ Q8_0 and Q4_0; experts-int4 has no llama.cpp match); llama.cpp runs in a worker 
 `--llama-python`, so a build of one's choice can be compared. Each summary says how many greedy tokens agree.
 
 `--moelane-gguf` also runs moelane on llama.cpp's GGUF file itself (engine `gguf`, compiled where moelane-compiled
-runs), as `moelane run --model x.gguf` loads it: Q8_0 / Q4_0 experts held as the file's own codes (int8 / int4),
-dense tensors decoded to float32. `--expert-memory` gives every moelane engine that expert budget; a summary line
-per paged engine then says its hit rate.
+runs), as `moelane run --model x.gguf` loads it: Q8_0 / Q4_0 experts and dense projections held as the file's own
+codes (int8 / int4), other dense tensors decoded to float32. `--expert-memory` gives every moelane engine that expert
+budget; a summary line per paged engine then says its hit rate.
 
     python bench/decode_bench.py --model inflated-8192 --quant int8,int4 --engines llama.cpp --moelane-gguf \
         --gguf-dir gguf --llama-python PY --rounds 3 --tokens 64
@@ -217,7 +217,7 @@ def main() -> None:
             path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp, args.llama_python)
             if path is None:
                 raise SystemExit(f"--moelane-gguf: no {setting.gguf} GGUF of the model (--gguf-dir, --llama-cpp)")
-            as_read = Setting(torch.float32, "auto", "none", setting.gguf)
+            as_read = Setting(torch.float32, "auto", "auto", setting.gguf)
             compiled = "moelane-compiled" in wanted or "moelane" not in wanted
             runners[(quant, "gguf")] = moelane_runner(path, as_read, compiled, args.tokens, args.expert_memory)
         if "transformers" in wanted and setting.quantize == "none" and setting.default_tier == "native":

@@ -41,7 +41,7 @@ def load(
     compile: bool = False,
     progress: bool = False,
     provider: ProviderFactory | None = None,
-    quantize: str = "none",
+    quantize: str = "auto",
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
 
@@ -49,12 +49,14 @@ def load(
     (`"25%"`; experts held at a quantised tier take fewer of those bytes each); `host_memory`: for host-RAM copies
     of experts' stored forms (bytes, or a share of the bytes as stored); `policy`: what the pool evicts ("planner",
     "lru", "lfu"); `default_tier`: the precision experts are held at unless a plan pins them at another ("native",
-    "int8", "int4"; "auto": int8 for a GGUF whose experts are Q8_0, int4 for Q4_0, holding the file's own codes,
-    else native). `compile` compiles the one-token decode step; `progress` shows a progress bar
-    while resident experts load. `provider`: an expert provider factory of one's own, called with the experts' disk
-    handles and the compute dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the
-    dense projections (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file
-    holds a model; the routed experts' precision is `default_tier`'s."""
+    "int8", "int4"; "auto": int8 for a GGUF whose experts are Q8_0, int4 for Q4_0, holding the file's own codes; for
+    a GGUF of K-quants and other block types, the nearest tier, requantised once into a tier file beside it; else
+    native). `compile` compiles the one-token decode step; `progress` shows a progress bar while resident experts
+    load. `provider`: an expert provider factory of one's own, called with the experts' disk handles and the compute
+    dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the dense projections
+    (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file holds a model;
+    "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never requantised) and
+    anything else as stored ("none"); the routed experts' precision is `default_tier`'s."""
     if provider is not None:
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "auto"):
             raise ValueError("give either an expert provider factory or expert settings, not both")

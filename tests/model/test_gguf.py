@@ -3,9 +3,10 @@
 Each case writes a tiny random transformers model as a GGUF the way llama.cpp's converter does (`gguf_helpers`:
 its names, metadata and layouts) and loads both with `moelane.load`:
 - F32: the logits equal the safetensors load's (<= 1e-4) -- names, layouts and config all mapped back;
-- Q8_0, Q4_0 and K-quants at `default_tier="native"`: the logits equal those of an F32 GGUF holding the values the
-  quantised file decodes to (bit for bit), so the quantised tensors are decoded as the `gguf` package decodes them,
-  experts included (Q8_0 / Q4_0 experts held as their own codes by default: test_gguf_codes.py);
+- Q8_0, Q4_0 and K-quants at `default_tier="native"`, `quantize="none"`: the logits equal those of an F32 GGUF
+  holding the values the quantised file decodes to (bit for bit), so the quantised tensors are decoded as the `gguf`
+  package decodes them, experts included (Q8_0 / Q4_0 experts and projections held as their own codes by default:
+  test_gguf_codes.py);
 - the tokenizer encodes as the Hugging Face tokenizer it was converted from, the chat template and EOS come along;
 - a split file, the pager at half the experts' bytes, and `moelane run --model x.gguf` work;
 - a truncated file, an unknown architecture, an unreadable tensor type and a vocabulary larger than the embeddings
@@ -89,18 +90,22 @@ def test_fused_gate_up_experts_load_as_separate_ones(tmp_path: Path, family: str
 
 
 def check_decodes_as_gguf(tmp_path: Path, family: str, qtype: str, **overrides: Any) -> None:
-    """A `qtype` file's logits, its experts decoded (native), equal those of the F32 file of its decoded values; its
-    experts are stored blocks."""
+    """A `qtype` file's logits, all its tensors decoded (native experts, `quantize="none"`), equal those of the F32
+    file of its decoded values; its experts are stored blocks. With the default `quantize="auto"` (Q8_0 / Q4_0
+    projections held as their codes) the logits are those within 1e-4."""
     folder = model(tmp_path, family, **overrides)
     quantised = write_gguf(folder, tmp_path / "q.gguf", qtype)
     decoded = write_gguf(folder, tmp_path / "d.gguf", qtype, roundtrip=True)
-    lm = moelane.load(quantised, default_tier="native")
+    lm = moelane.load(quantised, default_tier="native", quantize="none")
     assert lm.provider.kind == "native"
     first = lm.expert_handles[lm.moe_layers[0]][0]
     assert first.layout == ("gguf_pairs" if family == "gpt_oss" else "gguf")
     assert {ref.dtype for ref in first.tensors.values()} == {qtype}
     with torch.no_grad():
-        assert torch.equal(lm.logits(PROMPT), logits(decoded))
+        got = lm.logits(PROMPT)
+        assert torch.equal(got, logits(decoded))
+        auto = moelane.load(quantised, default_tier="native").logits(PROMPT)
+        assert (auto - got).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
@@ -163,9 +168,9 @@ def test_int4_tier_of_a_q8_0_gguf_encodes_its_decoded_values(tmp_path: Path) -> 
     quantised = write_gguf(folder, tmp_path / "q" / "m.gguf", "Q8_0")
     decoded = write_gguf(folder, tmp_path / "d" / "m.gguf", "Q8_0", roundtrip=True)
     with torch.no_grad():
-        ours = moelane.load(quantised, default_tier="int4").logits(PROMPT)
+        ours = moelane.load(quantised, default_tier="int4", quantize="none").logits(PROMPT)
         assert torch.equal(ours, moelane.load(decoded, default_tier="int4").logits(PROMPT))
-    assert (tmp_path / "q" / ".moelane" / "experts-int4.bin").is_file()
+    assert (tmp_path / "q" / ".moelane" / "m.experts-int4.bin").is_file()
 
 
 def test_moelane_run_takes_a_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

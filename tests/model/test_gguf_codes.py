@@ -1,10 +1,12 @@
-"""A GGUF's Q8_0 / Q4_0 experts held as their own codes (int8 in groups of 32 / int4), never requantised.
+"""A GGUF's Q8_0 / Q4_0 experts and dense projections held as their own codes (int8 in groups of 32 / int4), never
+requantised.
 
 The reference is built here from the `gguf` package alone: each block's values as `gguf.quants.dequantize` decodes
 them, divided by the block's fp16 scale (its first two bytes, ggml's layout), are the codes; packed as moelane's
-pools hold codes (pool.py's table), they make a `ResidentProvider` of the same model. moelane's loaded pools must be
-those tensors bit for bit, and its logits exactly that provider's (same kernels, same codes): so what a Q8_0 / Q4_0
-file runs is the file's own codes, through moelane's int8 / int4 path.
+pools hold codes (pool.py's table), they make a `ResidentProvider` of the same model, and (`--quantize auto`) its
+projections' kernel pools. moelane's loaded pools must be those tensors bit for bit, and its logits exactly the
+reference's (same kernels, same codes): so what a Q8_0 / Q4_0 file runs is the file's own codes, through moelane's
+int8 / int4 path.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import moelane
 from moelane import kernels
+from moelane.errors import ModelLoadError
 from moelane.kernels.formats import QuantFormat
 from moelane.model.gguf.codes import block_codes
 from moelane.model.provider import ResidentProvider, TierPool, tier_pool
@@ -136,3 +140,94 @@ def test_replies_equal_solo_decode_at_any_stream_count(tmp_path: Path, setting: 
     cases = [(p, list(lm.generate_ids(p, 12, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
     for config in (dict(drafter="none", max_streams=6), dict(drafter="copy", max_streams=4, prefill_chunk=5)):
         check_identity(lm, None, cases, 12, **config)
+
+
+def reference_projections(path: Path, lm: moelane.LM) -> dict[str, kernels.Pool]:
+    """Every projection (`nn.Linear`) of a qwen3moe file whose tensor is Q8_0 / Q4_0, as a pool of the codes the
+    `gguf` package decodes (module docstring), by module name."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, lm.args.num_hidden_layers)
+    pools = {}
+    for name in projections(lm):
+        t = tensors[names.get_name(f"{name}.weight", try_suffixes=(".weight",))]
+        if t.tensor_type.name not in KIND:
+            continue
+        blocks = np.asarray(t.data)  # [R, bytes]
+        _, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        values = gguf.quants.dequantize(blocks, t.tensor_type)
+        scales = blocks.reshape(blocks.shape[0], -1, size)[..., :2].copy().view(np.float16)[..., 0]
+        codes, scale = codes_pool(values[None], scales[None], KIND[t.tensor_type.name])
+        pools[name] = kernels.Pool(KIND[t.tensor_type.name], codes.contiguous(), scale.contiguous(), values.shape[1])
+    return pools
+
+
+def projections(lm: moelane.LM) -> dict[str, nn.Linear]:
+    return {name: m for name, m in lm.model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_dense_projections_are_held_and_computed_as_the_files_codes(tmp_path: Path, qtype: str) -> None:
+    """`quantize="auto"` (the default): every projection of a Q8_0 (Q4_0) file is an int8 (int4) pool equal bit for
+    bit to the reference's, in the bytes the file holds it (~1/4, ~1/7 of float32); the logits are exactly those of
+    the file loaded with `quantize="none"` whose projections are swapped for the reference's pools. `"int8"` keeps
+    requantising the decoded values (its own groups of 64)."""
+    folder = random_model("qwen3_moe", tmp_path / "hf", **SMALL)
+    path = write_gguf(folder, tmp_path / "q.gguf", qtype)
+    lm, reference = moelane.load(path), moelane.load(path, quantize="none")
+    ref = reference_projections(path, lm)
+    assert ref.keys() == projections(lm).keys()
+    held = fp32 = 0
+    for name, module in projections(lm).items():
+        pool, want = module.weight, ref[name]
+        assert isinstance(pool, kernels.Pool) and pool.kind == KIND[qtype]
+        assert torch.equal(pool.data, want.data) and torch.equal(pool.scales, want.scales)  # type: ignore[arg-type]
+        held += pool.data.numel() * pool.data.element_size() + pool.scales.numel() * 2  # type: ignore[union-attr]
+        fp32 += pool.out_features * pool.in_features * 4  # type: ignore[operator]
+        swapped = projections(reference)[name]
+        del swapped.weight
+        swapped.weight = want  # type: ignore[assignment]
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    assert held * 4 * block == fp32 * size  # (Q8_0: 34 bytes for 32 weights, Q4_0: 18)
+    assert isinstance(lm.model.model.embed_tokens.weight, torch.Tensor)  # (embeddings decoded)
+    with torch.no_grad():
+        assert torch.equal(lm.logits(PROMPT), reference.logits(PROMPT))
+    requantised = projections(moelane.load(path, quantize="int8"))["lm_head"].weight
+    assert isinstance(requantised, kernels.Pool) and requantised.group == 64
+
+
+TIED = dict(tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize(("family", "qtype", "overrides"), [("mixtral", "Q4_0", {}), ("qwen3_moe", "Q8_0", TIED)],
+                         ids=["llama-rows", "tied-head"])  # fmt: skip
+def test_projection_codes_hold_the_decoded_weights(tmp_path: Path, family: str, qtype: str,
+                                                   overrides: dict[str, Any]) -> None:  # fmt: skip
+    """A Llama file's q and k rows (permuted by the converter) and a tied LM head (from the embeddings' codes): each
+    projection's pool holds exactly the weights `quantize="none"` decodes."""
+    over = {**SMALL, "intermediate_size": 32} if family == "mixtral" else SMALL
+    path = write_gguf(random_model(family, tmp_path / "hf", **over, **overrides), tmp_path / "q.gguf", qtype)
+    lm, decoded = moelane.load(path), moelane.load(path, quantize="none")
+    pairs = [(module.weight, projections(decoded)[name].weight) for name, module in projections(lm).items()]
+    for pool, weight in pairs:
+        want = weight.data[0] if isinstance(weight, kernels.Pool) else weight
+        assert isinstance(pool, kernels.Pool) and pool.kind == KIND[qtype]
+        assert torch.equal(kernels.dequantize(pool)[0], want)
+    with torch.no_grad():
+        assert (lm.logits(PROMPT) - decoded.logits(PROMPT)).abs().max().item() <= 1e-4
+
+
+def test_auto_decodes_the_projections_where_only_the_fallback_serves(tmp_path: Path) -> None:
+    """The kernels' PyTorch fallback would compute the pools far slower than `F.linear` the decoded weights."""
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **SMALL), tmp_path / "q.gguf", "Q8_0")
+    kernels.use_fallback(True)
+    try:
+        lm = moelane.load(path)
+    finally:
+        kernels.use_fallback(False)
+    assert all(isinstance(m.weight, torch.Tensor) for m in projections(lm).values())
+
+
+def test_an_unknown_quantize_is_one_line(tmp_path: Path) -> None:
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **SMALL), tmp_path / "q.gguf", "Q8_0")
+    with pytest.raises(ModelLoadError, match="quantize must be one of auto, none, int8, int4, got 'int3'"):
+        moelane.load(path, quantize="int3")

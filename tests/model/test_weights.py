@@ -80,5 +80,5 @@ def test_a_quantised_model_compiles_its_decode_step_whole(folder: Path) -> None:
 
 def test_an_unknown_quantisation_is_refused(folder: Path) -> None:
     lm = moelane.load(folder)
-    with pytest.raises(ModelLoadError, match="quantize must be one of none, int8, int4"):
+    with pytest.raises(ModelLoadError, match="quantize must be one of auto, none, int8, int4"):
         prepare_weights(lm.model, "int3")

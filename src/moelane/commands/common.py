@@ -92,12 +92,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-tier", choices=("auto", "native", "int8", "int4"), default="auto",
                    help="precision experts are held at in memory (native: the compute dtype; int8 and int4 hold "
                    "more experts in the same memory, at a small cost in quality); all resident at it where they "
-                   "fit. Default auto: a GGUF's Q8_0 / Q4_0 experts at int8 / int4 as the file's own codes, anything "
-                   "else native; native decodes a GGUF's experts to the compute dtype")  # fmt: skip
-    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   "fit. Default auto: a GGUF's Q8_0 / Q4_0 experts at int8 / int4 as the file's own codes; its "
+                   "K-quant and other block-quantised experts at the nearest tier (Q4_K, Q3_K, ...: int4; Q5_K, Q6_K, "
+                   "...: int8; a mix: the tier of most weights), requantised once into a tier file beside the file; "
+                   "anything else native. native decodes a GGUF's experts to the compute dtype")  # fmt: skip
+    p.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
                    "as a llama.cpp Q8_0 / Q4_0 file does; with --default-tier of the same precision the whole model "
-                   "is (default none: as stored)")  # fmt: skip
+                   "is. Default auto: a GGUF's Q8_0 / Q4_0 projections at int8 / int4 as the file's own codes, "
+                   "anything else as stored (none)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N",
                    help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",

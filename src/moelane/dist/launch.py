@@ -51,7 +51,7 @@ def load(
     policy: str = "planner",
     default_tier: str = "native",
     progress: bool = False,
-    quantize: str = "none",
+    quantize: str = "auto",
     provider: ProviderFactory | None = None,
     placement_trace: str | Path | None = None,
 ) -> LM:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from moelane.errors import ModelLoadError
 from moelane.model.checkpoint import (
@@ -46,7 +47,7 @@ from moelane.model.gguf.vocab import gguf_tokenizer, stop_ids
 from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
-from moelane.model.weights import prepare_weights
+from moelane.model.weights import check_quantize, holds_file_codes, prepare_weights
 
 __all__ = ["FAMILIES", "load"]
 log = logging.getLogger(__name__)
@@ -76,21 +77,25 @@ def load(
     provider: ProviderFactory | None = None,
     compile: bool = False,
     progress: bool = False,
-    quantize: str = "none",
+    quantize: str = "auto",
     preflight: Preflight | None = None,
 ) -> LM:
     """Load a model folder or a GGUF file (None: the shipped default model) to compute in `dtype` ("auto":
     `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
     resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
-    quantised (`weights.prepare_weights`). `preflight` is called with the model's `MemoryNeeds`, its experts' handles
-    and the compute dtype before any weight is read (a memory check that refuses early raises there)."""
+    quantised (`weights.prepare_weights`); "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes
+    where the kernels serve (`weights.holds_file_codes`, `fill_dense`), anything else as "none" does. `preflight` is
+    called with the model's `MemoryNeeds`, its experts' handles and the compute dtype before any weight is read (a
+    memory check that refuses early raises there)."""
+    check_quantize(quantize)
     folder, gguf_file, raw, family, config, compute = opened(path, dtype)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
     model = family.build(config)
     if gguf_file is None:
         handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block, preflight)
     else:
-        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight)
+        own_codes = holds_file_codes(quantize, progress)
+        handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, own_codes)
     prepare_weights(model, quantize, progress)
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
@@ -158,15 +163,16 @@ def read_folder(
 
 def read_gguf(
     f: GgufFile, family: Family[Any], config: Config, model: Decoder, dtype: torch.dtype,
-    preflight: Preflight | None = None,
+    preflight: Preflight | None = None, own_codes: bool = False,
 ) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:  # fmt: skip
-    """A GGUF's experts (handles into the file) and tokenizer, its dense weights decoded into `model`."""
+    """A GGUF's experts (handles into the file) and tokenizer, its dense weights decoded into `model` (with
+    `own_codes`, its Q8_0 / Q4_0 projections held as their codes: `fill_dense`)."""
     handles = gguf_experts(f, config, model.moe_layers)
     check_expert_shapes(config, handles)
     dense = dense_tensors(f, config, model)
     if preflight is not None:
         preflight(memory_needs(config, model, sum(math.prod(d.shape) for d in dense.values()), dtype), handles, dtype)
-    fill_dense(model, family, dense, dtype)
+    fill_dense(model, family, dense, dtype, own_codes)
     tok, tokenizer_config = gguf_tokenizer(f, config.vocab_size)
     return handles, Tokenizer.built(tok, tokenizer_config, stop_ids(f.metadata))
 
@@ -298,19 +304,40 @@ def cast(model: Decoder, family: Family[Any], dtype: torch.dtype) -> None:
             tensor.data = tensor.data.float()
 
 
-def fill_dense(model: Decoder, family: Family[Any], tensors: dict[str, Dense], dtype: torch.dtype) -> None:
+def fill_dense(
+    model: Decoder, family: Family[Any], tensors: dict[str, Dense], dtype: torch.dtype, own_codes: bool = False
+) -> None:
     """A GGUF's dense tensors (`gguf.tensors.dense_tensors`: one for each of the model's, by its names) decoded
-    into the model one at a time; shapes checked before anything is read."""
+    into the model one at a time; shapes checked before anything is read. With `own_codes`, a projection's Q8_0 /
+    Q4_0 matrix (and a tied LM head's, from the embeddings') becomes a kernels pool of the file's codes instead,
+    never decoded (`Dense.codes`; the embeddings themselves are decoded)."""
     cast(model, family, dtype)
     own = model.state_dict()
     for name, tensor in tensors.items():
         if tuple(own[name].shape) != tensor.shape:
             raise ModelLoadError(f"tensor {name} has shape {list(tensor.shape)} in the GGUF, its metadata implies "
                                  f"{list(own[name].shape)}")  # fmt: skip
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         for name, tensor in tensors.items():
-            own[name].copy_(tensor.read())
+            projection = projection_of(model, name)
+            if own_codes and tensor.codes is not None and projection is not None:
+                del own[name], projection.weight  # (the Parameter's memory goes)
+                projection.weight = tensor.codes()  # type: ignore[assignment]
+            else:
+                own[name].copy_(tensor.read())
+        embedding = tensors.get("model.embed_tokens.weight")
+        if own_codes and tied and embedding is not None and embedding.codes is not None:
+            del model.lm_head.weight
+            model.lm_head.weight = embedding.codes()  # type: ignore[assignment]
     model.eval()
+
+
+def projection_of(model: Decoder, name: str) -> nn.Linear | None:
+    """The `nn.Linear` whose weight the state's tensor `name` is, else None."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module if attr == "weight" and isinstance(module, nn.Linear) else None
 
 
 def untie_if_different(model: Decoder, head: TensorRef) -> None:

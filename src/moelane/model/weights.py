@@ -3,7 +3,9 @@
 After a model's weights load, each projection (every `nn.Linear` of the model: attention, dense MLPs, shared
 experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.linear` multiplies with the kernels:
 - quantised (`quantize="int8"` or `"int4"`): as a llama.cpp Q8_0 / Q4_0 file holds a model, so a decode step reads a
-  half or a quarter of the bytes; embeddings stay as stored;
+  half or a quarter of the bytes; embeddings stay as stored. `quantize="auto"` (the default) quantises nothing here:
+  a GGUF's Q8_0 / Q4_0 projections arrive as pools of the file's own codes where the extension serves
+  (`holds_file_codes`, `load.fill_dense`), the rest go on as with "none";
 - as they are, in bfloat16 or float32, where the C++ extension serves: it reads them at close to the memory's speed
   (float32 LM heads and projections took the shipped-size 115M model's compiled decode from 81 to 190 tok/s here)
   and reduces each row in a fixed order, where oneDNN's bf16 products gave a row other bits among other row counts
@@ -24,14 +26,22 @@ from moelane import kernels
 from moelane.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
-QUANTIZE = ("none", "int8", "int4")
+QUANTIZE = ("auto", "none", "int8", "int4")
+
+
+def check_quantize(quantize: str) -> None:
+    """ModelLoadError unless `quantize` is one of QUANTIZE."""
+    if quantize not in QUANTIZE:
+        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
 
 
 def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = False) -> int:
     """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
-    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s)."""
-    if quantize not in QUANTIZE:
-        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s). "auto"
+    is "none" here: the projections a GGUF holds as Q8_0 / Q4_0 are already pools of its codes (`load.fill_dense`),
+    and pools are left as they are."""
+    check_quantize(quantize)
+    quantize = "none" if quantize == "auto" else quantize
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
     if not linears or (build_kernels(progress).backend == "fallback" and quantize == "none"):
         return 0
@@ -50,6 +60,13 @@ def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = F
             n += 1
     log.debug("%d projections read through the kernels (%s)", n, quantize)
     return n
+
+
+def holds_file_codes(quantize: str, progress: bool = False) -> bool:
+    """Whether a GGUF's Q8_0 / Q4_0 projections are held as pools of the file's own codes: under "auto", where the
+    C++ kernels serve (the PyTorch fallback computes from a pool far slower than `F.linear` from decoded weights, so
+    there "auto" decodes them, as "none" does)."""
+    return quantize == "auto" and build_kernels(progress).backend != "fallback"
 
 
 def build_kernels(progress: bool) -> kernels.Availability:

@@ -24,6 +24,16 @@ BLOCK_TYPES = (
 )
 
 
+# The quantised tier nearest each block type, which `--default-tier auto` requantises experts of that type to, once
+# (docs/gguf.md, "K-quant and other experts"): int4 (tier 2) for codes of at most 4 bits, int8 (tier 1) for 5 to 8.
+# MXFP4 has none (its 4-bit floats are not evenly spaced: int4 would round 0.5 in 6 to 6/7), nor have float types.
+NEAREST_TIER: dict[str, int] = {
+    **dict.fromkeys(("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"), 2),
+    **dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"), 2),
+    **dict.fromkeys(("Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K"), 1),
+}
+
+
 def is_block_type(dtype: str) -> bool:
     return dtype in BLOCK_TYPES
 

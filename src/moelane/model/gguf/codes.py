@@ -1,5 +1,5 @@
-"""A GGUF's Q8_0 and Q4_0 experts as moelane's int8 / int4 codes and scales, moved, never requantised
-(docs/gguf.md#experts).
+"""A GGUF's Q8_0 and Q4_0 experts and dense projections as moelane's int8 / int4 codes and scales, moved, never
+requantised (docs/gguf.md#experts).
 
     Q8_0  block of 32 values: fp16 d, 32 int8 codes q;               value = q * d
           -> int8 in groups of 32 (`QuantFormat(8, 32)`): the codes as they are, d the group's scale
@@ -9,7 +9,8 @@
 So every weight a pool holds is exactly the value the `gguf` package decodes from the block (code * fp16 scale is
 exact in fp32), including Q8_0's code -128 and Q4_0's nibble 0 (-8), which moelane's own quantiser never writes.
 Block sizes come from `gguf.GGML_QUANT_SIZES`. The repacking is numpy (single-threaded): the store's I/O threads run
-it, and a torch op there would start an OpenMP team of their own (`pager.live.tiers.row_blocks`).
+it, and a torch op there would start an OpenMP team of their own (`pager.live.tiers.row_blocks`). A dense
+projection's blocks become a one-slot kernels `Pool` the same way (`matrix_pool`), as `--quantize auto` holds them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moelane.kernels.formats import FORMATS, QuantFormat
+from moelane.kernels.pool import Pool
 from moelane.model.checkpoint import ExpertHandle
 
 # By GGML type: the precision tier whose pool takes the blocks' codes as they are, and that pool's format
@@ -49,6 +51,19 @@ def block_codes(blocks: np.ndarray, kind: str, codes: np.ndarray, scales: np.nda
     packed = b[..., 2:]  # [R, B, 16]: value j's nibble low, value j + 16's high
     nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1, block // 2, 2)
     codes[...] = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(rows, -1)
+
+
+def matrix_pool(blocks: torch.Tensor, kind: str) -> Pool:
+    """One matrix's blocks (uint8 [R, B * type_size], `kind` Q8_0 or Q4_0) -> a one-slot kernels pool of its codes
+    and scales (int8 / int4 in groups of 32), as the experts' pools hold them."""
+    fmt = CODE_TIERS[kind][1]
+    block, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rows, cols = blocks.shape[0], blocks.shape[1] // size * block
+    codes = np.empty((rows, cols * fmt.bits // 8), np.int8 if fmt.bits == 8 else np.uint8)
+    scales = np.empty((rows, cols // block), np.float16)
+    block_codes(blocks.numpy(), kind, codes, scales)
+    pool_kind = "int8" if fmt.bits == 8 else "int4"
+    return Pool(pool_kind, torch.from_numpy(codes)[None], torch.from_numpy(scales)[None], cols)
 
 
 def expert_codes_into(handle: ExpertHandle, stored: dict[str, torch.Tensor], parts: tuple[torch.Tensor, ...]) -> None:

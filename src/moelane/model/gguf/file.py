@@ -58,6 +58,12 @@ def open_gguf(path: Path) -> GgufFile:
     return GgufFile(path, metadata, tensors)
 
 
+def model_name(path: Path) -> str:
+    """A GGUF model's name, the same for every part of a split file: "m" for m.gguf and m-00002-of-00003.gguf."""
+    match = SPLIT.match(path.name)
+    return path.stem if match is None else match["stem"]
+
+
 def split_parts(path: Path) -> list[Path]:
     """The files of a split GGUF, first to last, whichever part `path` names; [path] for a file in one piece."""
     match = SPLIT.match(path.name)

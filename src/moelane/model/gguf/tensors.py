@@ -8,6 +8,9 @@ Where the converter changes a tensor on the way, the change is undone here (docs
 - DeepSeek's `kv_b_proj` is split per head into `attn_k_b` (transposed) and `attn_v_b`: joined back;
 - gpt-oss's interleaved gate/up biases are split into gate and up: interleaved back;
 - the router's score bias is `exp_probs_b.bias`.
+A Q8_0 / Q4_0 matrix whose rows are the decoder's (renamed, or only reordered, as Llama's q and k are) can also be read
+as a kernels pool of its own codes (`Dense.codes`, for `--quantize auto`); DeepSeek's joined `kv_b_proj` cannot
+(its `attn_k_b` half is transposed, which cuts across the blocks), and is decoded.
 
 Experts: each MoE layer's stacked `ffn_{gate,up,down}_exps` [E, rows, cols] (or the fused `ffn_gate_up_exps`) give
 every expert a `TensorRef` of its own slice, byte offsets into the file, so the provider and the pager read one expert
@@ -25,10 +28,12 @@ import gguf
 import torch
 
 from moelane.errors import ModelLoadError
+from moelane.kernels.pool import Pool
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, read_tensor, slice_stacked
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
 from moelane.model.gguf.blocks import FLOAT_TYPES, is_block_type
+from moelane.model.gguf.codes import CODE_TIERS, matrix_pool
 from moelane.model.gguf.file import GgufFile
 
 # Shape alphabet: E experts, H heads, R rows of a head, L latent (kv_lora_rank), N no-rope dims, V value dims.
@@ -36,10 +41,12 @@ from moelane.model.gguf.file import GgufFile
 
 @dataclass(frozen=True, slots=True)
 class Dense:
-    """One tensor of the decoder, from the GGUF: the shape of its values and how to read them (float32)."""
+    """One tensor of the decoder, from the GGUF: the shape of its values and how to read them (float32); for a
+    Q8_0 / Q4_0 matrix, how to read it as a kernels pool of the file's own codes (`codes`, else None)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
+    codes: Callable[[], Pool] | None = None
 
 
 def dense_tensors(f: GgufFile, config: Config, model: Decoder) -> dict[str, Dense]:
@@ -70,8 +77,9 @@ def renamed(f: GgufFile, config: Config, name: str, names: gguf.TensorNameMap) -
     ref = tensor(f, theirs)
     if f.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config.num_attention_heads if "q_proj" in name else config.n_kv_heads
-        return Dense(ref.value_shape, lambda: rotary_halves(values(ref, theirs), heads))
-    return Dense(ref.value_shape, lambda: values(ref, theirs))
+        return Dense(ref.value_shape, lambda: rotary_halves(values(ref, theirs), heads),
+                     own_codes(ref, theirs, lambda blocks: rotary_halves(blocks, heads)))  # fmt: skip
+    return Dense(ref.value_shape, lambda: values(ref, theirs), own_codes(ref, theirs))
 
 
 def tensor(f: GgufFile, name: str) -> TensorRef:
@@ -87,11 +95,27 @@ def tensor(f: GgufFile, name: str) -> TensorRef:
     return ref
 
 
-def values(ref: TensorRef, name: str) -> torch.Tensor:
+def values(ref: TensorRef, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """The tensor's values in `dtype` (None: as stored, a block type's bytes)."""
     try:
-        return read_tensor(ref, torch.float32)
+        return read_tensor(ref, dtype)
     except ModelLoadError as e:
         raise ModelLoadError(f"GGUF tensor {name}: {e}") from None
+
+
+def own_codes(
+    ref: TensorRef, name: str, rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[[], Pool] | None:
+    """How to read a Q8_0 / Q4_0 matrix as a pool of its own codes, its rows reordered by `rows` (the blocks of a
+    row stay whole); None for any other tensor."""
+    if ref.dtype not in CODE_TIERS or len(ref.shape) != 2:
+        return None
+
+    def read() -> Pool:
+        blocks = values(ref, name, None)
+        return matrix_pool(blocks if rows is None else rows(blocks), ref.dtype)
+
+    return read
 
 
 def rotary_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -105,9 +129,10 @@ def kv_b(f: GgufFile, config: Config, name: str) -> Dense:
     """DeepSeek's kv_b_proj [H * (N + V), L]: as written by older converters (`attn_kv_b`), or joined back from
     `attn_k_b` [H, L, N] and `attn_v_b` [H, V, L]."""
     layer = name.split(".")[2]
-    whole = f.tensors.get(f"blk.{layer}.attn_kv_b.weight")
+    whole_name = f"blk.{layer}.attn_kv_b.weight"
+    whole = f.tensors.get(whole_name)
     if whole is not None:
-        return Dense(whole.value_shape, lambda: values(whole, f"blk.{layer}.attn_kv_b.weight"))
+        return Dense(whole.value_shape, lambda: values(whole, whole_name), own_codes(whole, whole_name))
     k_name, v_name = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
     k, v = tensor(f, k_name), tensor(f, v_name)
     (heads, latent, nope), (_, v_dims, _) = k.value_shape, v.value_shape

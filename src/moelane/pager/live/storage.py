@@ -9,6 +9,8 @@
 - `TierFile`: every expert of the model encoded at one quantised tier (tiers.py), at fixed offsets in one file beside
   the model (or under ~/.cache/moelane when the model folder is read-only), with a CRC-32 per expert checked on every
   read and a fingerprint of the shards it was built from (a changed checkpoint rebuilds it). Built once, on first use.
+  A GGUF's tier files carry its name (`.moelane/m.experts-int4.bin` for m.gguf), so GGUFs that share a folder keep
+  their own.
 - `HostCache`: stored forms (any tier) kept in host RAM under their own byte budget, least recently used dropped first.
 - A GGUF's Q8_0 / Q4_0 experts at their own codes' tier (`tiers.tier_format`) need no tier file: their stored form
   there is the file's blocks, as at tier 0, repacked into the slot's codes and scales (`model.gguf.codes`).
@@ -33,9 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moelane.errors import MoelaneError
+from moelane.errors import ModelLoadError, MoelaneError
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
+from moelane.model.gguf.file import is_gguf, model_name
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
@@ -232,10 +235,13 @@ class TierFile:
 
     @classmethod
     def open_or_build(
-        cls, handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, folder: Path, files: ShardFiles
-    ) -> TierFile:
+        cls, handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, folder: Path, files: ShardFiles,
+        prefix: str = "",
+    ) -> TierFile:  # fmt: skip
+        """The tier file `<folder>/<prefix>experts-<tier>.bin` (and its `.json` index), built first unless it is there
+        and was built from these shards at this codec."""
         name = TIER_NAMES[codec.tier]
-        bin_path, index_path = folder / f"experts-{name}.bin", folder / f"experts-{name}.json"
+        bin_path, index_path = folder / f"{prefix}experts-{name}.bin", folder / f"{prefix}experts-{name}.json"
         keys = [(h.layer, h.expert) for layer in sorted(handles) for h in handles[layer]]
         order = {k: i for i, k in enumerate(keys)}
         fingerprint = shard_fingerprint(handles)
@@ -338,7 +344,9 @@ class Storage:
         self.handles, self.check_finite = handles, check_finite
         self.files = ShardFiles()
         self.host = HostCache(host_bytes)
-        self.model_folder = Path(next(iter(handles.values()))[0].path).parent
+        first = Path(next(iter(handles.values()))[0].path)
+        self.model_folder = first.parent
+        self.tier_prefix = f"{model_name(first)}." if is_gguf(first) else ""  # (a GGUF's tier files carry its name)
         own = codes_tier(handles)
         self.codes_tier = None if own is None else own[0]  # the tier read from the model's own blocks
         self._tiers: dict[int, TierFile] = {}
@@ -354,8 +362,14 @@ class Storage:
             if tier not in self._tiers:
                 hidden, width = next(iter(self.handles.values()))[0].dims
                 codec = ExpertCodec(tier, width, hidden)
-                folder = tier_dir(self.model_folder)
-                self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files)
+                try:
+                    folder = tier_dir(self.model_folder)
+                    self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files,
+                                                               self.tier_prefix)  # fmt: skip
+                except OSError as e:
+                    raise ModelLoadError(f"cannot build the {TIER_NAMES[tier]} tier file of {self.model_folder} "
+                                         f"(in its .moelane/ folder, else ~/.cache/moelane): {e}; --default-tier "
+                                         "native reads the experts as the model stores them") from None  # fmt: skip
             return self._tiers[tier]
 
     def load_into(self, handle: ExpertHandle, tier: int, parts: tuple[torch.Tensor, ...]) -> tuple[str, int]:

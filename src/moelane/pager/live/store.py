@@ -154,6 +154,11 @@ class ExpertStore:
         self._reading = 0  # loads reading now
         self._pass_start: float | None = None
         self.storage = Storage(handles, config.host_bytes, config.check_finite)
+        try:
+            self.storage.tier_source(config.default_tier)  # (its tier file built now, at load, not on the first miss)
+        except BaseException:
+            self.storage.close()
+            raise
         self._use_tier(config.default_tier)
         self._pool = FetchPool(config.io_threads)
 

@@ -12,7 +12,9 @@ bytes read per miss, and costs the rounding error measured as held-out perplexit
 
 A GGUF's Q8_0 (Q4_0) experts are held at int8 (int4) as the file's own codes (`model.gguf.codes`): that tier's
 pool then has the file's format (`tier_format`: int8 in groups of 32 for Q8_0), its stored form is the file's blocks,
-and no tier file is built for it. `--default-tier auto` (the default) is that tier for such a file, native otherwise.
+and no tier file is built for it. `--default-tier auto` (the default) is that tier for such a file; for a GGUF of
+other block types (K-quants, ...), the tier nearest most of its experts' weights (`blocks.NEAREST_TIER`), whose tier
+file is built once from the values the `gguf` package decodes; native otherwise.
 
 An expert's stored form at tier > 0 (from a tier file) is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H,
 I]), exactly the bytes of its four slot parts back to back; its size is fixed by the shapes, so a cache file holds
@@ -21,6 +23,7 @@ experts at fixed offsets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ import torch
 
 from moelane.kernels.formats import FORMATS, QuantFormat, dequantize, quantize
 from moelane.model.checkpoint import ExpertHandle
+from moelane.model.gguf.blocks import NEAREST_TIER
 from moelane.model.gguf.codes import codes_tier
 from moelane.model.layers import GRAIN  # torch runs element-wise work of at most this many elements unthreaded
 from moelane.model.provider import TIER_KINDS
@@ -46,7 +50,7 @@ def row_blocks(n_rows: int, n_cols: int) -> Iterator[slice]:
 
 TIER_NAMES = TIER_KINDS  # ("native", "int8", "int4"): tier t's name is the kind of its pools
 TIER_ALIASES = {"0": 0, "native": 0, "tier0": 0, "1": 1, "int8": 1, "2": 2, "int4": 2}
-AUTO = "auto"  # the default tier: a GGUF's Q8_0 / Q4_0 experts' own codes' tier, else native
+AUTO = "auto"  # the default tier: a GGUF's Q8_0 / Q4_0 experts' codes' tier, other block types' nearest, else native
 
 
 def parse_tier(text: str | int) -> int:
@@ -65,11 +69,27 @@ def check_default_tier(text: str | int) -> None:
 
 def default_tier(text: str | int, handles: dict[int, list[ExpertHandle]]) -> int:
     """The tier a default of `text` holds these experts at: 'auto' is the tier of their own codes (a GGUF's Q8_0:
-    int8, Q4_0: int4), else native; a named tier is itself (native decodes any GGUF to the compute dtype)."""
+    int8, Q4_0: int4), else `nearest_tier`; a named tier is itself (native decodes any GGUF to the compute dtype)."""
     if str(text).strip().lower() != AUTO:
         return parse_tier(text)
     own = codes_tier(handles)
-    return 0 if own is None else own[0]
+    return nearest_tier(handles) if own is None else own[0]
+
+
+def nearest_tier(handles: dict[int, list[ExpertHandle]]) -> int:
+    """The quantised tier nearest most of these experts' weights where every expert tensor is of a block type that
+    has one (`NEAREST_TIER`: a GGUF's K-quants and others; a tie goes to int8), else native (float types, MXFP4, no
+    experts). A GGUF layer's experts are slices of the same stacked tensors, so its first one stands for all (any
+    other checkpoint's first expert is of a float type: native)."""
+    weights = dict.fromkeys(FORMATS, 0)  # tier -> weights nearest it
+    for layer_handles in handles.values():
+        for ref in layer_handles[0].tensors.values() if layer_handles else ():
+            if ref.dtype not in NEAREST_TIER:
+                return 0
+            weights[NEAREST_TIER[ref.dtype]] += math.prod(ref.value_shape) * len(layer_handles)
+    if not any(weights.values()):
+        return 0
+    return max(weights, key=lambda tier: (weights[tier], -tier))
 
 
 def tier_format(tier: int, handles: dict[int, list[ExpertHandle]]) -> QuantFormat:
