@@ -8,10 +8,12 @@ token ids greedily, `--tokens` each, never stopping early. Engines alternate wit
 alternates too), rounds rotate the prompts (held-out code and prose, in the model's tokenizer).
 
 Ceiling rule (`--overhead each`, the default): an engine's limit = share x the GGUF file's bytes + that engine's own
-fixed overhead, each measured first as its peak RSS in an unlimited run less the GGUF's bytes (all weights resident:
-moelane's in anonymous memory, llama.cpp's as mapped file pages). moelane's overhead is measured as the row runs it:
-compiled for the 100% row (where it compiles, unless --eager), eager below (where it pages, and never compiles). So
-at every ceiling each engine has share x the file for its weights, beyond what it needs to run at all.
+fixed overhead, each measured first as its peak RSS in an unlimited run of the longest prompt less the weights it
+held (all resident: the GGUF's bytes, moelane's in anonymous memory, llama.cpp's as mapped file pages). moelane's
+overhead is measured as the row runs it: compiled for the 100% row (where it compiles, unless --eager), paged below
+(an expert budget of half the GGUF's bytes; the weights it held are its dense weights and the most expert bytes its
+pool held, so the store's bounce buffers and loading threads count as overhead). So at every ceiling each engine
+has share x the file for its weights, beyond what it needs to run at all.
 `--overhead larger` gives both engines one limit instead, with the largest of the overheads: the engine with the
 smaller overhead (llama.cpp) then holds more than the share of its file in page cache.
 
@@ -68,7 +70,8 @@ def moelane_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, obj
 
     dtype, tier, quantize = SETTINGS[args.quant]
     torch.set_num_threads(args.threads)
-    lm = moelane.load(args.model, getattr(torch, dtype), default_tier=tier, quantize=quantize)
+    lm = moelane.load(args.model, getattr(torch, dtype), default_tier=tier, quantize=quantize,
+                      expert_memory=args.expert_memory)  # fmt: skip
     if args.compile and not isinstance(lm.provider, ExpertStore):
         lm.enable_compile()  # as `moelane serve` does where every expert is resident; compiled before the clock starts
         list(lm.generate_ids(prompt[:4], 2, stop_ids=frozenset()))
@@ -84,8 +87,20 @@ def moelane_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, obj
         out["pager"] = {"hit_rate": round(s["by_phase"].get("decode", {}).get("hit_rate", 0.0), 3),
                         "stall_s": round(s["by_phase"].get("decode", {}).get("stall_s", 0.0), 2),
                         "budget_mib": lm.provider.config.budget_bytes // MiB, "prefetch": s["prefetch"]}  # fmt: skip
+        out["weights_bytes"] = dense_bytes(lm.model) + lm.provider.high_water_bytes
     lm.close()
     return {**out, **timings(len(prompt), tokens, t0, t_first, t_end, io_load, io_first, io_end)}
+
+
+def dense_bytes(model: object) -> int:
+    """Bytes of the model's own parameters and buffers, each storage once (with a store: every weight but the
+    experts, which live in its pool)."""
+    import torch
+
+    assert isinstance(model, torch.nn.Module)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
+    return sum(storages.values())
 
 
 def llama_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, object]:
@@ -129,6 +144,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--expert-memory", help="moelane's expert budget (default: from the limit it runs under)")
     args = p.parse_args(argv)
     if args.engine == "moelane":
         sys.path.insert(0, str(ROOT / "src"))
@@ -140,14 +156,17 @@ def worker_main(argv: list[str]) -> None:
 # ---- the benchmark ------------------------------------------------------------------------------------------------
 
 
-def run_one(args: argparse.Namespace, engine: str, prompt: list[int], limit: int) -> dict[str, object]:
-    """One engine, one prompt, in a fresh cgroup of `limit` bytes after the page cache is dropped."""
+def run_one(args: argparse.Namespace, engine: str, prompt: list[int], limit: int, expert_memory: str | None = None
+            ) -> dict[str, object]:  # fmt: skip
+    """One engine, one prompt, in a fresh cgroup of `limit` bytes after the page cache is dropped (`expert_memory`:
+    moelane's budget given as the flag, else the one it derives from the limit)."""
     from tests.cgroup import MemoryGroup, drop_page_cache
 
     python = sys.executable if engine == "moelane" else args.llama_python
     argv = [python, __file__, "worker", engine, "--model", str(args.model), "--gguf", str(args.gguf), "--quant",
             args.quant, "--prompt", ",".join(map(str, prompt)), "--tokens", str(args.tokens), "--threads",
-            str(args.threads), *(["--compile"] if args.compile else [])]  # fmt: skip
+            str(args.threads), *(["--compile"] if args.compile else []),
+            *(["--expert-memory", expert_memory] if expert_memory else [])]  # fmt: skip
     drop_page_cache()
     group = MemoryGroup.create(limit, "moelane-bench")
     if group is None:
@@ -174,17 +193,21 @@ def run_one(args: argparse.Namespace, engine: str, prompt: list[int], limit: int
 
 
 def overheads(args: argparse.Namespace, prompt: list[int], gguf_bytes: int) -> dict[str, int]:
-    """Each engine's fixed overhead: its peak RSS, unlimited (all weights resident), less the GGUF's bytes; moelane's
-    both eager ("moelane") and compiled ("moelane compiled", unless --eager)."""
+    """Each engine's fixed overhead: its peak RSS in an unlimited run of `prompt` less the weights it held. All
+    resident, that is the GGUF's bytes: llama.cpp's, moelane's compiled ("moelane compiled", unless --eager) and
+    eager ("moelane"). Paged ("moelane paged", at an expert budget of half the GGUF's bytes), the dense weights and the
+    most expert bytes the pool held: the bounce buffers and loading threads a store adds are overhead too."""
     found = {}
-    runs = [("moelane", False), ("llama", False)] + ([("moelane", True)] if args.compile else [])
-    for engine, compiled in runs:
-        record = run_one(argparse.Namespace(**{**vars(args), "compile": compiled}), engine, prompt[:8], 64 << 30)
+    runs = [("moelane", False, None), ("llama", False, None), ("moelane", False, str(gguf_bytes // 2))]
+    runs += [("moelane", True, None)] if args.compile else []
+    for engine, compiled, budget in runs:
+        record = run_one(argparse.Namespace(**{**vars(args), "compile": compiled}), engine, prompt, 64 << 30, budget)
         if "max_rss" not in record:
             raise SystemExit(f"{engine} failed unlimited: {record}")
-        name = f"{engine} compiled" if compiled else engine
-        found[name] = int(record["max_rss"]) - gguf_bytes  # type: ignore[call-overload]
-        print(json.dumps({"event": "overhead", "engine": name, "max_rss": record["max_rss"],
+        name = f"{engine} compiled" if compiled else f"{engine} paged" if budget else engine
+        weights = int(record.get("weights_bytes", gguf_bytes))  # type: ignore[call-overload]
+        found[name] = int(record["max_rss"]) - weights  # type: ignore[call-overload]
+        print(json.dumps({"event": "overhead", "engine": name, "max_rss": record["max_rss"], "weights": weights,
                           "overhead": found[name]}), flush=True)  # fmt: skip
     return found
 
@@ -193,7 +216,9 @@ def limit_for(args: argparse.Namespace, found: dict[str, int], engine: str, shar
     """The ceiling of `engine` at `share` of the GGUF (module docstring: the ceiling rule)."""
     if args.overhead == "larger":
         return int(share * gguf_bytes) + max(found.values())
-    compiled = engine == "moelane" and args.compile and share >= 1.0
+    if engine == "moelane" and share < 1.0:
+        return int(share * gguf_bytes) + found["moelane paged"]
+    compiled = engine == "moelane" and args.compile
     return int(share * gguf_bytes) + found[f"{engine} compiled" if compiled else engine]
 
 
@@ -226,7 +251,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
     gguf_bytes = args.gguf.stat().st_size
-    found = overheads(args, prompts["code"], gguf_bytes)
+    found = overheads(args, max(prompts.values(), key=len), gguf_bytes)
     shares = [float(s) for s in args.shares.split(",")]
     records = []
     for r in range(args.rounds):
