@@ -302,7 +302,8 @@ def table(records: list[dict[str, object]], shares: list[float], quant: str) -> 
                         f"| {fmt(m['failcnt'], 0)} | {oom} | {len(runs)} |")  # fmt: skip
         ours, theirs = medians["moelane"], medians["llama"]
         speed = ratio(ours["decode_tok_s"], theirs["decode_tok_s"])
-        disk = ratio(ours["disk_per_token"], theirs["disk_per_token"])
+        # all resident, neither engine reads experts from disk: a ratio of stray reads would mean nothing
+        disk = "-" if share >= 1.0 else ratio(ours["disk_per_token"], theirs["disk_per_token"])
         ratios.append(f"| {share:.0%} | {speed} | {disk} |")
     return "\n".join([*rows, "", "| ceiling | decode, moelane / llama.cpp | disk per token, moelane / llama.cpp |",
                       "|---|---|---|", *ratios])  # fmt: skip
