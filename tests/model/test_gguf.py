@@ -92,7 +92,8 @@ def test_fused_gate_up_experts_load_as_separate_ones(tmp_path: Path, family: str
 def check_decodes_as_gguf(tmp_path: Path, family: str, qtype: str, **overrides: Any) -> None:
     """A `qtype` file's logits, all its tensors decoded (native experts, `quantize="none"`), equal those of the F32
     file of its decoded values; its experts are stored blocks. With the default `quantize="auto"` (Q8_0 / Q4_0
-    projections held as their codes) the logits are those within 1e-4."""
+    projections held as their codes) the logits are those within 1e-4 (other block types' projections are then
+    requantised: test_gguf_codes.py)."""
     folder = model(tmp_path, family, **overrides)
     quantised = write_gguf(folder, tmp_path / "q.gguf", qtype)
     decoded = write_gguf(folder, tmp_path / "d.gguf", qtype, roundtrip=True)
@@ -104,8 +105,9 @@ def check_decodes_as_gguf(tmp_path: Path, family: str, qtype: str, **overrides: 
     with torch.no_grad():
         got = lm.logits(PROMPT)
         assert torch.equal(got, logits(decoded))
-        auto = moelane.load(quantised, default_tier="native").logits(PROMPT)
-        assert (auto - got).abs().max().item() <= 1e-4
+        if qtype in ("Q8_0", "Q4_0"):
+            auto = moelane.load(quantised, default_tier="native").logits(PROMPT)
+            assert (auto - got).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])

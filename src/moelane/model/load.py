@@ -308,9 +308,10 @@ def fill_dense(
     model: Decoder, family: Family[Any], tensors: dict[str, Dense], dtype: torch.dtype, own_codes: bool = False
 ) -> None:
     """A GGUF's dense tensors (`gguf.tensors.dense_tensors`: one for each of the model's, by its names) decoded
-    into the model one at a time; shapes checked before anything is read. With `own_codes`, a projection's Q8_0 /
-    Q4_0 matrix (and a tied LM head's, from the embeddings') becomes a kernels pool of the file's codes instead,
-    never decoded (`Dense.codes`; the embeddings themselves are decoded)."""
+    into the model one at a time; shapes checked before anything is read. With `own_codes`, a projection's
+    block-quantised matrix (and a tied LM head's, from the embeddings') becomes a kernels pool instead: a Q8_0 / Q4_0
+    one of the file's codes, never decoded; another type's at its nearest tier (`Dense.codes`; the embeddings
+    themselves are decoded)."""
     cast(model, family, dtype)
     own = model.state_dict()
     for name, tensor in tensors.items():

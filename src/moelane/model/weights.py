@@ -4,7 +4,8 @@ After a model's weights load, each projection (every `nn.Linear` of the model: a
 experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.linear` multiplies with the kernels:
 - quantised (`quantize="int8"` or `"int4"`): as a llama.cpp Q8_0 / Q4_0 file holds a model, so a decode step reads a
   half or a quarter of the bytes; embeddings stay as stored. `quantize="auto"` (the default) quantises nothing here:
-  a GGUF's Q8_0 / Q4_0 projections arrive as pools of the file's own codes where the extension serves
+  a GGUF's Q8_0 / Q4_0 projections arrive as pools of the file's own codes where the extension serves, its other
+  block-quantised ones (K-quants: llama.cpp's Q4_0 files hold the LM head at Q6_K) as pools at their nearest tier
   (`holds_file_codes`, `load.fill_dense`), the rest go on as with "none";
 - as they are, in bfloat16 or float32, where the C++ extension serves: it reads them at close to the memory's speed
   (float32 LM heads and projections took the shipped-size 115M model's compiled decode from 81 to 190 tok/s here)
@@ -63,9 +64,10 @@ def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = F
 
 
 def holds_file_codes(quantize: str, progress: bool = False) -> bool:
-    """Whether a GGUF's Q8_0 / Q4_0 projections are held as pools of the file's own codes: under "auto", where the
-    C++ kernels serve (the PyTorch fallback computes from a pool far slower than `F.linear` from decoded weights, so
-    there "auto" decodes them, as "none" does)."""
+    """Whether a GGUF's block-quantised projections are held as kernel pools (Q8_0 / Q4_0 as the file's own codes,
+    others at their nearest tier: `gguf.tensors.own_codes`): under "auto", where the C++ kernels serve (the PyTorch
+    fallback computes from a pool far slower than `F.linear` from decoded weights, so there "auto" decodes them, as
+    "none" does)."""
     return quantize == "auto" and build_kernels(progress).backend != "fallback"
 
 

@@ -9,7 +9,10 @@ Where the converter changes a tensor on the way, the change is undone here (docs
 - gpt-oss's interleaved gate/up biases are split into gate and up: interleaved back;
 - the router's score bias is `exp_probs_b.bias`.
 A Q8_0 / Q4_0 matrix whose rows are the decoder's (renamed, or only reordered, as Llama's q and k are) can also be read
-as a kernels pool of its own codes (`Dense.codes`, for `--quantize auto`); DeepSeek's joined `kv_b_proj` cannot
+as a kernels pool of its own codes (`Dense.codes`, for `--quantize auto`); a matrix of another block type with a
+nearest tier (K-quants, Q5_0, ...: `blocks.NEAREST_TIER`), as a pool of its decoded values requantised once to that
+tier, as its experts are (llama.cpp's Q4_0 files hold the LM head at Q6_K: decoded to float, it alone read more
+bytes a token than every other weight together on a 2048-wide model). DeepSeek's joined `kv_b_proj` is neither
 (its `attn_k_b` half is transposed, which cuts across the blocks), and is decoded.
 
 Experts: each MoE layer's stacked `ffn_{gate,up,down}_exps` [E, rows, cols] (or the fused `ffn_gate_up_exps`) give
@@ -28,13 +31,14 @@ import gguf
 import torch
 
 from moelane.errors import ModelLoadError
-from moelane.kernels.pool import Pool
+from moelane.kernels.pool import Pool, quantize
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, read_tensor, slice_stacked
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
-from moelane.model.gguf.blocks import FLOAT_TYPES, is_block_type
+from moelane.model.gguf.blocks import FLOAT_TYPES, NEAREST_TIER, is_block_type
 from moelane.model.gguf.codes import CODE_TIERS, matrix_pool
 from moelane.model.gguf.file import GgufFile
+from moelane.model.provider import TIER_KINDS
 
 # Shape alphabet: E experts, H heads, R rows of a head, L latent (kv_lora_rank), N no-rope dims, V value dims.
 
@@ -42,7 +46,7 @@ from moelane.model.gguf.file import GgufFile
 @dataclass(frozen=True, slots=True)
 class Dense:
     """One tensor of the decoder, from the GGUF: the shape of its values and how to read them (float32); for a
-    Q8_0 / Q4_0 matrix, how to read it as a kernels pool of the file's own codes (`codes`, else None)."""
+    block-quantised matrix, how to read it as a kernels pool (`codes`, else None: `own_codes`)."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
@@ -106,16 +110,22 @@ def values(ref: TensorRef, name: str, dtype: torch.dtype | None = torch.float32)
 def own_codes(
     ref: TensorRef, name: str, rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> Callable[[], Pool] | None:
-    """How to read a Q8_0 / Q4_0 matrix as a pool of its own codes, its rows reordered by `rows` (the blocks of a
-    row stay whole); None for any other tensor."""
-    if ref.dtype not in CODE_TIERS or len(ref.shape) != 2:
+    """How to read a block-quantised matrix as a kernels pool, its rows reordered by `rows` (the blocks of a row stay
+    whole): a Q8_0 / Q4_0 one as its own codes; one of another type with a nearest tier (`NEAREST_TIER`) as its
+    values, decoded by the `gguf` package, quantised to that tier's kind as `--quantize int8` / `int4` quantises a
+    projection (`kernels.quantize`). None for any other tensor (float types, MXFP4, not a matrix)."""
+    if len(ref.shape) != 2 or (ref.dtype not in CODE_TIERS and ref.dtype not in NEAREST_TIER):
         return None
 
     def read() -> Pool:
         blocks = values(ref, name, None)
         return matrix_pool(blocks if rows is None else rows(blocks), ref.dtype)
 
-    return read
+    def requantised() -> Pool:
+        decoded = values(ref, name)
+        return quantize((decoded if rows is None else rows(decoded))[None], TIER_KINDS[NEAREST_TIER[ref.dtype]])
+
+    return read if ref.dtype in CODE_TIERS else requantised
 
 
 def rotary_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
