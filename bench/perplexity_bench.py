@@ -20,6 +20,17 @@ Q4_0 with the LM head at Q4_0 too (as moelane's int4 holds it). Embeddings: moel
 compute dtype), llama.cpp's Q8_0 / Q4_0 quantise them. Prints one JSON line per measurement (with per-domain
 perplexities, and the GGUF's tensor types), then a markdown table. "bytes" is what each engine holds: moelane's
 weights in memory after loading (every tensor storage the model reaches, once), llama.cpp's GGUF file.
+
+`--moelane-gguf` also runs moelane on each GGUF file llama.cpp runs (engine `moelane-gguf`), as `moelane run --model
+x.gguf` loads it, computing in float32: Q8_0 / Q4_0 experts and projections (the LM head too) held as the file's own
+codes (`--default-tier auto`, `--quantize auto`), embeddings, norms, routers and F32 / BF16 tensors decoded exactly to
+float32. Its perplexity is set against llama.cpp's on the same file and windows (the table's last columns), so the
+weights are the same bit for bit and what differs is the arithmetic. `--no-folder` skips moelane on the model
+folder (its own precisions), for a model whose GGUFs are all that is compared. The GGUFs are found in `--gguf-dir`
+as `<model folder name>-<kind>.gguf` (kinds: f32, bf16, q8_0, q4_0, q4_0-out-q4_0), or made there with `--llama-cpp`:
+
+    python bench/perplexity_bench.py --model inflated-8192 --quant int8,int4 --no-folder --moelane-gguf \
+        --gguf-dir gguf --llama-cpp LLAMA_CPP_TREE --llama-python PY --windows 32
 """
 
 from __future__ import annotations
@@ -146,11 +157,17 @@ def held_bytes(lm: object) -> int:
     return sum(storages.values())
 
 
-def moelane_ppl(folder: Path | None, p: Precision, windows: dict[str, np.ndarray]) -> dict[str, object]:
+# moelane on a GGUF file as `moelane run --model x.gguf` loads it (Q8_0 / Q4_0 held as the file's codes), in float32
+AS_READ = Precision("moelane on the GGUF", torch.float32, "auto", "auto")
+
+
+def moelane_ppl(path: Path | None, p: Precision, windows: dict[str, np.ndarray]) -> dict[str, object]:
+    """moelane's negative log-likelihoods of `windows` with the model at `path` (a folder, a GGUF file; None: the
+    shipped default model) loaded at precision `p`, the bytes it holds, and its load and evaluation seconds."""
     import moelane
 
     t0 = time.perf_counter()
-    lm = moelane.load(folder, p.dtype, default_tier=p.default_tier, quantize=p.quantize)
+    lm = moelane.load(path, p.dtype, default_tier=p.default_tier, quantize=p.quantize)
     loaded = time.perf_counter() - t0
     nbytes = held_bytes(lm)  # (before any pass: no KV cache yet)
     nll: dict[str, list[float]] = {}
@@ -183,10 +200,9 @@ def gguf_label(kind: str, types: dict[str, int]) -> str:
     return main.upper() if head == main.upper() and not chosen else f"{main.upper()}, LM head {head}"
 
 
-def gguf_types(path: Path, llama_tree: Path) -> dict[str, int]:
+def gguf_types(path: Path) -> dict[str, int]:
     """How many of the GGUF's tensors (by role: the name without its layer number) are stored at each type, read with
-    the tree's gguf-py."""
-    sys.path.insert(0, str(llama_tree / "gguf-py"))
+    the `gguf` package moelane reads GGUFs with."""
     from gguf import GGUFReader
 
     counts: Counter[str] = Counter()
@@ -225,10 +241,6 @@ def perplexities(nll: dict[str, list[float]], seq: int) -> tuple[float, dict[str
     return math.exp(total), per
 
 
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="model folder (default: the shipped default model)")
@@ -238,9 +250,12 @@ def main() -> None:
     p.add_argument("--quant", default=",".join(PRECISIONS), help=f"comma-separated: {', '.join(PRECISIONS)}")
     p.add_argument("--llama-cpp", type=Path, help="llama.cpp tree with convert_hf_to_gguf.py (vendor/llama.cpp in "
                    "llama-cpp-python's sdist); without it llama.cpp runs only on GGUFs in --gguf-dir")  # fmt: skip
-    p.add_argument("--gguf-dir", type=Path, default=Path("/tmp/moelane-ppl-gguf"))
+    p.add_argument("--gguf-dir", type=Path, default=Path("/tmp/moelane-ppl-gguf"),
+                   help="GGUFs of the model, named <model folder name>-<kind>.gguf")  # fmt: skip
     p.add_argument("--llama-python", default=sys.executable, help="the Python whose llama-cpp-python runs llama.cpp")
-    p.add_argument("--no-llama", action="store_true", help="moelane only")
+    p.add_argument("--no-llama", action="store_true", help="no llama.cpp")
+    p.add_argument("--moelane-gguf", action="store_true", help="also run moelane on each GGUF file llama.cpp runs")
+    p.add_argument("--no-folder", action="store_true", help="no moelane on the model folder (its own precisions)")
     args = p.parse_args()
     torch.manual_seed(0)
     from moelane.assets import default_model_path
@@ -252,52 +267,89 @@ def main() -> None:
               "seq": args.seq, "threads": torch.get_num_threads()}  # fmt: skip
     print(json.dumps({"event": "windows", **common, "tokens": args.seq * sum(len(w) for w in windows.values())}),
           flush=True)  # fmt: skip
+    names = args.quant.split(",")
+    if unknown := [n for n in names if n not in PRECISIONS]:
+        raise SystemExit(f"unknown precision {unknown[0]!r}: use {', '.join(PRECISIONS)}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.quant.split(","):
-            if name not in PRECISIONS:
-                raise SystemExit(f"unknown precision {name!r}: use {', '.join(PRECISIONS)}")
+        for name in names:
             prec = PRECISIONS[name]
-            ours = moelane_ppl(args.model, prec, windows)
-            ppl, per = perplexities(ours.pop("nll"), args.seq)  # type: ignore[arg-type]
-            print(json.dumps({"engine": "moelane", "precision": name, "ppl": round(ppl, 4),
-                              "ppl_per_domain": {d: round(v, 3) for d, v in per.items()}, **ours, **common}),
-                  flush=True)  # fmt: skip
-            row = {"name": name, "label": prec.label, "bytes": ours["bytes"], "ppl": ppl, "llama": []}
-            for kind in () if args.no_llama else prec.gguf:
+            row: dict = {"name": name, "label": prec.label, "bytes": None, "ppl": None, "files": []}
+            if not args.no_folder:
+                ours = moelane_ppl(args.model, prec, windows)
+                row["ppl"] = report("moelane", name, ours, args.seq, common)
+                row["bytes"] = ours["bytes"]
+            for kind in prec.gguf if args.moelane_gguf or not args.no_llama else ():
                 path = gguf_file(folder, kind, args.gguf_dir, args.llama_cpp, args.llama_python)
-                if path is None:
-                    continue
-                theirs = llama_ppl(path, args.llama_python, windows, check, Path(tmp), torch.get_num_threads())
-                lppl, lper = perplexities(theirs.pop("nll"), args.seq)  # type: ignore[arg-type]
-                types = gguf_types(path, args.llama_cpp) if args.llama_cpp is not None else {}
-                label = gguf_label(kind, types)
-                print(json.dumps({"engine": "llama.cpp", "precision": label, "ppl": round(lppl, 4),
-                                  "ppl_per_domain": {d: round(v, 3) for d, v in lper.items()}, **theirs,
-                                  "tensor_types": types, "gguf": str(path), **common}), flush=True)  # fmt: skip
-                row["llama"].append((label, theirs["bytes"], lppl))
+                if path is not None:
+                    row["files"].append(measure_file(path, kind, args, windows, check, Path(tmp), common))
             rows.append(row)
     print_table(rows)
 
 
+def measure_file(path: Path, kind: str, args: argparse.Namespace, windows: dict[str, np.ndarray],
+                 check: tuple[str, list[int], list[str]], tmp: Path, common: dict) -> dict:  # fmt: skip
+    """llama.cpp's perplexity on the GGUF `path` (of `kind`) and, with `--moelane-gguf`, moelane's on the same file:
+    one JSON line each, and the table's cells (None: not run)."""
+    types = gguf_types(path)
+    label = gguf_label(kind, types)
+    cells: dict = {"label": label, "bytes": path.stat().st_size, "ppl": None, "gguf_bytes": None, "gguf_ppl": None}
+    extra = {"tensor_types": types, "gguf": str(path)}
+    if not args.no_llama:
+        theirs = llama_ppl(path, args.llama_python, windows, check, tmp, torch.get_num_threads())
+        cells["ppl"] = report("llama.cpp", label, {**theirs, **extra}, args.seq, common)
+    if args.moelane_gguf:
+        ours = moelane_ppl(path, AS_READ, windows)
+        cells["gguf_ppl"] = report("moelane-gguf", label, {**ours, **extra}, args.seq, common)
+        cells["gguf_bytes"] = ours["bytes"]
+    return cells
+
+
+def report(engine: str, precision: str, measured: dict[str, object], seq: int, common: dict) -> float:
+    """Print one measurement as a JSON line (its negative log-likelihoods as perplexities); return its perplexity."""
+    ppl, per = perplexities(measured.pop("nll"), seq)  # type: ignore[arg-type]
+    print(json.dumps({"engine": engine, "precision": precision, "ppl": round(ppl, 4),
+                      "ppl_per_domain": {d: round(v, 3) for d, v in per.items()}, **measured, **common}),
+          flush=True)  # fmt: skip
+    return ppl
+
+
 def print_table(rows: list[dict]) -> None:
-    """One line per (moelane precision, llama.cpp GGUF) pair; a precision without a match gets one line of its own."""
+    """One line per (moelane precision, GGUF) pair; a precision without a GGUF gets one line of its own. Where
+    moelane ran on the GGUF files too, three more columns: what it holds, its perplexity, and that against llama.cpp's
+    on the same file."""
     native = next((r["ppl"] for r in rows if r["name"] == "native"), None)
-    f32 = next((lp for r in rows for label, _, lp in r["llama"] if label == "F32"), None)
-    print("\n| moelane precision | bytes | moelane ppl | vs native | llama.cpp | bytes | llama.cpp ppl | vs F32 "
-          "| moelane vs llama.cpp |")  # fmt: skip
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    f32 = next((f["ppl"] for r in rows for f in r["files"] if f["label"] == "F32"), None)
+    on_file = any(f["gguf_ppl"] is not None for r in rows for f in r["files"])
+    print(
+        "\n| moelane precision | bytes | moelane ppl | vs native | llama.cpp | bytes | llama.cpp ppl | vs F32 "
+        "| moelane vs llama.cpp |" + (" moelane on the GGUF: bytes | ppl | vs llama.cpp |" if on_file else "")
+    )
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if on_file else ""))
     for r in rows:
-        ours = f"{r['label']} | {mib(r['bytes'])} | {r['ppl']:.3f} | {pct(r['ppl'], native)}"
-        for label, nbytes, lppl in r["llama"] or [("", 0, 0.0)]:
-            if not label:
-                print(f"| {ours} | - | - | - | - | - |")
-            else:
-                print(f"| {ours} | {label} | {mib(nbytes)} | {lppl:.3f} | {pct(lppl, f32)} | {pct(r['ppl'], lppl)} |")
+        ours = f"{r['label']} | {mib(r['bytes'])} | {num(r['ppl'])} | {pct(r['ppl'], native)}"
+        for f in r["files"] or [None]:
+            if f is None:
+                print(f"| {ours} | - | - | - | - | - |" + (" - | - | - |" if on_file else ""))
+                continue
+            line = (f"| {ours} | {f['label']} | {mib(f['bytes'])} | {num(f['ppl'])} | {pct(f['ppl'], f32)} "
+                    f"| {pct(r['ppl'], f['ppl'])} |")  # fmt: skip
+            if on_file:
+                line += f" {mib(f['gguf_bytes'])} | {num(f['gguf_ppl'])} | {pct(f['gguf_ppl'], f['ppl'])} |"
+            print(line)
 
 
-def pct(value: float, reference: float | None) -> str:
-    return "-" if reference is None else f"{100 * (value / reference - 1):+.2f}%"
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def pct(value: float | None, reference: float | None) -> str:
+    """`value` relative to `reference` in %, signed; "-" where either is missing."""
+    return "-" if value is None or reference is None else f"{100 * (value / reference - 1):+.2f}%"
 
 
 if __name__ == "__main__":

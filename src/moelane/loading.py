@@ -85,7 +85,7 @@ def expert_factory(
     pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
     if pool is None and host is None:
         return fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling)
-    return store_factory(pool, host, policy, default_tier, ceiling=ceiling)
+    return store_factory(pool, host, policy, default_tier, ceiling=ceiling, progress=progress)
 
 
 def memory_ceiling(expert_memory: MemorySpec | str | None, default_tier: str) -> Ceiling:

@@ -103,6 +103,47 @@ def test_no_place_for_the_tier_file_is_one_line(tmp_path: Path, monkeypatch: pyt
         moelane.load(path, expert_memory=expert_memory)
 
 
+def recording_bars(made: list[list]) -> type:
+    """A stand-in for tqdm that appends every bar made to `made` as [description, total, steps taken, shown]."""
+
+    class Bar:
+        def __init__(self, *_: object, total: int, desc: str, disable: bool = False, **__: object) -> None:
+            self.row = [desc, total, 0, not disable]
+            made.append(self.row)
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def update(self, n: int = 1) -> None:
+            self.row[2] += n
+
+    return Bar
+
+
+@pytest.mark.parametrize("expert_memory", [None, "7%"], ids=["resident", "paged"])
+def test_building_the_tier_file_shows_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               expert_memory: str | None) -> None:  # fmt: skip
+    """With `progress`, building the tier file moves a bar by every expert, resident or paged, as loading the
+    experts does; a load that finds the file builds nothing, and without `progress` no bar is shown."""
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **K_BLOCKS), tmp_path / "m.gguf", "Q4_K")
+    made: list[list] = []
+    monkeypatch.setattr("tqdm.tqdm", recording_bars(made))
+    lm = moelane.load(path, expert_memory=expert_memory, progress=True)
+    n_experts = sum(len(hs) for hs in lm.expert_handles.values())
+    lm.close()
+    built = [row for row in made if "tier file" in row[0]]
+    assert built == [["building the int4 tier file", n_experts, n_experts, True]]
+    made.clear()
+    moelane.load(path, expert_memory=expert_memory, progress=True).close()
+    assert not [row for row in made if "tier file" in row[0]]
+    (tmp_path / ".moelane" / "m.experts-int4.bin").unlink()
+    moelane.load(path, expert_memory=expert_memory).close()
+    assert [row[3] for row in made if "tier file" in row[0]] == [False]
+
+
 def handles_of(kinds: dict[str, str], n_layers: int = 2) -> dict[int, list[ExpertHandle]]:
     """Two experts a layer whose gate, up and down tensors (256 x 256 each) are of these GGML types (no file)."""
     out = {}

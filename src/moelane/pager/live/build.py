@@ -40,11 +40,13 @@ def store_factory(
     policy: str = "planner",
     default_tier: str = "auto",
     ceiling: Ceiling | None = None,
+    progress: bool = False,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run with an expert budget: an expert store, or every expert resident at a quantised
     `default_tier` where they all fit the budget at it ("auto": `tiers.default_tier`). `expert_memory`: bytes or a share
     of all expert bytes in the compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host
-    cache). `ceiling` records the budget for the run's report."""
+    cache). `ceiling` records the budget for the run's report. `progress`: bars on stderr while experts load and a
+    tier file builds."""
     pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
     host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
@@ -66,9 +68,9 @@ def store_factory(
         if ceiling is not None:
             ceiling.flagged(budget, resident)
         if resident:
-            return resident_at_tier(handles, dtype, tier)
+            return resident_at_tier(handles, dtype, tier, progress)
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
-        return ExpertStore(handles, dtype, config)
+        return ExpertStore(handles, dtype, config, progress)
 
     return build
 
@@ -95,10 +97,11 @@ def resident_at_tier(
 
     fmt = tier_format(tier, handles) if tier else None
     parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype, fmt)
-    storage = Storage(handles, 0, check_finite=tier > 0)
+    storage = Storage(handles, 0, check_finite=tier > 0, progress=progress)
     pools: dict[int, TierPool] = {}
     desc = "loading experts" + ("" if tier == 0 else f" at {TIER_NAMES[tier]}")
     try:
+        storage.tier_source(tier)  # (its tier file built first, if missing: one bar, then the next)
         with tqdm(total=sum(len(hs) for hs in handles.values()), desc=desc, unit="expert", disable=not progress,
                   leave=False, delay=1.0) as bar:  # fmt: skip
             for layer, experts in handles.items():
@@ -147,7 +150,8 @@ def fitting_factory(
                              f"({format_bytes(each)}): raise the limit, or compute in bfloat16 (--dtype)")  # fmt: skip
         log.warning("the experts take %s in %s and %s: paging them within %s (--expert-memory sets the budget)",
                     format_bytes(need), str(dtype).removeprefix("torch."), where, format_bytes(room))  # fmt: skip
-        return store_factory(MemorySpec(n_bytes=room), host_memory, policy, TIER_NAMES[tier])(handles, dtype)
+        return store_factory(MemorySpec(n_bytes=room), host_memory, policy, TIER_NAMES[tier],
+                             progress=progress)(handles, dtype)  # fmt: skip
 
     return build
 

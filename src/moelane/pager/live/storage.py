@@ -236,10 +236,10 @@ class TierFile:
     @classmethod
     def open_or_build(
         cls, handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, folder: Path, files: ShardFiles,
-        prefix: str = "",
+        prefix: str = "", progress: bool = False,
     ) -> TierFile:  # fmt: skip
         """The tier file `<folder>/<prefix>experts-<tier>.bin` (and its `.json` index), built first unless it is there
-        and was built from these shards at this codec."""
+        and was built from these shards at this codec (a progress bar on stderr while it builds, with `progress`)."""
         name = TIER_NAMES[codec.tier]
         bin_path, index_path = folder / f"{prefix}experts-{name}.bin", folder / f"{prefix}experts-{name}.json"
         keys = [(h.layer, h.expert) for layer in sorted(handles) for h in handles[layer]]
@@ -255,7 +255,7 @@ class TierFile:
             ):
                 return cls(bin_path, codec, order, [int(c) for c in index["crcs"]], files.bounce)
         log.info("building the %s tier file for %d experts: %s", name, len(keys), bin_path)
-        crcs = build_tier_file(handles, codec, files, bin_path)
+        crcs = build_tier_file(handles, codec, files, bin_path, progress)
         body = {"version": TIER_FILE_VERSION, "tier": name, "blob_bytes": codec.nbytes, "fingerprint": fingerprint}
         tmp = index_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({**body, "crcs": crcs}))
@@ -288,12 +288,18 @@ class TierFile:
 
 
 def build_tier_file(
-    handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, files: ShardFiles, path: Path
+    handles: dict[int, list[ExpertHandle]], codec: ExpertCodec, files: ShardFiles, path: Path, progress: bool = False
 ) -> list[int]:
-    """Encode every expert (read at tier 0) into `path`, written atomically; -> CRC-32 per expert."""
+    """Encode every expert (read at tier 0) into `path`, written atomically; -> CRC-32 per expert. With `progress`, a
+    bar on stderr counts the experts, shown as the loads' bars are (after a second, cleared at the end)."""
+    from tqdm import tqdm
+
     crcs: list[int] = []
     tmp = path.with_suffix(".bin.tmp")
-    with open(tmp, "wb") as f:
+    total = sum(len(hs) for hs in handles.values())
+    desc = f"building the {TIER_NAMES[codec.tier]} tier file"
+    with open(tmp, "wb") as f, tqdm(total=total, desc=desc, unit="expert", disable=not progress, leave=False,
+                                    delay=1.0) as bar:  # fmt: skip
         for layer in sorted(handles):
             for handle in handles[layer]:
                 hidden, width = handle.dims
@@ -303,6 +309,7 @@ def build_tier_file(
                 blob = codec.encode(w13, w2).numpy()
                 crcs.append(zlib.crc32(blob.data))
                 f.write(blob.tobytes())
+                bar.update(1)
     os.replace(tmp, path)
     return crcs
 
@@ -338,10 +345,13 @@ class HostCache:
 
 
 class Storage:
-    """Every storage level of one model together: `load_into` puts an expert, at a tier, into a pool slot."""
+    """Every storage level of one model together: `load_into` puts an expert, at a tier, into a pool slot.
+    `progress`: a bar on stderr while a tier file builds."""
 
-    def __init__(self, handles: dict[int, list[ExpertHandle]], host_bytes: int, check_finite: bool) -> None:
-        self.handles, self.check_finite = handles, check_finite
+    def __init__(
+        self, handles: dict[int, list[ExpertHandle]], host_bytes: int, check_finite: bool, progress: bool = False
+    ) -> None:
+        self.handles, self.check_finite, self.progress = handles, check_finite, progress
         self.files = ShardFiles()
         self.host = HostCache(host_bytes)
         first = Path(next(iter(handles.values()))[0].path)
@@ -365,7 +375,7 @@ class Storage:
                 try:
                     folder = tier_dir(self.model_folder)
                     self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files,
-                                                               self.tier_prefix)  # fmt: skip
+                                                               self.tier_prefix, self.progress)  # fmt: skip
                 except OSError as e:
                     raise ModelLoadError(f"cannot build the {TIER_NAMES[tier]} tier file of {self.model_folder} "
                                          f"(in its .moelane/ folder, else ~/.cache/moelane): {e}; --default-tier "

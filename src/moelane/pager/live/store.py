@@ -116,7 +116,9 @@ class StoreConfig:
 
 
 class ExpertStore:
-    def __init__(self, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, config: StoreConfig) -> None:
+    def __init__(
+        self, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, config: StoreConfig, progress: bool = False
+    ) -> None:
         self.config, self.dtype = config, dtype
         self.layers = sorted(handles)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
@@ -153,7 +155,7 @@ class ExpertStore:
         self._routed_gen = np.full(len(self.layers), -1, np.int64)  # per layer, the last generation that routed it
         self._reading = 0  # loads reading now
         self._pass_start: float | None = None
-        self.storage = Storage(handles, config.host_bytes, config.check_finite)
+        self.storage = Storage(handles, config.host_bytes, config.check_finite, progress)
         try:
             self.storage.tier_source(config.default_tier)  # (its tier file built now, at load, not on the first miss)
         except BaseException:
