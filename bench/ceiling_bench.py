@@ -93,14 +93,19 @@ def moelane_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, obj
 
 
 def dense_bytes(model: object) -> int:
-    """Bytes of the model's own parameters and buffers, each storage once (with a store: every weight but the
-    experts, which live in its pool)."""
+    """Bytes of the model's own weights, each storage once: its parameters and buffers, and the projections the
+    kernels hold as pools (`weights.prepare_weights`: plain attributes, no longer parameters). With a store that is
+    every weight but the experts, which live in its pool."""
     import torch
 
+    from moelane import kernels
+
     assert isinstance(model, torch.nn.Module)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
-    return sum(storages.values())
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        if isinstance(pool := getattr(module, "weight", None), kernels.Pool):
+            tensors += [pool.data] if pool.scales is None else [pool.data, pool.scales]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def llama_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, object]:
