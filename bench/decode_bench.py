@@ -15,8 +15,9 @@ Q8_0 and Q4_0; experts-int4 has no llama.cpp match); llama.cpp runs in a worker 
 
 `--moelane-gguf` also runs moelane on llama.cpp's GGUF file itself (engine `gguf`, compiled where moelane-compiled
 runs), as `moelane run --model x.gguf` loads it: Q8_0 / Q4_0 experts and dense projections held as the file's own
-codes (int8 / int4), other dense tensors decoded to float32. `--expert-memory` gives every moelane engine that expert
-budget; a summary line per paged engine then says its hit rate.
+codes (int8 / int4), other block-quantised projections at their nearest tier, other dense tensors decoded to
+float32. `--expert-memory` gives every moelane engine that expert budget; a summary line per paged engine then says
+its hit rate.
 
     python bench/decode_bench.py --model inflated-8192 --quant int8,int4 --engines llama.cpp --moelane-gguf \
         --gguf-dir gguf --llama-python PY --rounds 3 --tokens 64

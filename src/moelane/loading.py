@@ -55,8 +55,9 @@ def load(
     load. `provider`: an expert provider factory of one's own, called with the experts' disk handles and the compute
     dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the dense projections
     (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file holds a model;
-    "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never requantised) and
-    anything else as stored ("none"); the routed experts' precision is `default_tier`'s."""
+    "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never requantised), its
+    other block-quantised ones at their nearest tier, and anything else as stored ("none"); the routed experts'
+    precision is `default_tier`'s."""
     if provider is not None:
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "auto"):
             raise ValueError("give either an expert provider factory or expert settings, not both")

@@ -83,8 +83,8 @@ def load(
     """Load a model folder or a GGUF file (None: the shipped default model) to compute in `dtype` ("auto":
     `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
     resident). `compile` compiles the one-token decode step. `quantize` ("int8", "int4") holds the dense projections
-    quantised (`weights.prepare_weights`); "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes
-    where the kernels serve (`weights.holds_file_codes`, `fill_dense`), anything else as "none" does. `preflight` is
+    quantised (`weights.prepare_weights`); "auto" holds a GGUF's block-quantised projections as kernel pools where
+    the kernels serve (`weights.holds_file_codes`, `fill_dense`), anything else as "none" does. `preflight` is
     called with the model's `MemoryNeeds`, its experts' handles and the compute dtype before any weight is read (a
     memory check that refuses early raises there)."""
     check_quantize(quantize)
@@ -166,7 +166,7 @@ def read_gguf(
     preflight: Preflight | None = None, own_codes: bool = False,
 ) -> tuple[dict[int, list[ExpertHandle]], Tokenizer]:  # fmt: skip
     """A GGUF's experts (handles into the file) and tokenizer, its dense weights decoded into `model` (with
-    `own_codes`, its Q8_0 / Q4_0 projections held as their codes: `fill_dense`)."""
+    `own_codes`, its block-quantised projections held as kernel pools: `fill_dense`)."""
     handles = gguf_experts(f, config, model.moe_layers)
     check_expert_shapes(config, handles)
     dense = dense_tensors(f, config, model)

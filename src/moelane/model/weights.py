@@ -39,8 +39,8 @@ def check_quantize(quantize: str) -> None:
 def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = False) -> int:
     """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
     `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s). "auto"
-    is "none" here: the projections a GGUF holds as Q8_0 / Q4_0 are already pools of its codes (`load.fill_dense`),
-    and pools are left as they are."""
+    is "none" here: a GGUF's block-quantised projections are already pools (`load.fill_dense`), and pools are left
+    as they are."""
     check_quantize(quantize)
     quantize = "none" if quantize == "auto" else quantize
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
