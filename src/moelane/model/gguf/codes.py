@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from moelane.kernels.formats import FORMATS, QuantFormat
 from moelane.kernels.pool import Pool
 from moelane.model.checkpoint import ExpertHandle
+from moelane.model.provider import TIER_KINDS
 
 # By GGML type: the precision tier whose pool takes the blocks' codes as they are, and that pool's format
 CODE_TIERS: dict[str, tuple[int, QuantFormat]] = {"Q8_0": (1, QuantFormat(8, 32)), "Q4_0": (2, FORMATS[2])}
@@ -62,8 +63,7 @@ def matrix_pool(blocks: torch.Tensor, kind: str) -> Pool:
     codes = np.empty((rows, cols * fmt.bits // 8), np.int8 if fmt.bits == 8 else np.uint8)
     scales = np.empty((rows, cols // block), np.float16)
     block_codes(blocks.numpy(), kind, codes, scales)
-    pool_kind = "int8" if fmt.bits == 8 else "int4"
-    return Pool(pool_kind, torch.from_numpy(codes)[None], torch.from_numpy(scales)[None], cols)
+    return Pool(TIER_KINDS[CODE_TIERS[kind][0]], torch.from_numpy(codes)[None], torch.from_numpy(scales)[None], cols)
 
 
 def expert_codes_into(handle: ExpertHandle, stored: dict[str, torch.Tensor], parts: tuple[torch.Tensor, ...]) -> None:
