@@ -31,6 +31,7 @@ from tests.gguf_helpers import write_gguf
 from tests.helpers import check_pages_as_resident, random_model
 from tests.lanes.reference import prompts
 from tests.lanes.test_engine_lm import check_identity, params_of
+from tests.model.test_gguf_tiers import K_BLOCKS  # rows of 256: whole K-quant blocks
 
 PROMPT = [1, 5, 9, 33, 2, 100, 7, 8, 44, 45, 46, 290, 13, 0]
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
@@ -233,17 +234,12 @@ def test_an_unknown_quantize_is_one_line(tmp_path: Path) -> None:
         moelane.load(path, quantize="int3")
 
 
-# K-quant blocks hold 256 values: rows of 256 (test_gguf_tiers.py's K_BLOCKS, smaller)
-K_ROWS = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256,
-              moe_intermediate_size=256, num_experts=4, num_hidden_layers=2, mlp_only_layers=[])  # fmt: skip
-
-
 @pytest.mark.parametrize(("qtype", "kind"), [("Q6_K", "int8"), ("Q4_K", "int4")])
 def test_other_block_projections_are_held_at_their_nearest_tier(tmp_path: Path, qtype: str, kind: str) -> None:
     """`quantize="auto"`: a projection of a block type with no codes of moelane's (a K-quant: llama.cpp's Q4_0 files
     hold the LM head at Q6_K) is a pool at its nearest tier, the decoded values quantised as `quantize=kind`
     quantises them, bit for bit, never a float matrix; the logits are exactly that load's."""
-    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **K_ROWS), tmp_path / "k.gguf", qtype)
+    path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **K_BLOCKS), tmp_path / "k.gguf", qtype)
     lm, requantised = moelane.load(path), moelane.load(path, quantize=kind)
     theirs = projections(requantised)
     assert "lm_head" in theirs and any("q_proj" in name for name in theirs)
