@@ -15,8 +15,8 @@ model's tokenizer does. Cross-entropy is computed in float64 with numpy by the s
 
 Precisions (moelane -> llama.cpp GGUFs, made with llama.cpp's own converter and quantiser into `--gguf-dir`):
 native (float32) -> F32, bf16 -> BF16, experts int8 / int4 (`default_tier`, the rest native) -> none, int8 (all
-weights: `quantize` too) -> Q8_0, int4 (all weights) -> Q4_0 as llama.cpp makes it (its LM head at Q8_0 here) and
-Q4_0 with the LM head at Q4_0 too (as moelane's int4 holds it). Embeddings: moelane keeps them as stored (in the
+weights: `quantize` too) -> Q8_0, int4 (all weights) -> Q4_0 as llama.cpp makes it (its LM head at Q8_0 here, as
+moelane's int4 holds it) and Q4_0 with the LM head at Q4_0 too. Embeddings: moelane keeps them as stored (in the
 compute dtype), llama.cpp's Q8_0 / Q4_0 quantise them. Prints one JSON line per measurement (with per-domain
 perplexities, and the GGUF's tensor types), then a markdown table. "bytes" is what each engine holds: moelane's
 weights in memory after loading (every tensor storage the model reaches, once), llama.cpp's GGUF file.
@@ -77,8 +77,9 @@ PRECISIONS = {
     "experts-int8": Precision("experts int8", torch.float32, "int8", "none"),
     "experts-int4": Precision("experts int4", torch.float32, "int4", "none"),
     "int8": Precision("int8 (all weights)", torch.float32, "int8", "int8", ("q8_0",)),
-    # llama.cpp's Q4_0 file holds the LM head at Q8_0 here (its Q6_K needs rows of whole 256-blocks), moelane's int4
-    # at int4: the second GGUF is Q4_0 with the LM head at Q4_0 too, as moelane holds it
+    # llama.cpp's Q4_0 file holds the LM head at Q8_0 here (its Q6_K needs rows of whole 256-blocks), as moelane's
+    # int4 holds it (model/weights.py HEAD_KINDS); the second GGUF, Q4_0 with the LM head at Q4_0 too, shows the head's
+    # share
     "int4": Precision("int4 (all weights)", torch.float32, "int4", "int4", ("q4_0", "q4_0-out-q4_0")),
 }
 

@@ -238,14 +238,19 @@ def test_an_unknown_quantize_is_one_line(tmp_path: Path) -> None:
 def test_other_block_projections_are_held_at_their_nearest_tier(tmp_path: Path, qtype: str, kind: str) -> None:
     """`quantize="auto"`: a projection of a block type with no codes of moelane's (a K-quant: llama.cpp's Q4_0 files
     hold the LM head at Q6_K) is a pool at its nearest tier, the decoded values quantised as `quantize=kind`
-    quantises them, bit for bit, never a float matrix; the logits are exactly that load's."""
+    quantises them (the LM head too, at the file's choice), bit for bit, never a float matrix; the logits are exactly
+    those of the decoded load whose projections are swapped for those pools."""
     path = write_gguf(random_model("qwen3_moe", tmp_path / "hf", **K_BLOCKS), tmp_path / "k.gguf", qtype)
-    lm, requantised = moelane.load(path), moelane.load(path, quantize=kind)
-    theirs = projections(requantised)
+    lm, decoded = moelane.load(path), moelane.load(path, quantize="none")
+    theirs = projections(decoded)
     assert "lm_head" in theirs and any("q_proj" in name for name in theirs)
     for name, module in projections(lm).items():
-        pool, want = module.weight, theirs[name].weight
-        assert isinstance(pool, kernels.Pool) and pool.kind == kind and isinstance(want, kernels.Pool)
+        pool, weight = module.weight, theirs[name].weight
+        values = weight.data.float()  # (a float Pool's [1, Out, In], or a Parameter's [Out, In])
+        want = kernels.quantize(values.reshape(1, *values.shape[-2:]), kind)
+        assert isinstance(pool, kernels.Pool) and pool.kind == kind
         assert torch.equal(pool.data, want.data) and torch.equal(pool.scales, want.scales)  # type: ignore[arg-type]
+        del theirs[name].weight
+        theirs[name].weight = want  # type: ignore[assignment]
     with torch.no_grad():
-        assert torch.equal(lm.logits(PROMPT), requantised.logits(PROMPT))
+        assert torch.equal(lm.logits(PROMPT), decoded.logits(PROMPT))

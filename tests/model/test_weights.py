@@ -29,16 +29,20 @@ def projections(lm: moelane.LM) -> list[nn.Linear]:
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantised_projections_compute_as_the_model_with_their_dequantised_weights(folder: Path, quantize: str) -> None:
-    """Each projection holds its weight's tier codes and scales, and the logits are those of the float32 model whose
-    projections hold the dequantised weights (the reference), within float32 rounding."""
+    """Each projection holds its weight's tier codes and scales (the LM head int8 under int4 too, as a llama.cpp Q4_0
+    file holds it), and the logits are those of the float32 model whose projections hold the dequantised weights
+    (the reference), within float32 rounding."""
     reference = moelane.load(folder)
     lm = moelane.load(folder, quantize=quantize)
     pairs = list(zip(projections(reference), projections(lm), strict=True))
-    assert pairs and all(isinstance(q.weight, kernels.Pool) and q.weight.kind == quantize for _, q in pairs)
+    kinds = [quantize] * (len(pairs) - 1) + ["int8"]
+    assert projections(lm)[-1] is lm.model.lm_head
+    assert pairs and all(isinstance(q.weight, kernels.Pool) for _, q in pairs)
+    assert [q.weight.kind for _, q in pairs] == kinds  # type: ignore[union-attr]
     with torch.no_grad():
-        for f, q in pairs:
+        for (f, q), kind in zip(pairs, kinds, strict=True):
             weight = f.weight.data  # (the reference's f32 Pool [1, Out, In], or its Parameter's tensor [Out, In])
-            want = kernels.quantize(weight.reshape(1, *weight.shape[-2:]), quantize)
+            want = kernels.quantize(weight.reshape(1, *weight.shape[-2:]), kind)
             assert torch.equal(q.weight.data, want.data) and torch.equal(q.weight.scales, want.scales)
             weight.copy_(kernels.dequantize(want).view_as(weight))
     assert isinstance(lm.model.model.embed_tokens.weight, torch.Tensor)  # embeddings as stored

@@ -25,21 +25,55 @@ from moelane.pager.live.storage import (
     tier_dir,
 )
 from moelane.pager.live.store import ExpertStore
+from moelane.kernels.formats import INT4_DIVISORS
 from moelane.pager.live.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
 
 
 def reference_roundtrip(w: np.ndarray, bits: int, group: int) -> np.ndarray:
     """Quantise and dequantise one group at a time, the slow obvious way."""
-    qmax = 127 if bits == 8 else 7
     out = np.zeros_like(w, dtype=np.float32)
     for r in range(w.shape[0]):
         for g0 in range(0, w.shape[1], group):
-            chunk = w[r, g0 : g0 + group].astype(np.float32)
-            scale = np.float32(np.float16(np.abs(chunk).max() / qmax))
-            scale = np.float32(1.0) if scale == 0 else scale
-            out[r, g0 : g0 + group] = np.clip(np.round(chunk / scale), -qmax, qmax) * scale
+            chunk = np.zeros(group, dtype=np.float32)
+            chunk[: w.shape[1] - g0] = w[r, g0 : g0 + group]
+            coded = reference_int4(chunk) if bits == 4 else reference_int8(chunk)
+            out[r, g0 : g0 + group] = coded[: w.shape[1] - g0]
     return out
+
+
+def as_fp16_scale(scale: float) -> np.float32:
+    scale = np.float32(np.float16(scale))
+    return np.float32(1.0) if scale == 0 else scale
+
+
+def reference_int8(chunk: np.ndarray) -> np.ndarray:
+    scale = as_fp16_scale(np.abs(chunk).max() / 127)
+    return np.clip(np.round(chunk / scale), -127, 127) * scale
+
+
+def reference_int4(chunk: np.ndarray) -> np.ndarray:
+    """Every divisor's scale and its codes' least-squares scale: the reconstruction of least squared error."""
+    extreme = chunk[np.argmax(np.abs(chunk))]
+    best, best_err = np.zeros_like(chunk), np.inf
+    for divisor in INT4_DIVISORS:
+        scale = as_fp16_scale(extreme / divisor)
+        codes = np.clip(np.round(chunk / scale), -8, 7).astype(np.float32)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            fitted = as_fp16_scale(np.float32((chunk * codes).sum() / (codes * codes).sum()))
+        for s in (scale, fitted):
+            err = ((chunk - codes * s) ** 2).sum()
+            if err < best_err:
+                best, best_err = codes * s, err
+    return best
+
+
+def rule_error(w: torch.Tensor, divisor: float, lo: int, hi: int) -> torch.Tensor:
+    """Squared error per group [R, G] of w [R, G, group] coded with scale extreme / divisor, codes in [lo, hi]."""
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))
+    scale = (extreme / divisor).half().float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (w - torch.round(w / scale).clamp(lo, hi) * scale).square().sum(-1)
 
 
 @pytest.mark.parametrize("tier", [1, 2])
@@ -56,9 +90,22 @@ def test_roundtrip_matches_brute_force(tier: int, cols: int) -> None:
     want = reference_roundtrip(w.numpy(), fmt.bits, fmt.group_for(cols))
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-7)
     assert torch.all(got[3] == 0)
-    # rounding error is at most half a step of the group's scale
-    step = scales.float().repeat_interleave(fmt.group_for(cols), dim=1)[:, :cols]
-    assert torch.all((got - w).abs() <= step / 2 + 1e-6)
+    if fmt.bits == 8:  # rounding error is at most half a step of the group's scale
+        step = scales.float().repeat_interleave(fmt.group_for(cols), dim=1)[:, :cols]
+        assert torch.all((got - w).abs() <= step / 2 + 1e-6)
+
+
+def test_int4_codes_no_group_worse_than_q4_0_or_a_symmetric_code() -> None:
+    fmt = FORMATS[2]
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.02
+    w[::3] *= torch.rand(256, generator=torch.Generator().manual_seed(6)) ** 4 * 10  # heavy-tailed rows too
+    codes, scales = quantize(w, fmt)
+    got = dequantize(codes, scales, 256, fmt).view(64, 8, 32)
+    groups = w.view(64, 8, 32)
+    err = (groups - got).square().sum(-1)
+    q4_0, symmetric = rule_error(groups, -8.0, -8, 7), rule_error(groups, 7.0, -7, 7)
+    assert torch.all(err <= q4_0 * (1 + 1e-5)) and torch.all(err <= symmetric * (1 + 1e-5))
+    assert err.sum() < 0.95 * q4_0.sum() and err.sum() < 0.8 * symmetric.sum()
 
 
 def test_int4_codes_use_the_whole_symmetric_range() -> None:

@@ -3,7 +3,7 @@
 After a model's weights load, each projection (every `nn.Linear` of the model: attention, dense MLPs, shared
 experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.linear` multiplies with the kernels:
 - quantised (`quantize="int8"` or `"int4"`): as a llama.cpp Q8_0 / Q4_0 file holds a model, so a decode step reads a
-  half or a quarter of the bytes; embeddings stay as stored. `quantize="auto"` (the default) quantises nothing here:
+  half or a quarter of the bytes; embeddings stay as stored, and the LM head is int8 under "int4" too (`HEAD_KINDS`). `quantize="auto"` (the default) quantises nothing here:
   a GGUF's Q8_0 / Q4_0 projections arrive as pools of the file's own codes where the extension serves, its other
   block-quantised ones (K-quants: llama.cpp's Q4_0 files hold the LM head at Q6_K) as pools at their nearest tier
   (`holds_file_codes`, `load.fill_dense`), the rest go on as with "none";
@@ -28,6 +28,10 @@ from moelane.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 QUANTIZE = ("auto", "none", "int8", "int4")
+# The LM head's kind under each quantize: int8 under int4 too, as llama.cpp's Q4_0 files hold it at 6 or 8 bits
+# (Q6_K, or Q8_0 where rows are not whole 256-blocks). On the shipped model an int4 head cost +0.66% perplexity of
+# int4's +0.95% (docs/kernels.md "Quality"); it is a few percent of a MoE's bytes a token.
+HEAD_KINDS = {"int8": "int8", "int4": "int8"}
 
 
 def check_quantize(quantize: str) -> None:
@@ -46,12 +50,14 @@ def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = F
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
     if not linears or (build_kernels(progress).backend == "fallback" and quantize == "none"):
         return 0
+    head = getattr(model, "lm_head", None)
     n = 0
     with torch.no_grad():
         for module in linears:
             weight = module.weight.detach()
             if quantize != "none":
-                pool = kernels.quantize(weight.float()[None], quantize)
+                kind = HEAD_KINDS[quantize] if module is head else quantize
+                pool = kernels.quantize(weight.float()[None], kind)
             elif (kind := kernels.FLOAT_KINDS.get(weight.dtype)) is not None:
                 pool = kernels.Pool(kind, weight.contiguous()[None])
             else:
