@@ -7,7 +7,7 @@ requantised (docs/gguf.md#experts).
           -> int4 in groups of 32 (tier 2's format): byte j = n_2j | n_(2j+1) << 4, the nibbles unchanged
 
 So every weight a pool holds is exactly the value the `gguf` package decodes from the block (code * fp16 scale is
-exact in fp32), including Q8_0's code -128 and Q4_0's nibble 0 (-8), which moelane's own quantiser never writes.
+exact in fp32), including Q8_0's code -128, which moelane's own quantiser never writes.
 Block sizes come from `gguf.GGML_QUANT_SIZES`. The repacking is numpy (single-threaded): the store's I/O threads run
 it, and a torch op there would start an OpenMP team of their own (`pager.live.tiers.row_blocks`). A dense
 projection's blocks become a one-slot kernels `Pool` the same way (`matrix_pool`), as `--quantize auto` holds them.

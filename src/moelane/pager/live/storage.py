@@ -43,7 +43,7 @@ from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
 log = logging.getLogger(__name__)
-TIER_FILE_VERSION = 2  # bump whenever the blob layout changes (2: adaptive group size)
+TIER_FILE_VERSION = 3  # bump whenever the blob layout or the quantiser changes (2: adaptive group size; 3: int4 scales)
 
 
 class ExpertReadError(MoelaneError):

@@ -2,7 +2,7 @@
 pool, the checkpoint's own form on disk), int8 or int4.
 
 Quantisation is symmetric and group-wise along each weight row (the input dimension), one float16 scale per group:
-int8 uses groups of 64 and codes in [-127, 127]; int4 groups of 32 and codes in [-7, 7], two codes per byte (low
+int8 uses groups of 64 and codes in [-127, 127]; int4 groups of 32 and codes in [-8, 7], two codes per byte (low
 nibble first), stored offset by 8. A row whose length is not a multiple of the group uses half or a quarter of it
 when that divides the row (at least 16), else is zero-padded to whole groups.
 Quantisation happens once per expert (see `storage.TierFile`). A quantised expert stays quantised in the pool: its
