@@ -54,7 +54,8 @@ def load(
     native). `compile` compiles the one-token decode step; `progress` shows a progress bar while resident experts
     load. `provider`: an expert provider factory of one's own, called with the experts' disk handles and the compute
     dtype, in place of the four settings before it. `quantize` ("int8", "int4") holds the dense projections
-    (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file holds a model;
+    (attention, dense MLPs, shared experts, the LM head) quantised, as a llama.cpp Q8_0 / Q4_0 file holds a model
+    (the LM head at int8 under "int4" too);
     "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never requantised), its
     other block-quantised ones at their nearest tier, and anything else as stored ("none"); the routed experts'
     precision is `default_tier`'s."""
