@@ -186,19 +186,33 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
     widen_scales(w.scale_row(g.slot, r0), (r1 - r0) * w.n_groups, sf.data());
   }
   const float* xs[4];
-  int64_t r4[4];
+  int64_t r4[8];
   float out[16];
-  const int64_t n_tiles = (r1 - r0 + 3) / 4;
+  const bool rows8 = g.count == 1 && w.kind == Kind::INT4 && w.group == 32 && w.n_groups < kItemScaleGroups;
+  const int tile_rows = rows8 ? 8 : 4;
+  const int64_t n_tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
   for (int64_t t = 0; t < n_tiles; ++t) {
     int nr = 0;  // tile rows r0 + t + k * n_tiles that exist; the others repeat the first (results dropped)
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < tile_rows; ++k) {
       const int64_t r = r0 + t + k * n_tiles;
       if (r < r1) nr = k + 1;
       r4[k] = r < r1 ? r : r4[0];
     }
     if (w.row_bytes <= kPrefetchRowBytes)
-      for (int k = 0; k < 4; ++k)
+      for (int k = 0; k < tile_rows; ++k)
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, r4[k]) + kPrefetchBytes + b);
+    if (rows8) {
+      const uint8_t* rows[8];
+      const float* srows[8];
+      for (int k = 0; k < 8; ++k) {
+        rows[k] = w.row(g.slot, r4[k]);
+        srows[k] = sf.data() + (r4[k] - r0) * w.n_groups;
+      }
+      tile_int4_rows8(plan.x + plan.rows[plan.order[g.first]] * plan.ldx, rows, srows, w.cols, out);
+      float* yrow = plan.y + plan.order[g.first] * w.out;
+      for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[k];
+      continue;
+    }
     for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
       const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
       for (int m = 0; m < nm; ++m) xs[m] = plan.x + plan.rows[plan.order[g.first + m0 + m]] * plan.ldx;

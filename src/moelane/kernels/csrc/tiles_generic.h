@@ -141,5 +141,12 @@ inline void tile_int4(const float* const* xs, const uint8_t* const* p, const S* 
   finish<NM>(acc, out);
 }
 
+// tiles_avx512.h's 8-row int4 tile at one activation row (G 32): two 4-row tiles, the same arithmetic per row.
+inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
+  const float* xs[1] = {x};
+  tile_int4<1, 32>(xs, p, s, n, out);
+  tile_int4<1, 32>(xs, p + 4, s + 4, n, out + 4);
+}
+
 }  // namespace
 }  // namespace moelane
