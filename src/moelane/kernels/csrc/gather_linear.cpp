@@ -180,15 +180,19 @@ struct Plan {
 
 // Output rows r0 .. r1 of one slot for all its pairs: the rows' scales widened to fp32 at once into sf (a buffer the
 // thread reuses) where item_scales, then tiles of 4 rows a quarter of the block apart, pairs in blocks of up to 4.
+// A slot's only pair on short quantised rows (batch-1 decode) takes tiles of 8 rows an eighth apart instead
+// (`*_rows8`: each row's arithmetic the 4-row tile's; from L2 the inflated model's 192-column int4 rows went from 9.3
+// to 11.1 GB/s a core: docs/kernels.md).
 void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0, int64_t r1, std::vector<float>& sf) {
   if (item_scales(w)) {
     sf.resize((r1 - r0) * w.n_groups + 16);  // widen_scales may store a whole vector past the end
     widen_scales(w.scale_row(g.slot, r0), (r1 - r0) * w.n_groups, sf.data());
   }
   const float* xs[4];
-  int64_t r4[8];
+  int64_t trows[8];
   float out[16];
-  const bool rows8 = g.count == 1 && w.kind == Kind::INT4 && w.group == 32 && w.n_groups < kItemScaleGroups;
+  const bool rows8 = g.count == 1 && w.n_groups < kItemScaleGroups &&
+                     ((w.kind == Kind::INT4 && w.group == 32) || w.kind == Kind::INT8);
   const int tile_rows = rows8 ? 8 : 4;
   const int64_t n_tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
   for (int64_t t = 0; t < n_tiles; ++t) {
@@ -196,30 +200,38 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
     for (int k = 0; k < tile_rows; ++k) {
       const int64_t r = r0 + t + k * n_tiles;
       if (r < r1) nr = k + 1;
-      r4[k] = r < r1 ? r : r4[0];
+      trows[k] = r < r1 ? r : trows[0];
     }
     if (w.row_bytes <= kPrefetchRowBytes)
       for (int k = 0; k < tile_rows; ++k)
-        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, r4[k]) + kPrefetchBytes + b);
+        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, trows[k]) + kPrefetchBytes + b);
     if (rows8) {
       const uint8_t* rows[8];
       const float* srows[8];
       for (int k = 0; k < 8; ++k) {
-        rows[k] = w.row(g.slot, r4[k]);
-        srows[k] = sf.data() + (r4[k] - r0) * w.n_groups;
+        rows[k] = w.row(g.slot, trows[k]);
+        srows[k] = sf.data() + (trows[k] - r0) * w.n_groups;
       }
-      tile_int4_rows8(plan.x + plan.rows[plan.order[g.first]] * plan.ldx, rows, srows, w.cols, out);
+      const float* x = plan.x + plan.rows[plan.order[g.first]] * plan.ldx;
+      if (w.kind == Kind::INT4) {
+        tile_int4_rows8(x, rows, srows, w.cols, out);
+      } else {
+        auto q = reinterpret_cast<const int8_t* const*>(rows);
+        if (w.group == 64) tile_int8_rows8<64>(x, q, srows, w.cols, out);
+        else if (w.group == 32) tile_int8_rows8<32>(x, q, srows, w.cols, out);
+        else tile_int8_rows8<16>(x, q, srows, w.cols, out);
+      }
       float* yrow = plan.y + plan.order[g.first] * w.out;
-      for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[k];
+      for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[k];
       continue;
     }
     for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
       const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
       for (int m = 0; m < nm; ++m) xs[m] = plan.x + plan.rows[plan.order[g.first + m0 + m]] * plan.ldx;
-      run_tile(nm, w, xs, g.slot, r4, sf.data(), r0, out);
+      run_tile(nm, w, xs, g.slot, trows, sf.data(), r0, out);
       for (int m = 0; m < nm; ++m) {
         float* yrow = plan.y + plan.order[g.first + m0 + m] * w.out;
-        for (int k = 0; k < nr; ++k) yrow[r4[k]] = out[4 * m + k];
+        for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[4 * m + k];
       }
     }
   }

@@ -200,5 +200,24 @@ inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float
   reduce4(acc[4], acc[5], acc[6], acc[7], out + 4);
 }
 
+// tile_int8 at one activation row for 8 weight rows (rows of few groups): as tile_int4_rows8.
+template <int G>
+inline void tile_int8_rows8(const float* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
+  __m512 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < n / G; ++g)
+    for (int k = 0; k < G / 16; ++k) {
+      const int64_t c = g * G + 16 * k;
+      const __m512 xv = _mm512_loadu_ps(x + c);
+      for (int r = 0; r < 8; ++r) {
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + c));
+        __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[r][g]));
+        acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
+      }
+    }
+  reduce4(acc[0], acc[1], acc[2], acc[3], out);
+  reduce4(acc[4], acc[5], acc[6], acc[7], out + 4);
+}
+
 }  // namespace
 }  // namespace moelane

@@ -148,5 +148,13 @@ inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float
   tile_int4<1, 32>(xs, p + 4, s + 4, n, out + 4);
 }
 
+// tiles_avx512.h's 8-row int8 tile at one activation row: two 4-row tiles, the same arithmetic per row.
+template <int G>
+inline void tile_int8_rows8(const float* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
+  const float* xs[1] = {x};
+  tile_int8<1, G>(xs, q, s, n, out);
+  tile_int8<1, G>(xs, q + 4, s + 4, n, out + 4);
+}
+
 }  // namespace
 }  // namespace moelane
