@@ -234,13 +234,18 @@ class LM:
         whole = isinstance(self.provider, ResidentProvider)
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
         # a 115M model's decode here. Tensor shapes and the provider are still guarded.
-        skip: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        # Inductor's wrapper asserts every input's and extern op output's sizes, strides and alignment on each call
+        # (~170 asserts a step on the inflated model); Dynamo's guards already hold the inputs to the compiled
+        # shapes, and the op's fake gives its output's. Without them the 115M model's int4 decode went 343 -> 359
+        # tok/s (docs/kernels.md).
+        options |= {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
         # Dynamo keeps its graphs on the code object, and with module guards skipped it cannot tell two LMs of the
         # same tensor shapes apart (another family's graph was run: KeyError inside). So each LM compiles a copy of
         # the step's code, which holds only its own graphs. Static shapes, except the row count and the pool
         # dimensions that `_decode` and `KVPool` mark.
         step = types.FunctionType(LM._decode_step.__code__.replace(), LM._decode_step.__globals__, "_decode_step")
-        self._compiled = torch.compile(types.MethodType(step, self), fullgraph=whole, dynamic=False, options=skip)
+        self._compiled = torch.compile(types.MethodType(step, self), fullgraph=whole, dynamic=False, options=options)
         # Past a graph break the row count is the next graph's input, which Dynamo specialises (one graph, other
         # bits, per count): with a pager's store, rows go through one at a time, as a lone stream's do.
         self._step_rows = STEP_ROWS if whole else 1
