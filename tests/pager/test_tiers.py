@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.kernels.formats import INT4_DIVISORS
 from moelane.model.provider import ResidentProvider
 from moelane.pager.live.build import store_factory
 from moelane.pager.live.memory import parse_memory
@@ -25,7 +26,6 @@ from moelane.pager.live.storage import (
     tier_dir,
 )
 from moelane.pager.live.store import ExpertStore
-from moelane.kernels.formats import INT4_DIVISORS
 from moelane.pager.live.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
 from tests.helpers import random_model
 

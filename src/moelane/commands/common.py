@@ -98,11 +98,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "anything else native. native decodes a GGUF's experts to the compute dtype")  # fmt: skip
     p.add_argument("--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
                    help="hold the dense projections (attention, dense MLPs, shared experts, the LM head) quantised, "
-                   "as a llama.cpp Q8_0 / Q4_0 file does (int4 holds the LM head at int8, as Q4_0 files hold it at Q6_K or "
-                   "Q8_0); with --default-tier of the same precision the whole model "
-                   "is. Default auto: a GGUF's Q8_0 / Q4_0 projections at int8 / int4 as the file's own codes, its "
-                   "K-quant and other block-quantised ones at the nearest of the two, anything else as stored "
-                   "(none)")  # fmt: skip
+                   "as a llama.cpp Q8_0 / Q4_0 file does (int4 holds the LM head at int8, as Q4_0 files hold it "
+                   "at Q6_K or Q8_0); with --default-tier of the same precision the whole model is. Default auto: "
+                   "a GGUF's Q8_0 / Q4_0 projections at int8 / int4 as the file's own codes, its K-quant and other "
+                   "block-quantised ones at the nearest of the two, anything else as stored (none)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N",
                    help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",

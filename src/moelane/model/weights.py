@@ -3,10 +3,11 @@
 After a model's weights load, each projection (every `nn.Linear` of the model: attention, dense MLPs, shared
 experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.linear` multiplies with the kernels:
 - quantised (`quantize="int8"` or `"int4"`): as a llama.cpp Q8_0 / Q4_0 file holds a model, so a decode step reads a
-  half or a quarter of the bytes; embeddings stay as stored, and the LM head is int8 under "int4" too (`HEAD_KINDS`). `quantize="auto"` (the default) quantises nothing here:
-  a GGUF's Q8_0 / Q4_0 projections arrive as pools of the file's own codes where the extension serves, its other
-  block-quantised ones (K-quants: llama.cpp's Q4_0 files hold the LM head at Q6_K) as pools at their nearest tier
-  (`holds_file_codes`, `load.fill_dense`), the rest go on as with "none";
+  half or a quarter of the bytes; embeddings stay as stored, and the LM head is int8 under "int4" too (`HEAD_KINDS`).
+  `quantize="auto"` (the default) quantises nothing here: a GGUF's Q8_0 / Q4_0 projections arrive as pools of the
+  file's own codes where the extension serves, its other block-quantised ones (K-quants: llama.cpp's Q4_0 files hold
+  the LM head at Q6_K) as pools at their nearest tier (`holds_file_codes`, `load.fill_dense`), the rest go on as with
+  "none";
 - as they are, in bfloat16 or float32, where the C++ extension serves: it reads them at close to the memory's speed
   (float32 LM heads and projections took the shipped-size 115M model's compiled decode from 81 to 190 tok/s here)
   and reduces each row in a fixed order, where oneDNN's bf16 products gave a row other bits among other row counts
@@ -56,8 +57,7 @@ def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = F
         for module in linears:
             weight = module.weight.detach()
             if quantize != "none":
-                kind = HEAD_KINDS[quantize] if module is head else quantize
-                pool = kernels.quantize(weight.float()[None], kind)
+                pool = kernels.quantize(weight.float()[None], HEAD_KINDS[quantize] if module is head else quantize)
             elif (kind := kernels.FLOAT_KINDS.get(weight.dtype)) is not None:
                 pool = kernels.Pool(kind, weight.contiguous()[None])
             else:
