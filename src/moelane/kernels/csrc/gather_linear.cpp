@@ -165,6 +165,29 @@ void run_tile(int nm, const Weights& w, const float* const* xs, int64_t slot, co
   }
 }
 
+// Whether a slot's pairs take 8-row tiles (`tile8`): its only pair, on short int8 / int4 rows (batch-1 decode), whose
+// scales item_scales widens (fewer than kItemScaleGroups).
+bool rows8(const Weights& w, int64_t n_pairs) {
+  return n_pairs == 1 && w.n_groups < kItemScaleGroups &&
+         ((w.kind == Kind::INT4 && w.group == 32) || w.kind == Kind::INT8);
+}
+
+// As tile<1> for 8 rows (r8) of a `rows8` slot: the `*_rows8` tiles, each row's arithmetic the 4-row tile's.
+void tile8(const Weights& w, const float* x, int64_t slot, const int64_t* r8, const float* sf, int64_t r0,
+           float* out) {
+  const uint8_t* rows[8];
+  const float* srows[8];
+  for (int r = 0; r < 8; ++r) {
+    rows[r] = w.row(slot, r8[r]);
+    srows[r] = sf + (r8[r] - r0) * w.n_groups;
+  }
+  if (w.kind == Kind::INT4) return tile_int4_rows8(x, rows, srows, w.cols, out);
+  auto q = reinterpret_cast<const int8_t* const*>(rows);
+  if (w.group == 64) return tile_int8_rows8<64>(x, q, srows, w.cols, out);
+  if (w.group == 32) return tile_int8_rows8<32>(x, q, srows, w.cols, out);
+  tile_int8_rows8<16>(x, q, srows, w.cols, out);
+}
+
 // Pairs of one slot: order[first .. first + count) are their pair indices, ascending.
 struct SlotPairs {
   int64_t slot, first, count;
@@ -181,8 +204,8 @@ struct Plan {
 
 // Output rows r0 .. r1 of one slot for all its pairs: the rows' scales widened to fp32 at once into sf (a buffer the
 // thread reuses) where item_scales, then tiles of 4 rows a quarter of the block apart, pairs in blocks of up to 4.
-// A slot's only pair on short quantised rows (batch-1 decode) takes tiles of 8 rows an eighth apart instead
-// (`*_rows8`: each row's arithmetic the 4-row tile's; from L2 the inflated model's 192-column int4 rows went from 9.3
+// A slot's only pair on short quantised rows (batch-1 decode: `rows8`) takes tiles of 8 rows an eighth apart instead
+// (`tile8`: each row's arithmetic the 4-row tile's; from L2 the inflated model's 192-column int4 rows went from 9.3
 // to 11.1 GB/s a core: docs/kernels.md).
 void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0, int64_t r1, std::vector<float>& sf) {
   if (item_scales(w)) {
@@ -192,9 +215,8 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
   const float* xs[4];
   int64_t trows[8];
   float out[16];
-  const bool rows8 = g.count == 1 && w.n_groups < kItemScaleGroups &&
-                     ((w.kind == Kind::INT4 && w.group == 32) || w.kind == Kind::INT8);
-  const int tile_rows = rows8 ? 8 : 4;
+  const bool eight = rows8(w, g.count);
+  const int tile_rows = eight ? 8 : 4;
   const int64_t n_tiles = (r1 - r0 + tile_rows - 1) / tile_rows;
   for (int64_t t = 0; t < n_tiles; ++t) {
     int nr = 0;  // tile rows r0 + t + k * n_tiles that exist; the others repeat the first (results dropped)
@@ -206,22 +228,8 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
     if (w.row_bytes <= kPrefetchRowBytes)
       for (int k = 0; k < tile_rows; ++k)
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, trows[k]) + kPrefetchBytes + b);
-    if (rows8) {
-      const uint8_t* rows[8];
-      const float* srows[8];
-      for (int k = 0; k < 8; ++k) {
-        rows[k] = w.row(g.slot, trows[k]);
-        srows[k] = sf.data() + (trows[k] - r0) * w.n_groups;
-      }
-      const float* x = plan.x + plan.rows[plan.order[g.first]] * plan.ldx;
-      if (w.kind == Kind::INT4) {
-        tile_int4_rows8(x, rows, srows, w.cols, out);
-      } else {
-        auto q = reinterpret_cast<const int8_t* const*>(rows);
-        if (w.group == 64) tile_int8_rows8<64>(x, q, srows, w.cols, out);
-        else if (w.group == 32) tile_int8_rows8<32>(x, q, srows, w.cols, out);
-        else tile_int8_rows8<16>(x, q, srows, w.cols, out);
-      }
+    if (eight) {
+      tile8(w, plan.x + plan.rows[plan.order[g.first]] * plan.ldx, g.slot, trows, sf.data(), r0, out);
       float* yrow = plan.y + plan.order[g.first] * w.out;
       for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[k];
       continue;
