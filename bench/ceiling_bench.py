@@ -87,15 +87,16 @@ def moelane_worker(args: argparse.Namespace, prompt: list[int]) -> dict[str, obj
         out["pager"] = {"hit_rate": round(s["by_phase"].get("decode", {}).get("hit_rate", 0.0), 3),
                         "stall_s": round(s["by_phase"].get("decode", {}).get("stall_s", 0.0), 2),
                         "budget_mib": lm.provider.config.budget_bytes // MiB, "prefetch": s["prefetch"]}  # fmt: skip
-        out["weights_bytes"] = dense_bytes(lm.model) + lm.provider.high_water_bytes
+        out["weights_bytes"] = resident_dense_bytes(lm.model) + lm.provider.high_water_bytes
     lm.close()
     return {**out, **timings(len(prompt), tokens, t0, t_first, t_end, io_load, io_first, io_end)}
 
 
-def dense_bytes(model: object) -> int:
-    """Bytes of the model's own weights, each storage once: its parameters and buffers, and the projections the
-    kernels hold as pools (`weights.prepare_weights`: plain attributes, no longer parameters). With a store that is
-    every weight but the experts, which live in its pool."""
+def resident_dense_bytes(model: object) -> int:
+    """Bytes of the model's own weights in memory, each storage once: its parameters and buffers (embeddings too,
+    which `footprint.dense_bytes`, the bytes a pass reads, leaves out), and the projections the kernels hold as pools
+    (`weights.prepare_weights`: plain attributes, no longer parameters). With a store that is every weight but the
+    experts, which live in its pool."""
     import torch
 
     from moelane import kernels
