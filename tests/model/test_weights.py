@@ -86,3 +86,41 @@ def test_an_unknown_quantisation_is_refused(folder: Path) -> None:
     lm = moelane.load(folder)
     with pytest.raises(ModelLoadError, match="quantize must be one of auto, none, int8, int4"):
         prepare_weights(lm.model, "int3")
+
+
+def test_quantised_projections_are_cached_beside_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first int4 load quantises the projections and keeps them (`derived.DenseCache`); the next takes the same
+    codes from the file without quantising; a checkpoint rewritten, another compute dtype or a damaged file
+    quantises again (and a damaged file is rewritten, not an error)."""
+    folder = random_model("qwen3_moe", tmp_path / "m")
+    calls = []
+    quantize = kernels.quantize
+
+    def counted(w: torch.Tensor, kind: str) -> kernels.Pool:
+        calls.append(kind)
+        return quantize(w, kind)
+
+    monkeypatch.setattr(kernels, "quantize", counted)
+    first = moelane.load(folder, quantize="int4")
+    n = len(calls)
+    assert n == len(projections(first)) and (folder / ".moelane" / "dense-int4-float32.safetensors").is_file()
+    again = moelane.load(folder, quantize="int4")
+    assert len(calls) == n
+    for a, b in zip(projections(first), projections(again), strict=True):
+        assert a.weight.kind == b.weight.kind  # type: ignore[union-attr]
+        assert torch.equal(a.weight.data, b.weight.data) and torch.equal(a.weight.scales, b.weight.scales)  # type: ignore[union-attr]
+    ids = list(range(3, 30))
+    assert torch.equal(first.logits(ids), again.logits(ids))
+
+    moelane.load(folder, torch.bfloat16, quantize="int4")  # another dtype: its own file
+    assert len(calls) == 2 * n and (folder / ".moelane" / "dense-int4-bfloat16.safetensors").is_file()
+    shard = folder / "model.safetensors"
+    shard.write_bytes(shard.read_bytes())  # rewritten (a new mtime): quantised again
+    moelane.load(folder, quantize="int4")
+    assert len(calls) == 3 * n
+    cached = folder / ".moelane" / "dense-int4-float32.safetensors"
+    cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2])
+    damaged = moelane.load(folder, quantize="int4")
+    assert len(calls) == 4 * n and torch.equal(damaged.logits(ids), first.logits(ids))
+    moelane.load(folder, quantize="int4")
+    assert len(calls) == 4 * n  # the damaged file was rewritten

@@ -12,6 +12,7 @@ import torch
 
 import moelane
 from moelane.kernels.formats import INT4_DIVISORS
+from moelane.model.derived import cache_dir
 from moelane.model.provider import ResidentProvider
 from moelane.pager.live.build import store_factory
 from moelane.pager.live.memory import parse_memory
@@ -23,7 +24,6 @@ from moelane.pager.live.storage import (
     all_finite,
     decode_native,
     read_native,
-    tier_dir,
 )
 from moelane.pager.live.store import ExpertStore
 from moelane.pager.live.tiers import FORMATS, ExpertCodec, QuantFormat, dequantize, parse_tier, quantize
@@ -155,7 +155,7 @@ def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp
     handles, files = lm.expert_handles, ShardFiles()
     hidden, width = next(iter(handles.values()))[0].tensors["down"].shape
     codec = ExpertCodec(1, width, hidden)
-    tiers = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    tiers = TierFile.open_or_build(handles, codec, cache_dir(model), files)
     assert tiers.path.parent == model / ".moelane"
     built = tiers.path.stat().st_mtime_ns
     handle = handles[lm.moe_layers[1]][4]
@@ -163,13 +163,13 @@ def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp
     decode_native(handle, read_native(files, handle), w13, w2)
     assert torch.equal(tiers.read(handle), codec.encode(w13, w2))
     tiers.close()
-    again = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    again = TierFile.open_or_build(handles, codec, cache_dir(model), files)
     assert again.path.stat().st_mtime_ns == built  # reused, not rebuilt
     again.close()
     with open(again.path, "r+b") as f:  # damage one expert's blob
         f.seek(codec.nbytes * 5 + 3)
         f.write(b"\xff\xfe")
-    damaged = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    damaged = TierFile.open_or_build(handles, codec, cache_dir(model), files)
     with pytest.raises(ExpertReadError, match=r"expert 5 of layer 0: tier file .* corrupt"):
         damaged.read(handles[lm.moe_layers[0]][5])
     damaged.close()
@@ -177,7 +177,7 @@ def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp
     shard.write_bytes(shard.read_bytes())  # same bytes, new mtime: the fingerprint changes
     files.close()
     files = ShardFiles()  # the old descriptors rightly refuse a shard modified under them
-    rebuilt = TierFile.open_or_build(handles, codec, tier_dir(model), files)
+    rebuilt = TierFile.open_or_build(handles, codec, cache_dir(model), files)
     assert rebuilt.read(handles[lm.moe_layers[0]][5]).numel() == codec.nbytes  # CRC fine again
     rebuilt.close()
     files.close()
@@ -236,11 +236,10 @@ def test_the_shipped_models_tier_files_live_outside_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from moelane.assets import default_model_path
-    from moelane.pager.live.storage import tier_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    shipped = tier_dir(default_model_path())
+    shipped = cache_dir(default_model_path())
     assert shipped.is_relative_to(tmp_path) and not (default_model_path() / ".moelane").exists()
     own = tmp_path / "model"
     own.mkdir()
-    assert tier_dir(own) == own / ".moelane"
+    assert cache_dir(own) == own / ".moelane"

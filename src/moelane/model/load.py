@@ -38,6 +38,7 @@ from moelane.model.checkpoint import (
 )
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
+from moelane.model.derived import DenseCache
 from moelane.model.family import FAMILIES, Family, family_of
 from moelane.model.gguf.file import GgufFile, is_gguf, open_gguf
 from moelane.model.gguf.hparams import hf_config
@@ -96,7 +97,8 @@ def load(
     else:
         own_codes = holds_file_codes(quantize, progress)
         handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, own_codes)
-    prepare_weights(model, quantize, progress)
+    cache = DenseCache.of(folder, quantize, compute) if quantize in ("int8", "int4") else None
+    prepare_weights(model, quantize, progress, cache)
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
     if compile:

@@ -26,6 +26,7 @@ from torch import nn
 
 from moelane import kernels
 from moelane.errors import ModelLoadError
+from moelane.model.derived import DenseCache
 
 log = logging.getLogger(__name__)
 QUANTIZE = ("auto", "none", "int8", "int4")
@@ -41,32 +42,63 @@ def check_quantize(quantize: str) -> None:
         raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
 
 
-def prepare_weights(model: nn.Module, quantize: str = "none", progress: bool = False) -> int:
+def prepare_weights(
+    model: nn.Module, quantize: str = "none", progress: bool = False, cache: DenseCache | None = None
+) -> int:
     """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
-    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s). "auto"
-    is "none" here: a GGUF's block-quantised projections are already pools (`load.fill_dense`), and pools are left
-    as they are."""
+    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s), and a bar
+    counts the projections while they are quantised. "auto" is "none" here: a GGUF's block-quantised projections are
+    already pools (`load.fill_dense`), and pools are left as they are. Quantised pools are taken from `cache` where
+    it holds them, and written to it where it did not (`derived.DenseCache`)."""
     check_quantize(quantize)
     quantize = "none" if quantize == "auto" else quantize
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
+    linears = {
+        name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)
+    }
     if not linears or (build_kernels(progress).backend == "fallback" and quantize == "none"):
         return 0
-    head = getattr(model, "lm_head", None)
+    if quantize != "none":
+        return quantise(model, linears, quantize, progress, cache)
     n = 0
-    with torch.no_grad():
-        for module in linears:
-            weight = module.weight.detach()
-            if quantize != "none":
-                pool = kernels.quantize(weight.float()[None], HEAD_KINDS[quantize] if module is head else quantize)
-            elif (kind := kernels.FLOAT_KINDS.get(weight.dtype)) is not None:
-                pool = kernels.Pool(kind, weight.contiguous()[None])
-            else:
-                continue
-            del module.weight  # (the Parameter; a plain attribute takes its place)
-            module.weight = pool  # type: ignore[assignment]
+    for module in linears.values():
+        if (kind := kernels.FLOAT_KINDS.get(module.weight.dtype)) is not None:
+            replace(module, kernels.Pool(kind, module.weight.detach().contiguous()[None]))
             n += 1
-    log.debug("%d projections read through the kernels (%s)", n, quantize)
+    log.debug("%d projections read through the kernels", n)
     return n
+
+
+def quantise(
+    model: nn.Module, linears: dict[str, nn.Linear], quantize: str, progress: bool, cache: DenseCache | None
+) -> int:
+    """prepare_weights' quantised case -> how many projections were turned."""
+    head = getattr(model, "lm_head", None)
+    kinds = {name: HEAD_KINDS[quantize] if m is head else quantize for name, m in linears.items()}
+    wanted = {name: (kinds[name], *m.weight.shape) for name, m in linears.items()}
+    cached = None if cache is None else cache.load(wanted)
+    if cached is not None:
+        for name, module in linears.items():
+            replace(module, cached[name])
+        log.debug("%d projections from the dense cache (%s)", len(linears), quantize)
+        return len(linears)
+    from tqdm import tqdm
+
+    pools = {}
+    bar = tqdm(linears.items(), desc=f"quantising dense weights to {quantize}", unit=" proj", leave=False,
+               disable=not progress, delay=1.0, file=sys.stderr)  # fmt: skip
+    with torch.no_grad():
+        for name, module in bar:
+            pools[name] = kernels.quantize(module.weight.detach().float()[None], kinds[name])
+            replace(module, pools[name])
+    if cache is not None:
+        cache.save(pools)
+    log.debug("%d projections quantised (%s)", len(pools), quantize)
+    return len(pools)
+
+
+def replace(module: nn.Linear, pool: kernels.Pool) -> None:
+    del module.weight  # (the Parameter; a plain attribute takes its place)
+    module.weight = pool  # type: ignore[assignment]
 
 
 def holds_file_codes(quantize: str, progress: bool = False) -> bool:

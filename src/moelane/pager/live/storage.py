@@ -23,7 +23,6 @@ host RAM: never dequantised.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -37,13 +36,16 @@ import torch
 
 from moelane.errors import ModelLoadError, MoelaneError
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
+from moelane.model.derived import cache_dir, file_fingerprint
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
 from moelane.model.gguf.file import is_gguf, model_name
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
 log = logging.getLogger(__name__)
-TIER_FILE_VERSION = 3  # bump whenever the blob layout or the quantiser changes (2: adaptive group size; 3: int4 scales)
+# bump whenever the blob layout or the quantiser (formats.QUANTIZER_VERSION) changes (2: adaptive group size; 3: int4
+# scales)
+TIER_FILE_VERSION = 3
 
 
 class ExpertReadError(MoelaneError):
@@ -202,26 +204,9 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def shard_fingerprint(handles: dict[int, list[ExpertHandle]]) -> list[list[object]]:
-    paths = sorted({ref.path for hs in handles.values() for h in hs for ref in h.tensors.values()})
-    return [[Path(p).name, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
-
-
-def tier_dir(model_folder: Path) -> Path:
-    """`<model>/.moelane/` when writable, else (and for the model shipped inside the package)
-    `~/.cache/moelane/tiers/<hash of the model path>/`."""
-    beside = model_folder / ".moelane"
-    shipped = Path(__file__).resolve().parents[2] in model_folder.resolve().parents  # (src/moelane/)
-    try:
-        if not shipped:
-            beside.mkdir(exist_ok=True)
-            if os.access(beside, os.W_OK):
-                return beside
-    except OSError:
-        pass
-    digest = hashlib.sha1(str(model_folder.resolve()).encode()).hexdigest()[:16]
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelane" / "tiers" / digest
-    home.mkdir(parents=True, exist_ok=True)
-    return home
+    return file_fingerprint(
+        sorted({Path(ref.path) for hs in handles.values() for h in hs for ref in h.tensors.values()})
+    )
 
 
 class TierFile:
@@ -373,7 +358,7 @@ class Storage:
                 hidden, width = next(iter(self.handles.values()))[0].dims
                 codec = ExpertCodec(tier, width, hidden)
                 try:
-                    folder = tier_dir(self.model_folder)
+                    folder = cache_dir(self.model_folder)
                     self._tiers[tier] = TierFile.open_or_build(self.handles, codec, folder, self.files,
                                                                self.tier_prefix, self.progress)  # fmt: skip
                 except OSError as e:
