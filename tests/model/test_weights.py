@@ -124,3 +124,22 @@ def test_quantised_projections_are_cached_beside_the_model(tmp_path: Path, monke
     assert len(calls) == 4 * n and torch.equal(damaged.logits(ids), first.logits(ids))
     moelane.load(folder, quantize="int4")
     assert len(calls) == 4 * n  # the damaged file was rewritten
+
+
+def test_a_dense_cache_that_cannot_be_written_leaves_the_load_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk (or any failed write) costs the cache, never the load, and leaves no partial file behind."""
+    from safetensors import SafetensorError
+
+    from moelane.model import derived
+
+    def full(tensors: object, filename: str, metadata: object) -> None:
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("No space left on device")
+
+    monkeypatch.setattr(derived, "save_file", full)
+    folder = random_model("qwen3_moe", tmp_path / "m")
+    lm = moelane.load(folder, quantize="int8")
+    assert all(isinstance(m.weight, kernels.Pool) for m in projections(lm))
+    assert list((folder / ".moelane").iterdir()) == []

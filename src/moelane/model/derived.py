@@ -116,11 +116,14 @@ class DenseCache:
             assert pool.scales is not None and pool.in_features is not None
             tensors[f"{name}.data"], tensors[f"{name}.scales"] = pool.data, pool.scales
             described[name] = [pool.kind, pool.data.shape[1], pool.in_features]
+        tmp = None
         try:
             path = self.path()
-            tmp = path.with_name(path.name + ".tmp")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # (loads in other processes write their own)
             save_file(tensors, str(tmp), metadata={"key": json.dumps(self.key), "pools": json.dumps(described)})
             os.chmod(tmp, 0o644)  # (as the tier files beside it: safetensors writes 0600)
             os.replace(tmp, path)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:  # (a full disk comes as either)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             log.debug("cannot write the dense cache %s of %s: %s", self.name, self.folder, e)
