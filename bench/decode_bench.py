@@ -1,11 +1,14 @@
 """Decode speed at batch 1: moelane (eager and compiled) against transformers and llama.cpp on the same model.
 
-Builds a random qwen3_moe of ~115M params (vocab 32000, hidden 512, 8 layers, 32 experts, top-4, norm_topk_prob)
-unless --model is given, then alternates the engines round by round and prints one JSON line per measurement and a
-summary line with medians and ratios. llama.cpp runs only when `llama_cpp` is importable and a converter is found
-(--llama-cpp DIR, the llama.cpp tree in llama-cpp-python's sdist); it uses an f32 KV cache.
+Builds a random qwen3_moe into --model unless it holds a model (`--shape`: by default ~115M params, vocab 32000,
+hidden 512, 8 layers, 32 experts, top-4; `qwen3-30b-a3b`: Qwen3-30B-A3B's layer shapes for 4 of its layers), then
+alternates the engines round by round and prints one JSON line per measurement and a summary line with medians and
+ratios. llama.cpp runs only when `llama_cpp` is importable and a converter is found (--llama-cpp DIR, the llama.cpp
+tree in llama-cpp-python's sdist); it uses an f32 KV cache.
 
     python bench/decode_bench.py --rounds 3 --tokens 128
+    python bench/decode_bench.py --model /tmp/q3shape --shape qwen3-30b-a3b --quant bf16,int8,int4 \\
+        --engines moelane-compiled,llama.cpp --llama-cpp TREE --llama-python PY --rounds 5 --tokens 64
     python bench/decode_bench.py --model /tmp/inflated --quant bf16,int8,int4,experts-int4 --tokens 64 \\
         --gguf-dir /tmp/gguf --llama-python /path/to/venv/bin/python
 
@@ -34,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,20 +56,39 @@ def git_rev() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
-def build_model(folder: Path) -> Path:
+# Random qwen3_moe models a run builds where --model has no config.json (vocab 32000), and the dtype they are built
+# and saved in:
+# - 115m: ~115M params, small enough that per-op costs decide (float32);
+# - qwen3-30b-a3b: Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of
+#   768, top-8) for 4 of its 48 layers, 2.6B params (5.2 GB in bf16): a decode step reads ~580 MB in bf16, bound by
+#   memory.
+SHAPES: dict[str, dict[str, Any]] = {
+    "115m": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=192, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+                 max_position_embeddings=2048, dtype=torch.float32),
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, max_position_embeddings=4096, dtype=torch.bfloat16),
+}  # fmt: skip
+
+
+def build_model(folder: Path, shape: str = "115m") -> Path:
     if (folder / "config.json").exists():
         return folder
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1024, moe_intermediate_size=192, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
-        norm_topk_prob=True, max_position_embeddings=2048, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = Qwen3MoeForCausalLM(config)
+    params = dict(SHAPES[shape])
+    dtype = params.pop("dtype")
+    config = Qwen3MoeConfig(vocab_size=32000, norm_topk_prob=True, tie_word_embeddings=False, **params)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     n = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"event": "built", "params": n, "folder": str(folder)}), flush=True)
+    print(json.dumps({"event": "built", "shape": shape, "params": n, "folder": str(folder)}), flush=True)
     save_model(model, folder, 32000)
     return folder
 
@@ -181,6 +204,8 @@ def llama_runner(gguf_path: Path, python: str, tokens: int) -> Callable[[], floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=Path("/tmp/moelane-bench-qwen3moe-115m"))
+    p.add_argument("--shape", default="115m", choices=SHAPES,
+                   help="the random model built into --model where it has no config.json")  # fmt: skip
     p.add_argument("--quant", default="float32",
                    help=f"precisions, comma-separated, each run by both engines where they match: {', '.join(SETTINGS)}"
                    " (bf16 against llama.cpp BF16, int8 and int4 (all weights) against Q8_0 and Q4_0)")  # fmt: skip
@@ -196,7 +221,7 @@ def main() -> None:
                    "their codes)")  # fmt: skip
     p.add_argument("--expert-memory", help="moelane's expert budget (512MiB, 25%%; default: all resident)")
     args = p.parse_args()
-    folder = build_model(args.model)
+    folder = build_model(args.model, args.shape)
     from tokenizers import Tokenizer
 
     PROMPT[:] = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT_TEXT).ids
