@@ -38,6 +38,7 @@ from lanes_bench import prompts
 from moelane.lanes import Engine, EngineConfig
 from moelane.model.cache import Rows
 from moelane.model.footprint import footprint
+from moelane.model.lm import STEP_POOLS
 from moelane.model.provider import RoutingRecord
 
 GiB = 1 << 30
@@ -128,7 +129,7 @@ def main() -> None:
     lm = moelane.load(args.model, "auto", default_tier=args.default_tier, quantize=args.quantize)
     if not args.eager:
         lm.enable_compile()
-        lm.warm_up(1, 1)
+        lm.warm_up(1, 1, STEP_POOLS)  # (as `moelane serve`: rounds of two cache capacities share a call)
     shape = footprint(lm)
     if shape is None:
         raise SystemExit("round_cost needs a model with routed experts")

@@ -19,7 +19,7 @@ from moelane.commands import build_parser, main
 from moelane.errors import InputError, ModelLoadError
 from moelane.lanes.drafters import CopyDrafter, ModelDrafter
 from moelane.model.attention import reach
-from moelane.model.cache import Rows
+from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.sampling import SamplingParams, adjusted, sample
 from moelane.model.tokenizer import StopFilter
 from tests.helpers import random_model
@@ -395,7 +395,8 @@ def test_decode_rounds_read_caches_in_place_or_stacked_bit_for_bit(folder: Path)
 def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threads: int) -> None:
     """Through the compiled decode step, a stream's generated rows are bit-identical decoded one token at a time
     alone, and as rows among 1 to 23 others (other streams of its pool and of another pool, its own drafts, a call
-    split over two), so drafts verified in one call give what one-token steps give."""
+    split over two), so drafts verified in one call give what one-token steps give. Rows of both pools share a call
+    (so a round reads each expert once), up to 16 rows a call."""
     lm = moelane.load(folder, compile=True)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -410,13 +411,16 @@ def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threa
             lm.forward([Rows(c, p, 0)])
         ca = lm.new_cache(256)
         lm.forward([Rows(ca, a, 0)])
-        got, fed = [], 0
+        got, fed, calls = [], 0, []
+        step = lm._compiled
+        lm._compiled = lambda parts: (calls.append(len(parts)), step(parts))[1]
         for n_own, n_others in ((1, 0), (1, 1), (1, 4), (1, 10), (8, 10)):  # the last: 8 + 10 + 5 rows, split
             rows = [Rows(ca, extra[fed : fed + n_own], len(a) + fed, decode=True)]
             rows += [Rows(c, p[: 1 + k % 2], 9 + fed, decode=True) for k, (c, p) in enumerate(others[:n_others])]
             got.append(lm.forward(rows)[0])
             fed += n_own
         assert torch.equal(torch.cat(got), solo)
+        assert calls == [1, 2, 2, 2, 1, 2]  # pools each call read: 1 row; 2; 5; 16; 23 (18 of one pool first)
     finally:
         torch.set_num_threads(before)
 
@@ -466,23 +470,31 @@ def test_max_tokens_and_eos(lm: moelane.LM) -> None:
 
 @pytest.mark.slow  # (compiles with fullgraph: ~10-12 s on 2 cores)
 def test_compiled_decode_has_no_graph_break(lm: moelane.LM) -> None:
-    """The decode step compiles whole (fullgraph=True raises on any graph break), and its rows agree with eager."""
+    """The decode step compiles whole (fullgraph=True raises on any graph break), with the rows of one pool and of
+    two, and its rows agree with eager."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    cache = lm.new_cache(256)
+    cache, other = lm.new_cache(256), lm.new_cache(512)
     ids = list(range(10, 30))
     eager_logits = lm.forward([Rows(cache, ids, 0)])[0][-1]
+    lm.forward([Rows(other, ids, 0)])
     token = int(torch.argmax(eager_logits))
     step = torch.compile(lm._decode_step, fullgraph=True, dynamic=False)
-    rows, keys = torch.tensor([[token, 20, cache.slot]] * 2), torch.arange(256)
-    torch._dynamo.decorators.mark_unbacked(rows, 0)
-    torch._dynamo.decorators.mark_unbacked(keys, 0)
+
+    def part(c: KVCache, n: int) -> tuple[torch.Tensor, KVPool, torch.Tensor]:
+        rows, keys = torch.tensor([[token, 20, c.slot]] * n), torch.arange(c.capacity if c.capacity < 512 else 512)
+        torch._dynamo.decorators.mark_unbacked(rows, 0)
+        torch._dynamo.decorators.mark_unbacked(keys, 0)
+        return rows, c.pool, keys
+
     with torch.no_grad():
-        compiled = step(rows, cache.pool, keys)
+        compiled = step([part(cache, 2)])
+        mixed = step([part(cache, 1), part(other, 2)])
     eager = lm.forward([Rows(cache, [token], 20)])[0][0]
     assert (compiled[0] - eager).abs().max() < 1e-4
     assert torch.equal(compiled[0], compiled[1])
+    assert torch.equal(mixed[0], compiled[0]) and torch.equal(mixed[1], mixed[2])
 
 
 @pytest.mark.slow  # (compiles two models: ~13-15 s)

@@ -757,10 +757,18 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
 def test_compiled_decode_matches_eager(
     case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """The decode step compiles whole (fullgraph) for every family and decodes the same tokens as eager."""
+    """The decode step compiles whole (fullgraph) for every family and decodes the same tokens as eager; rows of
+    two cache capacities in one call (each pool's rows attend apart) are the bits of each stream's call alone."""
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     lm = moelane.load(folder)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     eager = greedy(lm, prompt)
     lm.enable_compile()
     assert greedy(lm, prompt) == eager
+    caches = [lm.new_cache(64), lm.new_cache(128)]
+    for cache in caches:
+        lm.forward([Rows(cache, prompt, 0)])
+    rows = [Rows(caches[0], [5], len(prompt), decode=True), Rows(caches[1], [6, 7], len(prompt), decode=True)]
+    together = lm.forward(rows)
+    alone = [lm.forward([row])[0] for row in rows]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))

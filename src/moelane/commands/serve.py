@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from moelane.commands.common import add_model_args, load_model, paged
+from moelane.model.lm import STEP_POOLS
 
 T = TypeVar("T")
 
@@ -104,7 +105,7 @@ def build(args: argparse.Namespace) -> Any:
             say("compiling the decode step (10-60 s the first time; later starts use the cache)...")
             if not lm.compile_enabled:
                 lm.enable_compile()
-            compile = lm.warm_up(1, 1)  # (False: it could not be compiled, and serves eagerly)
+            compile = lm.warm_up(1, 1, STEP_POOLS)  # (False: it could not be compiled, and serves eagerly)
         drafter = args.drafter if args.drafter != "auto" else "none" if compile else "recall"
         guard = {"auto": None, "on": True, "off": False}[args.guard]
         config = EngineConfig(drafter=drafter, guard=guard, max_streams=args.max_streams, max_depth=args.max_depth,

@@ -64,22 +64,38 @@ def visible(key_pos: torch.Tensor, row_pos: torch.Tensor, window: Window | None)
 
 
 @dataclass(frozen=True, slots=True)
+class PoolPart:
+    """Consecutive rows of the compiled decode step whose caches are slots of one pool: how many (a symbol in the
+    step's graph), the pool, and the key positions they read (`arange(reach)` of that pool's capacity)."""
+
+    rows: Any
+    pool: KVPool
+    keys: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """How the rows of one forward pass split into streams.
 
     `spans[i]` is (first row, row count) of stream i; `caches[i]` its KV cache; positions [N] absolute positions;
     `ends[i]` the position after stream i's last row; `slots` [N] each row's cache slot in its pool. The compiled
-    decode step gives `pool`, `slots` and `keys` (the key positions its attention reads: `arange(reach)`) instead
-    of caches.
+    decode step gives `parts` (its rows by pool, in row order) and `slots` instead of caches.
     """
 
     spans: tuple[tuple[int, int], ...]
     caches: tuple[KVCache, ...]
     positions: torch.Tensor
     ends: tuple[int, ...] = ()
-    pool: KVPool | None = None
     slots: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
+    parts: tuple[PoolPart, ...] = ()
+
+    def by_part(self, *rows: torch.Tensor) -> list[tuple[PoolPart, tuple[torch.Tensor, ...]]]:
+        """The compiled step's row tensors ([N, ...] each) cut into its parts' rows, with each part."""
+        if len(self.parts) == 1:
+            return [(self.parts[0], rows)]
+        sizes = [part.rows for part in self.parts]
+        cut = [torch.split(t, sizes) for t in rows]
+        return [(part, tuple(c[i] for c in cut)) for i, part in enumerate(self.parts)]
 
 
 def pack_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -260,9 +276,13 @@ def attend_streams(
     """Write each stream's new K/V into its cache, then attend over the cache up to `reach`: streams whose caches
     are slots of one pool and whose packed query rows (`pack_queries`) come to the same tiles go through one batched
     call (`attend_group`). q [N, Hq, D], k/v [N, Hkv, D]; sinks [Hkv, group] (`with_sinks`) or None."""
-    if batch.pool is not None and batch.slots is not None and batch.keys is not None:
-        return attend_pooled(q, k, v, batch.pool.k[layer], batch.pool.v[layer], batch.slots, batch.positions,
-                             batch.keys, scale, window, sinks)  # fmt: skip
+    if batch.parts and batch.slots is not None:  # the compiled decode step: each pool's rows apart, in row order
+        outs = [
+            attend_pooled(q_, k_, v_, part.pool.k[layer], part.pool.v[layer], slots, positions, part.keys, scale,
+                          window, sinks)
+            for part, (q_, k_, v_, slots, positions) in batch.by_part(q, k, v, batch.slots, batch.positions)
+        ]  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     write_rows(layer, batch, k, v)
     counts = [n for _, n in batch.spans]
     if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing

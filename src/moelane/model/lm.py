@@ -15,6 +15,7 @@ bits differ.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import secrets
@@ -27,7 +28,7 @@ from typing import Any, cast
 import torch
 
 from moelane.errors import InputError, MoelaneError, integer
-from moelane.model.attention import Batch, reach, row_slots
+from moelane.model.attention import Batch, PoolPart, reach, row_slots
 from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.config import Config
@@ -41,6 +42,7 @@ from moelane.model.tokenizer import Detokenizer, StopFilter, Tokenizer
 log = logging.getLogger(__name__)
 CACHE_BUCKET = 256  # KV capacities are rounded up to this, so streams' caches often share one (batched attention)
 STEP_ROWS = 16  # the most rows one call of the compiled decode step takes; more are split over calls
+STEP_POOLS = 2  # the most pools (cache capacities) one call reads: a graph per count, each compiled by `warm_up`
 
 
 def token_id_list(token_ids: Iterable[int], vocab_size: int, max_context: int) -> list[int]:
@@ -178,36 +180,51 @@ class LM:
         return cast(list[torch.Tensor], out)
 
     def _decode(self, rows: list[Rows]) -> list[torch.Tensor]:
-        """Generated rows through the compiled step -> logits [n_i, vocab] per stream, one pool (cache capacity) at
-        a time."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
+        """Generated rows through the compiled step -> logits [n_i, vocab] per stream. Rows of caches of different
+        capacities (pools) share a call, up to STEP_POOLS pools and STEP_ROWS rows a call, so a round reads each
+        routed expert once (each pool's rows attend apart: `attention.PoolPart`). A stream's rows may span two
+        calls: the first writes the K/V the second reads."""
         by_pool: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             by_pool.setdefault(id(r.cache.pool), []).append(i)
-        for members in by_pool.values():
-            logits = self._decode_pool([rows[i] for i in members])
-            for i, part in zip(members, torch.split(logits, [len(rows[i].token_ids) for i in members]), strict=True):
-                out[i] = part
+        flat = [(i, t, rows[i].start + j) for members in by_pool.values() for i in members
+                for j, t in enumerate(rows[i].token_ids)]  # fmt: skip
+        calls: list[list[tuple[int, int, int]]] = []
+        for row in flat:
+            pool = rows[row[0]].cache.pool
+            call = calls[-1] if calls else None
+            pools = {id(rows[i].cache.pool) for i, _, _ in call} if call else set()
+            if call is None or len(call) == self._step_rows or (id(pool) not in pools and len(pools) == STEP_POOLS):
+                calls.append([row])
+            else:
+                call.append(row)
+        logits = torch.cat([self._decode_call(rows, call) for call in calls]) if len(calls) > 1 else (
+            self._decode_call(rows, calls[0]))  # fmt: skip
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        first = 0
+        for i in (i for members in by_pool.values() for i in members):  # (flat's order)
+            out[i] = logits[first : first + len(rows[i].token_ids)]
+            first += len(rows[i].token_ids)
         return cast(list[torch.Tensor], out)
 
-    def _decode_pool(self, rows: list[Rows]) -> torch.Tensor:
-        """Rows of one pool -> logits [N, vocab], up to STEP_ROWS rows a call. A stream's rows may span two calls:
-        the first writes the K/V the second reads."""
+    def _decode_call(self, rows: list[Rows], call: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One call of the compiled step over `call`'s rows ((stream, token, position), grouped by pool) -> logits
+        [len(call), vocab]."""
         assert self._compiled is not None
-        pool = rows[0].cache.pool
-        pool.mark_dynamic()
-        flat = [(t, r.start + j, r.cache.slot) for r in rows for j, t in enumerate(r.token_ids)]
-        logits = []
-        for first in range(0, len(flat), self._step_rows):
-            chunk = flat[first : first + self._step_rows]
-            part = torch.tensor(chunk)
-            keys = torch.arange(reach(max(position for _, position, _ in chunk) + 1, pool.capacity))
+        parts: list[tuple[torch.Tensor, KVPool, torch.Tensor]] = []
+        for _, group in itertools.groupby(call, key=lambda row: id(rows[row[0]].cache.pool)):
+            members = list(group)
+            cache = rows[members[0][0]].cache
+            cache.pool.mark_dynamic()
+            part = torch.tensor([(t, position, rows[i].cache.slot) for i, t, position in members])
+            keys = torch.arange(reach(max(position for _, _, position in members) + 1, cache.pool.capacity))
             # Unbacked: the graph is never specialised to the row count (one row included) or the reach it is traced
             # or called with
             torch._dynamo.decorators.mark_unbacked(part, 0)
             torch._dynamo.decorators.mark_unbacked(keys, 0)
-            logits.append(self._compiled(part, pool, keys))
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+            parts.append((part, cache.pool, keys))
+        logits: torch.Tensor = self._compiled(parts)
+        return logits
 
     def _notify(self, routing: list[tuple[torch.Tensor, torch.Tensor]], rows: list[Rows], phase: str | None) -> None:
         if phase is None:
@@ -272,14 +289,19 @@ class LM:
         """Whether decode rows run compiled (enabled, and no routing observer needs the eager pass)."""
         return self._compiled is not None and not self.observers
 
-    def warm_up(self, n_prompt: int, max_tokens: int) -> bool:
-        """Compile the decode step (one graph for every row count and cache size) before anything is timed. Where
-        it cannot be compiled (no C++ compiler for PyTorch's inductor, a platform or a model shape the compiler
-        fails on), say so in one line and run eagerly: the same tokens, more slowly. -> whether it compiled."""
+    def warm_up(self, n_prompt: int, max_tokens: int, pools: int = 1) -> bool:
+        """Compile the decode step (one graph for every row count and cache size, and one for each number of pools
+        a call reads, up to `pools`: a server's rounds mix cache capacities) before anything is timed. Where it cannot
+        be compiled (no C++ compiler for PyTorch's inductor, a platform or a model shape the compiler fails on), say
+        so in one line and run eagerly: the same tokens, more slowly. -> whether it compiled."""
         if self._compiled is None:
             return False
         try:
             self.step(0, 0, self.cache_for(n_prompt, min(max_tokens, self.max_context - n_prompt)))
+            capacities = range(CACHE_BUCKET, self.max_context + 1, CACHE_BUCKET)[: min(pools, STEP_POOLS)]
+            if len(capacities) > 1:
+                caches = [self.new_cache(c) for c in capacities]
+                self.forward([Rows(c, [0], 0, decode=True) for c in caches], phase="decode")
         except Exception as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             log.warning("running eagerly: compiling the decode step failed (%s)", reason)
@@ -287,11 +309,13 @@ class LM:
             return False
         return True
 
-    def _decode_step(self, rows: torch.Tensor, pool: KVPool, keys: torch.Tensor) -> torch.Tensor:
-        """rows [N, 3]: each row's token, position and cache slot in `pool`; keys [L]: the cache positions attention
-        reads (`arange(reach)`) -> logits [N, vocab]."""
+    def _decode_step(self, parts: list[tuple[torch.Tensor, KVPool, torch.Tensor]]) -> torch.Tensor:
+        """Per pool (cache capacity), its rows [n, 3] (each row's token, position and cache slot in the pool) and the
+        cache positions they read (`arange(reach)`) -> logits [N, vocab], the parts' rows in order."""
+        rows = parts[0][0] if len(parts) == 1 else torch.cat([r for r, _, _ in parts])
         tokens, positions, slots = rows.unbind(1)
-        batch = Batch(((0, rows.shape[0]),), (), positions, pool=pool, slots=slots, keys=keys)
+        pooled = tuple(PoolPart(r.shape[0], pool, keys) for r, pool, keys in parts)
+        batch = Batch(((0, rows.shape[0]),), (), positions, slots=slots, parts=pooled)
         hidden = self.model(tokens, batch, self._step_provider, [])
         return self.model.logits(hidden)
 

@@ -114,8 +114,12 @@ def remember(bx: torch.Tensor, layer: int, batch: Batch, kernel: int) -> torch.T
     for each row, the inputs at the `kernel` positions ending at its own: [N, kernel, H], zeros before position 0.
     Rows of one stream see each other's inputs, since every write comes first."""
     at = batch.positions[:, None] - torch.arange(kernel - 1, -1, -1)[None, :]  # [N, L]: p - (L-1) .. p
-    if batch.pool is not None and batch.slots is not None:  # the compiled decode step: one pool
-        return recall(batch.pool.k[layer], batch.slots, batch.positions, at, bx)
+    if batch.parts and batch.slots is not None:  # the compiled decode step: each pool's rows apart, in row order
+        outs = [
+            recall(part.pool.k[layer], slots, positions, at_, bx_)
+            for part, (slots, positions, at_, bx_) in batch.by_part(batch.slots, batch.positions, at, bx)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     slots = batch.slots if batch.slots is not None else row_slots(batch.caches, batch.spans)
     pools = {cache.pool for cache in batch.caches}
     if len(pools) == 1:
