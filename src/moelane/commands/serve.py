@@ -51,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     how.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                      help="run the streams' generated rows (drafts included) through the compiled decode step, all "
                      "streams in one call (several times faster per stream; prompt rows still share eager passes). "
-                     "Compiles once at start-up, 10-60 s, cached for later starts. auto: on when every expert is "
+                     "Compiles once at start-up, 20-120 s, cached for later starts. auto: on when every expert is "
                      "resident (default). The draft model of --drafter model is compiled unless off")  # fmt: skip
     how.add_argument("--eager", dest="compile", action="store_const", const="off",
                      help="never compile (same as --compile off)")  # fmt: skip
@@ -102,7 +102,7 @@ def build(args: argparse.Namespace) -> Any:
         lm = load_model(args, compile=args.compile == "on")  # (a store's hooks are set up for a compiled step)
         compile = wants_compile(args, paged(lm))
         if compile:
-            say("compiling the decode step (10-60 s the first time; later starts use the cache)...")
+            say("compiling the decode step (20-120 s the first time; later starts use the cache)...")
             if not lm.compile_enabled:
                 lm.enable_compile()
             compile = lm.warm_up(1, 1, STEP_POOLS)  # (False: it could not be compiled, and serves eagerly)
