@@ -190,16 +190,20 @@ class LM:
         flat = [(i, t, rows[i].start + j) for members in by_pool.values() for i in members
                 for j, t in enumerate(rows[i].token_ids)]  # fmt: skip
         calls: list[list[tuple[int, int, int]]] = []
+        pools: list[set[int]] = []  # each call's pools
         for row in flat:
-            pool = rows[row[0]].cache.pool
-            call = calls[-1] if calls else None
-            pools = {id(rows[i].cache.pool) for i, _, _ in call} if call else set()
-            if call is None or len(call) == self._step_rows or (id(pool) not in pools and len(pools) == STEP_POOLS):
-                calls.append([row])
-            else:
-                call.append(row)
-        logits = torch.cat([self._decode_call(rows, call) for call in calls]) if len(calls) > 1 else (
-            self._decode_call(rows, calls[0]))  # fmt: skip
+            pool = id(rows[row[0]].cache.pool)
+            if (
+                not calls
+                or len(calls[-1]) == self._step_rows
+                or (pool not in pools[-1] and len(pools[-1]) == STEP_POOLS)
+            ):
+                calls.append([])
+                pools.append(set())
+            calls[-1].append(row)
+            pools[-1].add(pool)
+        outs = [self._decode_call(rows, call) for call in calls]
+        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         out: list[torch.Tensor | None] = [None] * len(rows)
         first = 0
         for i in (i for members in by_pool.values() for i in members):  # (flat's order)
