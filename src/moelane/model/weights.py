@@ -58,7 +58,7 @@ def prepare_weights(
     if not linears or (build_kernels(progress).backend == "fallback" and quantize == "none"):
         return 0
     if quantize != "none":
-        return quantise(model, linears, quantize, progress, cache)
+        return quantise_projections(model, linears, quantize, progress, cache)
     n = 0
     for module in linears.values():
         if (kind := kernels.FLOAT_KINDS.get(module.weight.dtype)) is not None:
@@ -68,7 +68,7 @@ def prepare_weights(
     return n
 
 
-def quantise(
+def quantise_projections(
     model: nn.Module, linears: dict[str, nn.Linear], quantize: str, progress: bool, cache: DenseCache | None
 ) -> int:
     """prepare_weights' quantised case -> how many projections were turned."""
