@@ -157,7 +157,7 @@ def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     assert draft.compiled
     calls: list[int] = []
     step = draft._compiled
-    draft._compiled = lambda rows, pool, keys: calls.append(len(rows)) or step(rows, pool, keys)
+    draft._compiled = lambda parts: calls.append(sum(len(rows) for rows, _, _ in parts)) or step(parts)
     stats = check_identity(lm, draft, tiny_cases, 16, drafter="model", max_streams=3, timed=False)
     assert stats.holds > 0 and calls
     check_identity(lm, draft, tiny_cases, 16, drafter="model", max_streams=3, guard=False)  # timed: calibrated too
@@ -232,7 +232,7 @@ def test_compiled_model_replies_equal_its_compiled_solo_decode(tiny, tmp_path: P
     calls: list[int] = []
     step = lm._compiled
     assert step is not None
-    lm._compiled = lambda rows, pool, keys: calls.append(len(rows)) or step(rows, pool, keys)
+    lm._compiled = lambda parts: calls.append(sum(len(rows) for rows, _, _ in parts)) or step(parts)
     lengths = [16 + 300 * (i == 1) for i in range(6)]  # one stream's cache has another capacity: the same graph
     cases = [(p, list(lm.generate_ids(p, n, params_of(i))))
              for i, (p, n) in enumerate(zip(prompts(6, lm.vocab_size), lengths, strict=True))]  # fmt: skip

@@ -74,7 +74,7 @@ def test_a_quantised_model_compiles_its_decode_step_whole(folder: Path) -> None:
     explained = torch._dynamo.explain(lm._compiled)  # type: ignore[attr-defined]
     rows = torch.tensor([[5, 17, cache.slot]])
     keys = torch.arange(256)
-    result = explained(rows, cache.pool, keys)
+    result = explained([(rows, cache.pool, keys)])
     assert result.graph_break_count == 0
     eager = moelane.load(folder, quantize="int8")
     want = eager.forward([Rows(eager.new_cache(256), [*range(3, 20), 5], 0)])[0][-1]

@@ -184,6 +184,8 @@ class LM:
         capacities (pools) share a call, up to STEP_POOLS pools and STEP_ROWS rows a call, so a round reads each
         routed expert once (each pool's rows attend apart: `attention.PoolPart`). A stream's rows may span two
         calls: the first writes the K/V the second reads."""
+        if not rows:  # (a pass whose decode rows all went eager: caches of one position)
+            return []
         by_pool: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             by_pool.setdefault(id(r.cache.pool), []).append(i)
