@@ -238,6 +238,11 @@ def measure(servers: list[Server], args: argparse.Namespace) -> list[dict[str, A
     return rows
 
 
+def ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs, or None where the other server produced no tokens (nothing to compare with)."""
+    return round(ours / theirs, 2) if theirs else None
+
+
 def summarize(results: list[dict[str, Any]], clients: list[int]) -> dict[str, Any]:
     """Per client count: median tok/s of each server over the rounds, the ratio of medians, and the per-round
     ratios (their spread says how much the machine moved during the run)."""
@@ -248,9 +253,9 @@ def summarize(results: list[dict[str, Any]], clients: list[int]) -> dict[str, An
         summary[f"moelane_tok_s_{n}"] = round(statistics.median(ours), 1)
         if theirs:
             summary[f"llama_tok_s_{n}"] = round(statistics.median(theirs), 1)
-            summary[f"tok_s_ratio_{n}"] = round(statistics.median(ours) / statistics.median(theirs), 2)
-            summary[f"round_ratios_{n}"] = [round(a / b, 2) for a, b in zip(ours, theirs, strict=True)]
-    ratios = [v for k, v in summary.items() if k.startswith("tok_s_ratio")]
+            summary[f"tok_s_ratio_{n}"] = ratio(statistics.median(ours), statistics.median(theirs))
+            summary[f"round_ratios_{n}"] = [ratio(a, b) for a, b in zip(ours, theirs, strict=True)]
+    ratios = [v for k, v in summary.items() if k.startswith("tok_s_ratio") and v is not None]
     summary["median_ratio"] = statistics.median(ratios) if ratios else None
     return summary
 
