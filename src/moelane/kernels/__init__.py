@@ -12,14 +12,15 @@ token-identical at any batch size, which needs exactly this of every product. Wh
 (pair, output row) dot product is computed whole by one thread, with a fixed chunking, fixed accumulators and a
 fixed final tree that depend only on In; rows sharing a slot go through in register blocks of up to 4 whose members
 never mix; threads split (slot, output rows) work items, never a dot product (csrc/gather_linear.cpp). The pure
-PyTorch fallback keeps it with element-wise ops only (fallback.py).
+PyTorch fallback keeps it with element-wise ops only (fallback.py). On a CUDA device a Triton kernel serves (cuda.py):
+one program per (pair, block of output rows), fixed blocks, no split reduction.
 
 Accuracy: every weight is widened to its exact fp32 value (bf16, code * fp16 scale), so a result is an fp32 dot
 product of x with the dequantised row, within (In / 16 + 6) * 2^-24 * sum |x_i w_i| of the exact value.
 """
 
 from moelane.kernels.build import BuildError
-from moelane.kernels.op import Availability, available, ensure_built, gather_linear, linear, use_fallback
+from moelane.kernels.op import Availability, available, ensure_built, gather_linear, linear, serves, use_fallback
 from moelane.kernels.pool import FLOAT_KINDS, KINDS, Pool, dequantize, quantize
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "gather_linear",
     "linear",
     "quantize",
+    "serves",
     "use_fallback",
 ]

@@ -87,6 +87,13 @@ class Pool:
     def out_features(self) -> int:
         return int(self.data.shape[1])
 
+    def to(self, device: torch.device) -> Pool:
+        """The same pool on `device` (itself where it is there already)."""
+        if self.data.device == device:
+            return self
+        scales = None if self.scales is None else self.scales.to(device)
+        return Pool(self.kind, self.data.to(device), scales, self.in_features)
+
     @property
     def nbytes(self) -> int:
         """Bytes of one slot (codes and scales): what a product reads per distinct slot."""
