@@ -13,6 +13,10 @@ part at each end: 8 KiB a run in a native pool, 16 KiB in a quantised one, again
 not padded to whole pages, which would cost a tiny expert's quantised slot up to a whole page and make the slot
 stride of each part differ from its matrices' size. Transparent huge pages are refused for the mapping
 (MADV_NOHUGEPAGE): one 2 MiB page would commit memory that no slot holds.
+
+On a device (`device` given: a CUDA device, transfer.py), each part is one `torch.empty` [S, Out, X] tensor there,
+allocated once with the pool: the device pool is the budget, so `release` returns nothing. Shapes, dtypes, contiguity
+and slot numbering are the host pool's.
 """
 
 from __future__ import annotations
@@ -38,23 +42,28 @@ class PagedPool:
 
     def __init__(
         self, tier: int, dims: tuple[int, int], dtype: torch.dtype, n_slots: int, first: int,
-        fmt: QuantFormat | None = None,
+        fmt: QuantFormat | None = None, device: torch.device | None = None,
     ) -> None:  # fmt: skip
         parts = slot_parts(tier, *dims, dtype, fmt)
-        self.tier, self.first, self.n_slots = tier, first, n_slots
+        self.tier, self.first, self.n_slots, self.device = tier, first, n_slots, device
         self.slot_bytes = [dtype.itemsize * rows * cols for dtype, (rows, cols) in parts]
         self.offsets, size = [], 0
-        for per_slot in self.slot_bytes:
-            self.offsets.append(size)
-            size += -(-per_slot * n_slots // PAGE) * PAGE
-        self._map = mmap.mmap(-1, max(size, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with contextlib.suppress(OSError, AttributeError):  # (where the OS has no such advice, it has no such pages)
-            self._map.madvise(mmap.MADV_NOHUGEPAGE)
-        raw = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.tensors = tuple(
-            raw[offset : offset + per_slot * n_slots].view(dtype).view(n_slots, rows, cols)
-            for offset, per_slot, (dtype, (rows, cols)) in zip(self.offsets, self.slot_bytes, parts, strict=True)
-        )
+        if device is not None:
+            self._map: mmap.mmap | None = None
+            self.tensors = tuple(torch.empty((n_slots, rows, cols), dtype=dtype, device=device)
+                                 for dtype, (rows, cols) in parts)  # fmt: skip
+        else:
+            for per_slot in self.slot_bytes:
+                self.offsets.append(size)
+                size += -(-per_slot * n_slots // PAGE) * PAGE
+            self._map = mmap.mmap(-1, max(size, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with contextlib.suppress(OSError, AttributeError):  # (where the OS has no such advice: no such pages)
+                self._map.madvise(mmap.MADV_NOHUGEPAGE)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.tensors = tuple(
+                raw[offset : offset + per_slot * n_slots].view(dtype).view(n_slots, rows, cols)
+                for offset, per_slot, (dtype, (rows, cols)) in zip(self.offsets, self.slot_bytes, parts, strict=True)
+            )
         t = self.tensors
         w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))
         self.tier_pool = tier_pool(first, TIER_KINDS[tier], w13, w2, dims)
@@ -65,7 +74,9 @@ class PagedPool:
 
     def release(self, index: int, state: npt.NDArray[np.int8]) -> int:
         """Return the pages of slot `index` (empty now) that no held slot overlaps; `state` [n_slots]: the slot
-        table's states of the pool's slots. -> bytes returned."""
+        table's states of the pool's slots. -> bytes returned (none on a device: its pool is allocated once)."""
+        if self._map is None:
+            return 0
         returned = 0
         for offset, per_slot in zip(self.offsets, self.slot_bytes, strict=True):
             start, end = offset + index * per_slot, offset + (index + 1) * per_slot
@@ -84,11 +95,11 @@ class PagedPool:
 class TierPools:
     """The store's pools, one a tier, each made when its tier is first used: tier t's slots are the provider's
     `first[t] ..< first[t] + capacity[t]`, whether or not its pool exists yet; a quantised tier's in `formats[t]`
-    (`tiers.tier_format`)."""
+    (`tiers.tier_format`); on `device` (None: host memory)."""
 
     def __init__(self, dims: tuple[int, int], dtype: torch.dtype, first: Sequence[int], capacity: Sequence[int],
-                 formats: dict[int, QuantFormat]):  # fmt: skip
-        self.dims, self.dtype, self.formats = dims, dtype, formats
+                 formats: dict[int, QuantFormat], device: torch.device | None = None):  # fmt: skip
+        self.dims, self.dtype, self.formats, self.device = dims, dtype, formats, device
         self.first, self.capacity = [int(f) for f in first], [int(c) for c in capacity]
         self.by_tier: dict[int, PagedPool] = {}
         self.tier_pools: tuple[TierPool, ...] = ()  # those made, ascending `first` (the provider's `pools`)
@@ -96,7 +107,7 @@ class TierPools:
     def use(self, tier: int) -> None:
         if tier not in self.by_tier:
             self.by_tier[tier] = PagedPool(tier, self.dims, self.dtype, self.capacity[tier], self.first[tier],
-                                          self.formats.get(tier))  # fmt: skip
+                                          self.formats.get(tier), self.device)  # fmt: skip
             self.tier_pools = tuple(sorted((p.tier_pool for p in self.by_tier.values()), key=lambda p: p.first))
 
     def slot(self, tier: int, slot: int) -> tuple[torch.Tensor, ...]:
