@@ -9,11 +9,14 @@ experts' bytes at the default tier: where every expert fits at a quantised tier 
 the budget `ceiling.Ceiling` derives from the limit the process runs under), they are all resident at that tier
 (`resident_at_tier`: one pool a layer, slot == expert id, no pager); otherwise a store pages them (at native,
 `store_factory` builds a store even for a budget that holds every expert). Budgets arrive parsed, as `MemorySpec`s.
+With a `device` (CUDA), the pools (the store's, or the all-resident ones) are device memory under the expert budget,
+the host cache pinned host RAM behind them (transfer.py); None or the CPU: host memory.
 `format_stats` is the text `moelane run --stats` prints.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -28,6 +31,7 @@ from moelane.pager.live.storage import Storage
 from moelane.pager.live.store import ExpertStore, StoreConfig, StoreError
 from moelane.pager.live.tiers import TIER_NAMES, check_default_tier, expert_slot_bytes, slot_parts, tier_format
 from moelane.pager.live.tiers import default_tier as tier_of
+from moelane.pager.live.transfer import make_transfer, on_device
 
 log = logging.getLogger(__name__)
 NO_EXPERTS = ("this model has no experts (a dense model): --expert-memory, --host-memory and --default-tier apply "
@@ -41,17 +45,20 @@ def store_factory(
     default_tier: str = "auto",
     ceiling: Ceiling | None = None,
     progress: bool = False,
+    device: torch.device | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run with an expert budget: an expert store, or every expert resident at a quantised
     `default_tier` where they all fit the budget at it ("auto": `tiers.default_tier`). `expert_memory`: bytes or a share
     of all expert bytes in the compute dtype (None: 100%); `host_memory`: of the experts' bytes as stored (None: no host
     cache). `ceiling` records the budget for the run's report. `progress`: bars on stderr while experts load and a
-    tier file builds."""
+    tier file builds. `device`: where the pools live (None or the CPU: host memory; a CUDA device: device memory,
+    `expert_memory` its budget, `host_memory` pinned host RAM)."""
     pool = MemorySpec(fraction=1.0) if expert_memory is None else expert_memory
     host = MemorySpec(n_bytes=0) if host_memory is None else host_memory
     try:
         check_default_tier(default_tier)
         StoreConfig(budget_bytes=1, policy=policy)
+        on_device(device)
     except ValueError as e:
         raise StoreError(str(e)) from None
 
@@ -68,9 +75,9 @@ def store_factory(
         if ceiling is not None:
             ceiling.flagged(budget, resident)
         if resident:
-            return resident_at_tier(handles, dtype, tier, progress)
+            return resident_at_tier(handles, dtype, tier, progress, device)
         config = StoreConfig(budget, host.resolve(stored), policy, tier)
-        return ExpertStore(handles, dtype, config, progress)
+        return ExpertStore(handles, dtype, config, progress, device)
 
     return build
 
@@ -87,16 +94,21 @@ def expert_count_and_bytes(
 
 
 def resident_at_tier(
-    handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int, progress: bool = False
-) -> ResidentProvider:
+    handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, tier: int, progress: bool = False,
+    device: torch.device | None = None,
+) -> ResidentProvider:  # fmt: skip
     """Every expert resident at `tier`, one pool a layer, slot == expert id, read as the store reads a miss (storage.py:
     nothing left in the page cache, no copy of a layer between the file and its pool): at native, each expert's
     checkpoint tensors in the compute dtype (the bytes `read_expert` gives); quantised, its codes and scales read from
-    the tier's file (built first if missing), or a GGUF's own Q8_0 / Q4_0 codes at their tier (`tiers.tier_format`)."""
+    the tier's file (built first if missing), or a GGUF's own Q8_0 / Q4_0 codes at their tier (`tiers.tier_format`).
+    On a CUDA `device` the pools are device memory, each expert copied in through a pinned staging buffer, every copy
+    landed before this returns (transfer.py)."""
     from tqdm import tqdm
 
     fmt = tier_format(tier, handles) if tier else None
     parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype, fmt)
+    where = on_device(device)
+    transfer = make_transfer(where, expert_slot_bytes(tier, handles, dtype), 2)
     storage = Storage(handles, 0, check_finite=tier > 0, progress=progress)
     pools: dict[int, TierPool] = {}
     desc = "loading experts" + ("" if tier == 0 else f" at {TIER_NAMES[tier]}")
@@ -104,13 +116,15 @@ def resident_at_tier(
         storage.tier_source(tier)  # (its tier file built first, if missing: one bar, then the next)
         with tqdm(total=sum(len(hs) for hs in handles.values()), desc=desc, unit="expert", disable=not progress,
                   leave=False, delay=1.0) as bar:  # fmt: skip
-            for layer, experts in handles.items():
-                t = [torch.empty(len(experts), *shape, dtype=part_dtype) for part_dtype, shape in parts]
+            for li, (layer, experts) in enumerate(handles.items()):
+                t = [torch.empty(len(experts), *shape, dtype=part_dtype, device=where) for part_dtype, shape in parts]
                 for e, handle in enumerate(experts):
-                    storage.load_into(handle, tier, tuple(part[e] for part in t))
+                    fill = functools.partial(storage.load_into, handle, tier)
+                    transfer.load(li * len(experts) + e, tuple(part[e] for part in t), fill)
                     bar.update(1)
                 w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))
                 pools[layer] = tier_pool(0, TIER_NAMES[tier], w13, w2, experts[0].dims)
+        transfer.settle()
     finally:
         storage.close()
     return ResidentProvider(pools)
@@ -122,11 +136,12 @@ def fitting_factory(
     default_tier: str = "auto",
     progress: bool = False,
     ceiling: Ceiling | None = None,
+    device: torch.device | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run without `--expert-memory`: every expert resident where they all fit the budget
     that `ceiling` derives from the limit this process runs under once the dense weights are loaded (ceiling.py),
     else an expert store whose pool takes that budget, with a warning that says so. A model that does not fit then
-    runs paged instead of being killed for memory halfway through loading."""
+    runs paged instead of being killed for memory halfway through loading. `device`: as `store_factory`'s."""
     store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
     ceiling = Ceiling(None, default_tier) if ceiling is None else ceiling
 
@@ -138,7 +153,7 @@ def fitting_factory(
         need = n_experts * each
         room = ceiling.budget(need)
         if need <= room:  # (a dense model needs nothing)
-            return resident_at_tier(handles, dtype, tier, progress) if n_experts else ResidentProvider({})
+            return resident_at_tier(handles, dtype, tier, progress, device) if n_experts else ResidentProvider({})
         report = ceiling.report
         where = (
             f"the memory limit is {format_bytes(report.limit)} ({report.source})"
@@ -151,7 +166,7 @@ def fitting_factory(
         log.warning("the experts take %s in %s and %s: paging them within %s (--expert-memory sets the budget)",
                     format_bytes(need), str(dtype).removeprefix("torch."), where, format_bytes(room))  # fmt: skip
         return store_factory(MemorySpec(n_bytes=room), host_memory, policy, TIER_NAMES[tier],
-                             progress=progress)(handles, dtype)  # fmt: skip
+                             progress=progress, device=device)(handles, dtype)  # fmt: skip
 
     return build
 

@@ -12,6 +12,8 @@
   A GGUF's tier files carry its name (`.moelane/m.experts-int4.bin` for m.gguf), so GGUFs that share a folder keep
   their own.
 - `HostCache`: stored forms (any tier) kept in host RAM under their own byte budget, least recently used dropped first.
+  Its copies are the transfer's host buffers (transfer.py: pinned memory when the pools are on a CUDA device), each
+  counted at the bytes it really takes.
 - A GGUF's Q8_0 / Q4_0 experts at their own codes' tier (`tiers.tier_format`) need no tier file: their stored form
   there is the file's blocks, as at tier 0, repacked into the slot's codes and scales (`model.gguf.codes`).
 
@@ -29,6 +31,7 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,7 @@ from moelane.model.derived import cache_dir, file_fingerprint
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
 from moelane.model.gguf.file import is_gguf, model_name
 from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
+from moelane.pager.live.transfer import Transfer
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
 log = logging.getLogger(__name__)
@@ -247,9 +251,9 @@ class TierFile:
         os.replace(tmp, index_path)
         return cls(bin_path, codec, order, crcs, files.bounce)
 
-    def read(self, handle: ExpertHandle) -> torch.Tensor:
-        """The expert's blob (uint8 [codec.nbytes])."""
-        buf = torch.empty(self.codec.nbytes, dtype=torch.uint8)
+    def read(self, handle: ExpertHandle, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """The expert's blob (uint8 [codec.nbytes]), into `buf` if given (exactly that long)."""
+        buf = torch.empty(self.codec.nbytes, dtype=torch.uint8) if buf is None else buf
         self.read_into(handle, (buf,))
         return buf
 
@@ -300,10 +304,11 @@ def build_tier_file(
 
 
 class HostCache:
-    """Stored forms of experts in host RAM, keyed (layer, expert, tier), under `budget` bytes (LRU)."""
+    """Stored forms of experts in host RAM, keyed (layer, expert, tier), under `budget` bytes (LRU); `cost(n)`: the
+    bytes a buffer of n bytes really takes (default n)."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, cost: Callable[[int], int] | None = None) -> None:
+        self.budget, self.cost = budget, cost
         self.nbytes = 0
         self._items: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
@@ -316,7 +321,7 @@ class HostCache:
             return buf
 
     def put(self, key: tuple[int, int, int], buf: torch.Tensor) -> None:
-        n = buf.numel()
+        n = buf.numel() if self.cost is None else self.cost(buf.numel())
         if n > self.budget:
             return
         with self._lock:
@@ -324,21 +329,24 @@ class HostCache:
                 return
             while self.nbytes + n > self.budget:
                 _, old = self._items.popitem(last=False)
-                self.nbytes -= old.numel()
+                self.nbytes -= old.numel() if self.cost is None else self.cost(old.numel())
             self._items[key] = buf
             self.nbytes += n
 
 
 class Storage:
-    """Every storage level of one model together: `load_into` puts an expert, at a tier, into a pool slot.
-    `progress`: a bar on stderr while a tier file builds."""
+    """Every storage level of one model together: `load_into` puts an expert, at a tier, into a pool slot (or host
+    tensors shaped as its parts: transfer.py). `progress`: a bar on stderr while a tier file builds; `transfer`: whose
+    host buffers hold the host cache's copies (None: plain host memory)."""
 
     def __init__(
-        self, handles: dict[int, list[ExpertHandle]], host_bytes: int, check_finite: bool, progress: bool = False
-    ) -> None:
+        self, handles: dict[int, list[ExpertHandle]], host_bytes: int, check_finite: bool, progress: bool = False,
+        transfer: Transfer | None = None,
+    ) -> None:  # fmt: skip
         self.handles, self.check_finite, self.progress = handles, check_finite, progress
+        self.transfer = Transfer() if transfer is None else transfer
         self.files = ShardFiles()
-        self.host = HostCache(host_bytes)
+        self.host = HostCache(host_bytes, None if transfer is None else transfer.host_bytes)
         first = Path(next(iter(handles.values()))[0].path)
         self.model_folder = first.parent
         self.tier_prefix = f"{model_name(first)}." if is_gguf(first) else ""  # (a GGUF's tier files carry its name)
@@ -384,7 +392,7 @@ class Storage:
         else:
             if buf is None:
                 level = "disk"
-                buf = source.read(handle)
+                buf = source.read(handle, self.transfer.host_buffer(source.codec.nbytes))
                 self.host.put(cache_key, buf)
             blob, pos = byte_view(buf), 0
             for part in parts:
@@ -406,7 +414,7 @@ class Storage:
                 buf = read_native(self.files, handle, self._scratch(handle.nbytes))
         elif buf is None:
             level = "disk"
-            buf = read_native(self.files, handle)
+            buf = read_native(self.files, handle, self.transfer.host_buffer(handle.nbytes))
             self.host.put(cache_key, buf)
         if buf is not None:  # (None: read in place)
             decode_native(handle, buf, w13, w2)
@@ -421,7 +429,8 @@ class Storage:
         if buf is None:
             level = "disk"
             cached = self.host.budget > 0
-            buf = read_native(self.files, handle, None if cached else self._scratch(handle.nbytes))
+            into = self.transfer.host_buffer(handle.nbytes) if cached else self._scratch(handle.nbytes)
+            buf = read_native(self.files, handle, into)
             if cached:
                 self.host.put(cache_key, buf)
         expert_codes_into(handle, split_native(handle, buf), parts)

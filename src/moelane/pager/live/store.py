@@ -39,6 +39,12 @@ generation is one pass, counted at each `slots` call of the first MoE layer; pin
 `2 * window_k` generations ("bias") or are never evicted ("hard", at most half the budget's bytes). "lru" and "lfu"
 ignore pins and serve as baselines. Prefetches (prefetch.py) only evict slots not used in the current generation, load
 at the planned tier, and never wait.
+
+On a device (`device`: a CUDA device): the pools are device memory, allocated once (the budget); a load fills a
+pinned staging buffer and is copied into its slot on one copy stream, its future completing once the copy is
+enqueued; `slots`, `slots_staged` and a staged call's wait make the caller's stream wait for the copy events of
+exactly the slots they hand out that are still being copied; a lease's end records an event on the stream it was
+taken on, which the next copy into any of its slots waits for (transfer.py: the mechanics and their invariants).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from moelane.pager.live.slots import LOADING, Admission, IntArray, Residency, Sl
 from moelane.pager.live.stats import PagerStats
 from moelane.pager.live.storage import Storage
 from moelane.pager.live.tiers import TIER_NAMES, expert_slot_bytes, tier_format
+from moelane.pager.live.transfer import make_transfer, on_device
 from moelane.pager.plan import Plan
 from moelane.pager.planner import PlannerConfig
 from moelane.pager.price import LoadPrice
@@ -117,9 +124,11 @@ class StoreConfig:
 
 class ExpertStore:
     def __init__(
-        self, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, config: StoreConfig, progress: bool = False
-    ) -> None:
-        self.config, self.dtype = config, dtype
+        self, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, config: StoreConfig, progress: bool = False,
+        device: torch.device | None = None,
+    ) -> None:  # fmt: skip
+        """`device`: where the pools live (None or the CPU: host memory; a CUDA device: transfer.py)."""
+        self.config, self.dtype, self.device = config, dtype, on_device(device)
         self.layers = sorted(handles)
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         self._handles = [handles[layer] for layer in self.layers]
@@ -138,9 +147,12 @@ class ExpertStore:
         self.table = SlotTable(capacity, self.tier_bytes, config.budget_bytes, n_total, config.policy,
                                config.default_tier)  # fmt: skip
         formats = {t: tier_format(t, handles) for t in range(1, len(TIER_NAMES))}
-        self._pools = TierPools(self._dims, dtype, self.table.first.tolist(), self.table.capacity.tolist(), formats)
+        largest = max(b for b in self.tier_bytes if b <= config.budget_bytes)  # (the largest slot it may load)
+        self.transfer = make_transfer(self.device, largest, config.io_threads + 2)  # (+ the computing thread's loads)
+        self._pools = TierPools(self._dims, dtype, self.table.first.tolist(), self.table.capacity.tolist(), formats,
+                                self.device)  # fmt: skip
         self._futures: dict[int, Future[None]] = {}  # slot -> its load in flight
-        self._leases: dict[threading.Thread, IntArray] = {}
+        self._leases: dict[threading.Thread, tuple[IntArray, Any]] = {}  # -> (slots, what they are read on)
         self.plan: Plan | None = None
         self.stats = PagerStats()
         self.sources: list[str] = []
@@ -155,7 +167,7 @@ class ExpertStore:
         self._routed_gen = np.full(len(self.layers), -1, np.int64)  # per layer, the last generation that routed it
         self._reading = 0  # loads reading now
         self._pass_start: float | None = None
-        self.storage = Storage(handles, config.host_bytes, config.check_finite, progress)
+        self.storage = Storage(handles, config.host_bytes, config.check_finite, progress, self.transfer)
         try:
             self.storage.tier_source(config.default_tier)  # (its tier file built now, at load, not on the first miss)
         except BaseException:
@@ -217,13 +229,16 @@ class ExpertStore:
         lut[keys - base] = slots
         out = torch.from_numpy(lut[flat]).view(expert_ids.shape)
         if not waits:
+            self.transfer.ready(slots)
             return out, None, _nothing
         futures = [fut for _, fut in waits]
         if not staged:
-            self._wait(futures, phase, start)
+            self._wait(futures, phase, start, slots)
             return out, None, _nothing
-        pending = torch.from_numpy(np.isin(lut[flat], [slot for slot, _ in waits])).view(expert_ids.shape)
-        return out, pending, functools.partial(self._wait, futures, phase, None)  # only the wait itself stalls
+        late = [slot for slot, _ in waits]
+        pending = torch.from_numpy(np.isin(lut[flat], late)).view(expert_ids.shape)
+        self.transfer.ready(slots, late)
+        return out, pending, functools.partial(self._wait, futures, phase, None, late)  # only the wait itself stalls
 
     # ---- slot decisions (under the lock) -------------------------------------------------------------------------
 
@@ -284,7 +299,7 @@ class ExpertStore:
             jobs = self._admitted_locked(admission) + [(s, self._queued.pop(s)[0]) for s in claimed]
             waits += [(slot, self._futures[slot]) for slot, _ in jobs if slot not in claimed]
             slots = t.touch(keys)
-            self._leases[thread] = slots
+            self._leases[thread] = (slots, self.transfer.reader())
             return slots, jobs, waits
 
     def _check_room_locked(self, keys: IntArray, present: IntArray) -> None:
@@ -320,8 +335,10 @@ class ExpertStore:
             self.table.use_tier(tier)
 
     def _release_locked(self, thread: threading.Thread) -> None:
-        slots = self._leases.pop(thread, None)
-        if slots is not None and len(slots):
+        lease = self._leases.pop(thread, None)
+        if lease is not None and len(lease[0]):
+            slots, reader = lease
+            self.transfer.released(slots, reader)  # (before the slots can be victims: transfer.py, invariant 1)
             self.table.lease[slots] -= 1
             self._free_pages_locked(self.table.finish_retired(slots))
             self._cond.notify_all()
@@ -347,8 +364,9 @@ class ExpertStore:
         for slot, key in jobs[n_pool:]:
             self._load(slot, key, targets, phase)
 
-    def _wait(self, futures: list[Future[None]], phase: str, start: float | None) -> None:
-        """Wait for a call's loads; the stall counted runs from `start` (default: now)."""
+    def _wait(self, futures: list[Future[None]], phase: str, start: float | None, slots: IntArray | list[int]) -> None:
+        """Wait for a call's loads, then make the caller's stream wait for the copies into `slots` (transfer.py); the
+        stall counted runs from `start` (default: now)."""
         start = time.perf_counter() if start is None else start
         try:
             for fut in futures:
@@ -356,6 +374,7 @@ class ExpertStore:
         except BaseException:
             self.release()
             raise
+        self.transfer.ready(slots)
         stall = time.perf_counter() - start
         self._local.stall = getattr(self._local, "stall", 0.0) + stall
         with self._cond:
@@ -372,7 +391,8 @@ class ExpertStore:
             concurrent = self._reading
         start = time.perf_counter()
         try:
-            level, n_bytes = self.storage.load_into(handle, tier, self._pools.slot(tier, slot))
+            fill = functools.partial(self.storage.load_into, handle, tier)
+            level, n_bytes = self.transfer.load(slot, self._pools.slot(tier, slot), fill)
         except BaseException as e:
             with self._cond:
                 self._reading -= 1
