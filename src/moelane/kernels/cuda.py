@@ -20,8 +20,6 @@ an H100), not from device memory, at decode's few rows a slot.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -31,14 +29,14 @@ BLOCK_IN = 64  # input columns a chunk: a multiple of every quantised group (16,
 KIND_IDS = {torch.float32: 0, torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}  # float, int8, int4
 
 
+# (no annotations but constexpr: Triton resolves each annotation as a name of this module)
 @triton.jit  # type: ignore[untyped-decorator]
-def _gather_linear_kernel(
-    x_ptr: Any, rows_ptr: Any, slots_ptr: Any, data_ptr: Any, scales_ptr: Any, y_ptr: Any,
-    n_in: Any, n_out: Any, x_stride: Any, data_slot_stride: Any, data_row_stride: Any, scale_slot_stride: Any,
-    scale_row_stride: Any,
+def _gather_linear_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, rows_ptr, slots_ptr, data_ptr, scales_ptr, y_ptr,
+    n_in, n_out, x_stride, data_slot_stride, data_row_stride, scale_slot_stride, scale_row_stride,
     KIND: tl.constexpr, GROUP: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_SLOTS: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-) -> None:  # fmt: skip
+):  # fmt: skip
     pair = tl.program_id(0)
     out0 = tl.program_id(1) * BLOCK_O
     row = tl.load(rows_ptr + pair) if HAS_ROWS else pair
