@@ -30,7 +30,11 @@ FIRST_SLOTS = 3
 
 class KVPool:
     def __init__(
-        self, shapes: dict[int, tuple[int, int, int]], capacity: int, dtype: torch.dtype, device: str = "cpu"
+        self,
+        shapes: dict[int, tuple[int, int, int]],
+        capacity: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
     ) -> None:
         """shapes: per attention layer, (kv heads, key dim, value dim)."""
         self.shapes, self.capacity, self.dtype, self.device = shapes, capacity, dtype, device

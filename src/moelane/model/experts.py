@@ -100,8 +100,8 @@ def pair_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows the pairs read, and each pair's row [T * K]: x [T, H], pair t * K + k reads row t; or x [T, K, H],
     each pair its own row."""
     if x.dim() == 3:
-        return x.flatten(0, 1), torch.arange(x.shape[0] * k)
-    return x, torch.arange(x.shape[0] * k) // k
+        return x.flatten(0, 1), torch.arange(x.shape[0] * k, device=x.device)
+    return x, torch.arange(x.shape[0] * k, device=x.device) // k
 
 
 def gathered(
@@ -364,10 +364,13 @@ def kernel_pairs(
     """The pairs' outputs [P, H] through `gather_linear` (pair p: row rows_of[p] of rows, slot flat[p]); with `late`
     [P] marked, the others first, then `wait()`, then those."""
     xf = rows.float()
+    # (the kernel reads its indices where x is: a pager's slots and marks come from host-side tables)
+    rows_of, flat = rows_of.to(xf.device), flat.to(xf.device)
     if late is None or wait is None:
         return pool_pairs(xf, rows_of, flat, pools, act, bias, rows.dtype)
+    late = late.to(xf.device)
     y = rows.new_empty(flat.numel(), rows.shape[-1])
-    pairs = torch.arange(flat.numel())
+    pairs = torch.arange(flat.numel(), device=xf.device)
     for part in (pairs[~late], None, pairs[late]):
         if part is None:
             wait()
@@ -416,7 +419,7 @@ def slot_pairs(
     if bias is not None:
         gate_up = gate_up + bias.b13
     h = act(gate_up).float()
-    out = kernels.gather_linear(h, torch.arange(local.numel()), local, w2).to(dtype)
+    out = kernels.gather_linear(h, torch.arange(local.numel(), device=h.device), local, w2).to(dtype)
     return out if bias is None else out + bias.b2
 
 
@@ -489,8 +492,9 @@ def dequantized_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The used slots' matrices, each from its own pool, in `dtype`: (w13 [U, 2I, H], w2 [U, H, I])."""
     n_used, (hidden, width) = used.numel(), n_in
-    w13 = torch.empty(n_used, 2 * width, hidden, dtype=dtype)
-    w2 = torch.empty(n_used, hidden, width, dtype=dtype)
+    device = pools[0].w13[0].device
+    w13 = torch.empty(n_used, 2 * width, hidden, dtype=dtype, device=device)
+    w2 = torch.empty(n_used, hidden, width, dtype=dtype, device=device)
     for pool in pools:
         inside = ((used >= pool.first) & (used < pool.first + pool.n_slots)).nonzero().reshape(-1)
         if inside.numel():

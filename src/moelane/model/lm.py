@@ -78,6 +78,9 @@ class LM:
         self.folder, self.config, self.family, self.model = folder, config, family, model
         self.tokenizer, self.expert_handles, self.provider, self.dtype = tokenizer, expert_handles, provider, dtype
         self.args = Args(config)
+        # Where the model computes (`moelane.device`): its weights, KV pools and experts are there; passes return
+        # logits on the CPU, where sampling and the lanes read them.
+        self.device = next(model.parameters()).device
         self.moe_layers: list[int] = list(model.moe_layers)
         self.observers: list[RoutingObserver] = []
         self.eos_ids = tokenizer.eos_ids
@@ -105,7 +108,8 @@ class LM:
             if pool is None:
                 for unused in [c for c, p in self._pools.items() if p.n_taken == 0]:
                     del self._pools[unused]
-                pool = self._pools[capacity] = KVPool(self.model.cache_shapes(), capacity, self.dtype)
+                pool = KVPool(self.model.cache_shapes(), capacity, self.dtype, self.device)
+                self._pools[capacity] = pool
             return KVCache(pool)
 
     def footprint(self) -> Footprint | None:
@@ -151,22 +155,24 @@ class LM:
             return self._forward_eager(rows, phase, last_only)
 
     def _forward_eager(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
-        tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
-        positions = torch.cat([torch.arange(r.start, r.end) for r in rows])
+        device = self.device
+        tokens = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(r.start, r.end) for r in rows]).to(device)
         spans, first = [], 0
         for r in rows:
             spans.append((first, len(r.token_ids)))
             first += len(r.token_ids)
         caches = tuple(r.cache for r in rows)
-        batch = Batch(tuple(spans), caches, positions, tuple(r.end for r in rows), slots=row_slots(caches, spans))
+        slots = row_slots(caches, spans).to(device)
+        batch = Batch(tuple(spans), caches, positions, tuple(r.end for r in rows), slots=slots)
         routing: list[tuple[torch.Tensor, torch.Tensor]] = []
         hidden = self.model(tokens, batch, self.provider, routing)
         if self.observers:
             self._notify(routing, rows, phase)
         if last_only:
-            picked = hidden[torch.tensor([f + n - 1 for f, n in spans])]
-            return list(torch.split(self.model.logits(picked), 1))
-        return list(torch.split(self.model.logits(hidden), [n for _, n in spans]))
+            picked = hidden[torch.tensor([f + n - 1 for f, n in spans], device=device)]
+            return list(torch.split(self.model.logits(picked).cpu(), 1))
+        return list(torch.split(self.model.logits(hidden).cpu(), [n for _, n in spans]))
 
     def _forward_split(self, rows: list[Rows], phase: str | None, last_only: bool) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(rows)
@@ -205,7 +211,7 @@ class LM:
             calls[-1].append(row)
             pools[-1].add(pool)
         outs = [self._decode_call(rows, call) for call in calls]
-        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        logits = (outs[0] if len(outs) == 1 else torch.cat(outs)).cpu()
         out: list[torch.Tensor | None] = [None] * len(rows)
         first = 0
         for i in (i for members in by_pool.values() for i in members):  # (flat's order)
@@ -222,8 +228,9 @@ class LM:
             members = list(group)
             cache = rows[members[0][0]].cache
             cache.pool.mark_dynamic()
-            part = torch.tensor([(t, position, rows[i].cache.slot) for i, t, position in members])
-            keys = torch.arange(reach(max(position for _, _, position in members) + 1, cache.pool.capacity))
+            part = torch.tensor([(t, position, rows[i].cache.slot) for i, t, position in members], device=self.device)
+            keys = torch.arange(reach(max(position for _, _, position in members) + 1, cache.pool.capacity),
+                                device=self.device)  # fmt: skip
             # Unbacked: the graph is never specialised to the row count (one row included) or the reach it is traced
             # or called with
             torch._dynamo.decorators.mark_unbacked(part, 0)
@@ -236,8 +243,12 @@ class LM:
         if phase is None:
             phase = "decode" if all(len(r.token_ids) == 1 for r in rows) else "prefill" if len(rows) == 1 else "mixed"
         stream_ids = tuple(r.stream_id for r in rows for _ in r.token_ids)
-        ids = torch.stack([i for i, _ in routing]) if routing else torch.zeros(0, len(stream_ids), 0, dtype=torch.long)
-        weights = torch.stack([w for _, w in routing]).float() if routing else ids.float()
+        if routing:  # (observers read the routing on the CPU)
+            ids = torch.stack([i for i, _ in routing]).cpu()
+            weights = torch.stack([w for _, w in routing]).float().cpu()
+        else:
+            ids = torch.zeros(0, len(stream_ids), 0, dtype=torch.long)
+            weights = ids.float()
         record = RoutingRecord(ids, weights, phase, stream_ids)
         for observer in self.observers:
             observer.observe(record)

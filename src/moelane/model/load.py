@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelane.device import CPU, move
 from moelane.errors import ModelLoadError
 from moelane.model.checkpoint import (
     DTYPES,
@@ -80,6 +81,7 @@ def load(
     progress: bool = False,
     quantize: str = "auto",
     preflight: Preflight | None = None,
+    device: torch.device = CPU,
 ) -> LM:
     """Load a model folder or a GGUF file (None: the shipped default model) to compute in `dtype` ("auto":
     `checkpoint_dtype`). `provider` builds the expert provider from the experts' handles (default: all experts
@@ -87,7 +89,8 @@ def load(
     quantised (`weights.prepare_weights`); "auto" holds a GGUF's block-quantised projections as kernel pools where
     the kernels serve (`weights.holds_file_codes`, `fill_dense`), anything else as "none" does. `preflight` is
     called with the model's `MemoryNeeds`, its experts' handles and the compute dtype before any weight is read (a
-    memory check that refuses early raises there)."""
+    memory check that refuses early raises there). `device`: where the model computes (`moelane.device`): its dense
+    weights are moved there once prepared; `provider` must put the experts there too."""
     check_quantize(quantize)
     folder, gguf_file, raw, family, config, compute = opened(path, dtype)
     fp8_block = check_quantization(config.quantization_config, family.quantized)
@@ -95,11 +98,12 @@ def load(
     if gguf_file is None:
         handles, tokenizer = read_folder(folder, family, config, model, raw, compute, fp8_block, preflight)
     else:
-        own_codes = holds_file_codes(quantize, progress)
+        own_codes = holds_file_codes(quantize, progress, device)
         handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, own_codes)
     cache = DenseCache.of(folder, quantize, compute) if quantize in ("int8", "int4") else None
-    prepare_weights(model, quantize, progress, cache)
-    build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress))
+    prepare_weights(model, quantize, progress, cache, device)
+    move(model, device)
+    build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress, device=device))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)
     if compile:
         lm.enable_compile()

@@ -83,7 +83,7 @@ def tier_pool(
     padded to whole groups, so their stored length does not say)."""
     dtype = w13[0].dtype
     usable = dtype in kernels.FLOAT_KINDS or dtype in (torch.int8, torch.uint8)
-    if not usable or kernels.available().backend == "fallback":
+    if not usable or not kernels.serves(w13[0].device):
         return TierPool(first, kind, w13, w2)
     name = kernels.FLOAT_KINDS.get(dtype, kind)
     pools = tuple(Pool(name, data, scales, n_in) for (data, scales), n_in in zip((w13, w2), dims, strict=True))
@@ -129,8 +129,13 @@ class ResidentProvider:
 
     @classmethod
     def from_handles(
-        cls, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype, progress: bool = False
+        cls,
+        handles: dict[int, list[ExpertHandle]],
+        dtype: torch.dtype,
+        progress: bool = False,
+        device: torch.device | None = None,
     ) -> ResidentProvider:
+        """Every expert read in `dtype` and held on `device` (None: the CPU), a layer's experts stacked at a time."""
         from tqdm import tqdm
 
         pools: dict[int, TierPool] = {}
@@ -146,6 +151,8 @@ class ResidentProvider:
                     w2s.append(w2)
                     bar.update(1)
                 w13, w2 = torch.stack(w13s), torch.stack(w2s)
+                if device is not None:
+                    w13, w2 = w13.to(device), w2.to(device)
                 pools[layer] = tier_pool(0, "native", (w13, None), (w2, None), (w2.shape[1], w2.shape[2]))
         return cls(pools)
 

@@ -28,6 +28,8 @@ from moelane import kernels
 from moelane.errors import ModelLoadError
 from moelane.model.derived import DenseCache
 
+CPU = torch.device("cpu")
+
 log = logging.getLogger(__name__)
 QUANTIZE = ("auto", "none", "int8", "int4")
 # The LM head's kind under each quantize: int8 under int4 too, as llama.cpp's Q4_0 files hold it at 6 or 8 bits
@@ -43,19 +45,24 @@ def check_quantize(quantize: str) -> None:
 
 
 def prepare_weights(
-    model: nn.Module, quantize: str = "none", progress: bool = False, cache: DenseCache | None = None
+    model: nn.Module,
+    quantize: str = "none",
+    progress: bool = False,
+    cache: DenseCache | None = None,
+    device: torch.device = CPU,
 ) -> int:
     """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
     `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s), and a bar
     counts the projections while they are quantised. "auto" is "none" here: a GGUF's block-quantised projections are
     already pools (`load.fill_dense`), and pools are left as they are. Quantised pools are taken from `cache` where
-    it holds them, and written to it where it did not (`derived.DenseCache`)."""
+    it holds them, and written to it where it did not (`derived.DenseCache`). `device`: where the model will compute
+    (pools are made on the CPU either way; `moelane.device.move` moves them)."""
     check_quantize(quantize)
     quantize = "none" if quantize == "auto" else quantize
     linears = {
         name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)
     }
-    if not linears or (build_kernels(progress).backend == "fallback" and quantize == "none"):
+    if not linears or (not kernels_serve(device, progress) and quantize == "none"):
         return 0
     if quantize != "none":
         return quantise_projections(model, linears, quantize, progress, cache)
@@ -101,12 +108,18 @@ def replace(module: nn.Linear, pool: kernels.Pool) -> None:
     module.weight = pool  # type: ignore[assignment]
 
 
-def holds_file_codes(quantize: str, progress: bool = False) -> bool:
+def holds_file_codes(quantize: str, progress: bool = False, device: torch.device = CPU) -> bool:
     """Whether a GGUF's block-quantised projections are held as kernel pools (Q8_0 / Q4_0 as the file's own codes,
     others at their nearest tier: `gguf.tensors.own_codes`): under "auto", where the C++ kernels serve (the PyTorch
     fallback computes from a pool far slower than `F.linear` from decoded weights, so there "auto" decodes them, as
     "none" does)."""
-    return quantize == "auto" and build_kernels(progress).backend != "fallback"
+    return quantize == "auto" and kernels_serve(device, progress)
+
+
+def kernels_serve(device: torch.device, progress: bool) -> bool:
+    """Whether the kernels compute on `device` at their own speed (`kernels.serves`); on the CPU they are compiled
+    first if this machine has no build of them yet (a line on stderr with `progress`)."""
+    return build_kernels(progress).backend != "fallback" if device.type == "cpu" else kernels.serves(device)
 
 
 def build_kernels(progress: bool) -> kernels.Availability:

@@ -113,7 +113,8 @@ def remember(bx: torch.Tensor, layer: int, batch: Batch, kernel: int) -> torch.T
     """Write each row's input bx [N, H] into its stream's cache at its position (the layer's "keys"), then read,
     for each row, the inputs at the `kernel` positions ending at its own: [N, kernel, H], zeros before position 0.
     Rows of one stream see each other's inputs, since every write comes first."""
-    at = batch.positions[:, None] - torch.arange(kernel - 1, -1, -1)[None, :]  # [N, L]: p - (L-1) .. p
+    back = torch.arange(kernel - 1, -1, -1, device=batch.positions.device)
+    at = batch.positions[:, None] - back[None, :]  # [N, L]: p - (L-1) .. p
     if batch.parts and batch.slots is not None:  # the compiled decode step: each pool's rows apart, in row order
         outs = [
             recall(part.pool.k[layer], slots, positions, at_, bx_)
@@ -138,7 +139,7 @@ def recall(
     """Rows of one pool: bx [n, H] written at (slots, positions) of keys [S, 1, C, H], then read at `at` [n, L]."""
     keys[slots, 0, positions] = bx.to(keys.dtype)
     got = keys[slots[:, None], 0, at.clamp(min=0)]  # [n, L, H]
-    return torch.where((at >= 0)[..., None], got, torch.zeros((), dtype=got.dtype)).to(bx.dtype)
+    return torch.where((at >= 0)[..., None], got, torch.zeros((), dtype=got.dtype, device=got.device)).to(bx.dtype)
 
 
 class LfmDecoder(Decoder):
