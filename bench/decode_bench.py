@@ -114,12 +114,19 @@ SETTINGS = {
 
 
 def moelane_runner(
-    folder: Path, setting: Setting, compiled: bool, tokens: int, expert_memory: str | None = None
+    folder: Path,
+    setting: Setting,
+    compiled: bool,
+    tokens: int,
+    expert_memory: str | None = None,
+    device: str = "cpu",
+    host_memory: str | None = None,
 ) -> Callable[[], float]:
     import moelane
 
     lm = moelane.load(folder, setting.dtype, compile=compiled, default_tier=setting.default_tier,
-                      quantize=setting.quantize, expert_memory=expert_memory)  # fmt: skip
+                      quantize=setting.quantize, expert_memory=expert_memory, host_memory=host_memory,
+                      device=device)  # fmt: skip
     last: list[list[int]] = []
 
     def run() -> float:
@@ -137,11 +144,13 @@ def moelane_runner(
     return run
 
 
-def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int) -> Callable[[], float]:
+def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int, device: str = "cpu") -> Callable[[], float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype).eval()
-    ids = torch.tensor([PROMPT])
+    from moelane.device import synchronize
+
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype).eval().to(device)
+    ids = torch.tensor([PROMPT], device=device)
 
     def run() -> float:
         with torch.no_grad():
@@ -151,6 +160,7 @@ def transformers_runner(folder: Path, dtype: torch.dtype, tokens: int) -> Callab
             for _ in range(tokens - 1):
                 out = model(token, past_key_values=past, use_cache=True)
                 past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            synchronize(token.device)
         return (tokens - 1) / (time.perf_counter() - t0)
 
     run()
@@ -220,6 +230,9 @@ def main() -> None:
                    help="also run moelane on the GGUF file llama.cpp runs (its default tier: Q8_0 / Q4_0 experts as "
                    "their codes)")  # fmt: skip
     p.add_argument("--expert-memory", help="moelane's expert budget (512MiB, 25%%; default: all resident)")
+    p.add_argument("--host-memory", help="moelane's host-RAM expert cache (pinned on a GPU; default none)")
+    p.add_argument("--device", default="cpu",
+                   help="where moelane and transformers compute: cpu, cuda, cuda:N (default cpu)")  # fmt: skip
     args = p.parse_args()
     folder = build_model(args.model, args.shape)
     from tokenizers import Tokenizer
@@ -232,11 +245,13 @@ def main() -> None:
             raise SystemExit(f"unknown --quant {quant!r}: use {', '.join(SETTINGS)}")
         setting = SETTINGS[quant]
         if "moelane" in wanted:
-            runners[(quant, "moelane")] = moelane_runner(folder, setting, False, args.tokens, args.expert_memory)
+            runners[(quant, "moelane")] = moelane_runner(folder, setting, False, args.tokens, args.expert_memory,
+                                                         args.device, args.host_memory)  # fmt: skip
         if "moelane-compiled" in wanted:
             t0 = time.perf_counter()
             runners[(quant, "moelane-compiled")] = moelane_runner(folder, setting, True, args.tokens,
-                                                                  args.expert_memory)  # fmt: skip
+                                                                  args.expert_memory, args.device,
+                                                                  args.host_memory)  # fmt: skip
             print(json.dumps({"event": "compiled", "quant": quant, "seconds": round(time.perf_counter() - t0, 1)}),
                   flush=True)  # fmt: skip
         if args.moelane_gguf and setting.gguf is not None:
@@ -245,9 +260,10 @@ def main() -> None:
                 raise SystemExit(f"--moelane-gguf: no {setting.gguf} GGUF of the model (--gguf-dir, --llama-cpp)")
             as_read = Setting(torch.float32, "auto", "auto", setting.gguf)
             compiled = "moelane-compiled" in wanted or "moelane" not in wanted
-            runners[(quant, "gguf")] = moelane_runner(path, as_read, compiled, args.tokens, args.expert_memory)
+            runners[(quant, "gguf")] = moelane_runner(path, as_read, compiled, args.tokens, args.expert_memory,
+                                                      args.device, args.host_memory)  # fmt: skip
         if "transformers" in wanted and setting.quantize == "none" and setting.default_tier == "native":
-            runners[(quant, "transformers")] = transformers_runner(folder, setting.dtype, args.tokens)
+            runners[(quant, "transformers")] = transformers_runner(folder, setting.dtype, args.tokens, args.device)
         if "llama.cpp" in wanted and setting.gguf is not None:
             path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp, args.llama_python)
             if path is not None:
@@ -273,7 +289,8 @@ def print_summary(
         medians = {name: statistics.median(v) for (q, name), v in results.items() if q == quant}
         summary: dict[str, object] = {
             "summary": True, "git": git_rev(), "quant": quant, "threads": torch.get_num_threads(),
-            "tokens": args.tokens, "rounds": args.rounds, "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
+            "device": args.device, "tokens": args.tokens, "rounds": args.rounds,
+            "median_tok_s": {k: round(v, 1) for k, v in medians.items()},
         }  # fmt: skip
         best = max((v for k, v in medians.items() if k.startswith("moelane") or k == "gguf"), default=None)
         for ref in ("transformers", "llama.cpp"):

@@ -9,7 +9,16 @@ multi-process test whose fast sibling stays.
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
+
+# `MOELANE_TEST_DEVICE=cuda pytest ...` (bench/device_check.sh): every model the tests load with `moelane.load` and no
+# device of their own computes there, so the parity and identity tests take a device parameter.
+TEST_DEVICE = os.environ.get("MOELANE_TEST_DEVICE")
 
 # nodeid prefixes (a test, a parametrized case, or a whole file)
 SLOW_IN_THE_FAST_LOOP = (
@@ -82,3 +91,22 @@ def a_later_config(item: pytest.Item, first: dict[str, str]) -> bool:
 
 def forced_by_name(item: pytest.Item) -> bool:
     return isinstance(item, pytest.Function) and item.originalname == FORCED_BY_NAME and item.callspec.params["named"]
+
+
+@pytest.fixture(autouse=True)
+def _test_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Models loaded through `moelane.load` compute on TEST_DEVICE where one is set."""
+    if TEST_DEVICE:
+        import moelane
+        import moelane.loading
+
+        plain = moelane.loading.load
+
+        @functools.wraps(plain)
+        def on_device(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("device", TEST_DEVICE)
+            return plain(*args, **kwargs)
+
+        monkeypatch.setattr(moelane, "load", on_device)
+        monkeypatch.setattr(moelane.loading, "load", on_device)
+    yield

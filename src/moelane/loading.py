@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moelane.device import parse as parse_device
 from moelane.model.lm import LM
 from moelane.model.load import ProviderFactory
 from moelane.model.load import load as load_folder
@@ -42,6 +43,7 @@ def load(
     progress: bool = False,
     provider: ProviderFactory | None = None,
     quantize: str = "auto",
+    device: str | torch.device | None = None,
 ) -> LM:
     """Load a model folder (None: the shipped default model) to compute in `dtype` ("auto": the checkpoint's own).
 
@@ -58,15 +60,19 @@ def load(
     (the LM head at int8 under "int4" too);
     "auto" holds a GGUF's Q8_0 / Q4_0 projections as the file's own codes (int8 / int4, never requantised), its
     other block-quantised ones at their nearest tier, and anything else as stored ("none"); the routed experts'
-    precision is `default_tier`'s."""
+    precision is `default_tier`'s. `device` ("cpu", "cuda", "cuda:N"; None: the CPU): where the model computes,
+    its dense weights, KV caches and expert pool held there (`moelane.device`); on a CUDA device `expert_memory`
+    is the device pool's budget and `host_memory` pinned host RAM behind it."""
+    where = parse_device(device)
     if provider is not None:
         if (expert_memory, host_memory, policy, default_tier) != (None, None, "planner", "auto"):
             raise ValueError("give either an expert provider factory or expert settings, not both")
-        return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize)
+        return load_folder(path, dtype, provider=provider, compile=compile, progress=progress, quantize=quantize,
+                           device=where)  # fmt: skip
     ceiling = memory_ceiling(expert_memory, default_tier)
-    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress, ceiling)
+    factory = expert_factory(expert_memory, host_memory, policy, default_tier, progress, ceiling, where)
     lm = load_folder(path, dtype, provider=factory, compile=compile, progress=progress, quantize=quantize,
-                     preflight=ceiling.check)  # fmt: skip
+                     preflight=ceiling.check, device=where)  # fmt: skip
     lm.memory = ceiling.report
     if isinstance(lm.provider, ExpertStore):  # (after `compile`: the hooks are made for a compiled step)
         lm.provider.attach(lm)
@@ -81,13 +87,14 @@ def expert_factory(
     default_tier: str = "auto",
     progress: bool = False,
     ceiling: Ceiling | None = None,
+    device: torch.device | None = None,
 ) -> ProviderFactory:
     """The provider factory `load` builds the experts with for these settings (see `load`); checked now. `ceiling`
     decides the budget where none is given, and records the one given (default: one of its own)."""
     pool, host = memory_spec("expert_memory", expert_memory), memory_spec("host_memory", host_memory)
     if pool is None and host is None:
-        return fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling)
-    return store_factory(pool, host, policy, default_tier, ceiling=ceiling, progress=progress)
+        return fitting_factory(None, policy, default_tier, progress=progress, ceiling=ceiling, device=device)
+    return store_factory(pool, host, policy, default_tier, ceiling=ceiling, progress=progress, device=device)
 
 
 def memory_ceiling(expert_memory: MemorySpec | str | None, default_tier: str) -> Ceiling:

@@ -66,3 +66,28 @@ def test_device_kernel_in_tritons_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not triton_found(), reason="needs Triton")
+@pytest.mark.parametrize(("dtype", "group"), [("fp32", 1), ("bf16", 1), ("i8", 64), ("i8", 16), ("u8", 32)])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_device_kernel_compiles_for_hopper_without_a_gpu(dtype: str, group: int, indexed: bool) -> None:
+    """The kernel through Triton's real compiler (to PTX for sm_90), which the interpreter skips: names it cannot
+    resolve, types it cannot lower."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moelane.kernels import cuda
+
+    kernel = cuda._gather_linear_kernel
+    kind = {"fp32": 0, "bf16": 0, "i8": 1, "u8": 2}[dtype]
+    index = "*i64" if indexed else "*fp32"
+    pointers = {"x_ptr": "*fp32", "rows_ptr": index, "slots_ptr": index, "data_ptr": f"*{dtype}",
+                "scales_ptr": "*fp16" if kind else f"*{dtype}", "y_ptr": "*fp32"}  # fmt: skip
+    consts = {"KIND": kind, "GROUP": group, "HAS_ROWS": indexed, "HAS_SLOTS": indexed, "BLOCK_O": cuda.BLOCK_OUT,
+              "BLOCK_K": cuda.BLOCK_IN}  # fmt: skip
+    signature = {name: pointers.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "ld.global" in compiled.asm["ptx"]

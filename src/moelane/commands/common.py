@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import torch
 
 import moelane
+from moelane.device import parse as parse_device
 from moelane.errors import InputError
 from moelane.model.provider import ResidentProvider
 from moelane.pager.live.memory import MemorySpec, format_bytes, parse_memory
@@ -102,6 +103,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "at Q6_K or Q8_0); with --default-tier of the same precision the whole model is. Default auto: "
                    "a GGUF's Q8_0 / Q4_0 projections at int8 / int4 as the file's own codes, its K-quant and other "
                    "block-quantised ones at the nearest of the two, anything else as stored (none)")  # fmt: skip
+    p.add_argument("--device", default="cpu", metavar="D",
+                   help="where the model computes: cpu, cuda or cuda:N. On a GPU the dense weights, KV caches and "
+                   "expert pool live in its memory: --expert-memory is then the GPU's expert pool and --host-memory "
+                   "pinned host RAM behind it (default cpu; docs/accelerator.md)")  # fmt: skip
     p.add_argument("--threads", type=int, metavar="N",
                    help="compute threads (default: every core; OMP_NUM_THREADS if set)")  # fmt: skip
     p.add_argument("--dist-timeout", type=float, default=30.0, metavar="S",
@@ -166,6 +171,7 @@ def set_threads(args: argparse.Namespace) -> None:
 def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     """The model the flags ask for, its experts in a store attached to it where they are paged (`moelane.load`)."""
     set_threads(args)
+    device = parse_device(args.device)
     if args.pager_policy and args.expert_memory is None:
         raise InputError("--pager-policy chooses what the expert pool evicts: it needs --expert-memory")
     ranks = getattr(args, "ranks", None)
@@ -173,6 +179,8 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
     if ranks is not None:  # (rank 0 of a distributed run: `moelane.commands.distributed`)
         from moelane import dist
 
+        if device.type != "cpu":
+            raise InputError(f"--device {args.device}: a distributed run computes on its ranks' CPUs")
         if compile:
             raise InputError("--compile on: a distributed run computes eagerly (its experts' outputs are exchanged "
                              "between ranks in every MoE layer)")  # fmt: skip
@@ -184,7 +192,7 @@ def load_model(args: argparse.Namespace, compile: bool = False) -> Any:
         lm = moelane.load(args.model, DTYPES[args.dtype], expert_memory=args.expert_memory,
                           host_memory=args.host_memory, policy=args.pager_policy or "planner",
                           default_tier=args.default_tier, compile=compile, progress=True,
-                          quantize=args.quantize)  # fmt: skip
+                          quantize=args.quantize, device=device)  # fmt: skip
     try:
         check_pool(lm, args.expert_memory)
     except InputError:
