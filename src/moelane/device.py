@@ -73,6 +73,18 @@ def _moved(value: Any, device: torch.device) -> Any:
     return value
 
 
+# What a device keeps free beyond its experts, when no --expert-memory says their budget: KV caches, activations,
+# the compiled step's workspace. A tenth of the device, at least 1 GiB.
+RESERVE_SHARE, RESERVE_MIN = 0.1, 1 << 30
+
+
+def expert_room(device: torch.device) -> int:
+    """Bytes of `device`'s memory the experts may take when no budget is given: what is free now (after the dense
+    weights were moved there) less `RESERVE_SHARE` of the device (at least `RESERVE_MIN`)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(free - max(total * RESERVE_SHARE, RESERVE_MIN)))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing); nothing on the CPU."""
     if device.type == "cuda":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from moelane.device import expert_room
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool, tier_pool
 from moelane.pager.live.ceiling import Ceiling, MemoryReport
@@ -139,8 +140,9 @@ def fitting_factory(
     device: torch.device | None = None,
 ) -> Callable[[dict[int, list[ExpertHandle]], torch.dtype], ExpertProvider]:
     """The provider factory of a run without `--expert-memory`: every expert resident where they all fit the budget
-    that `ceiling` derives from the limit this process runs under once the dense weights are loaded (ceiling.py),
-    else an expert store whose pool takes that budget, with a warning that says so. A model that does not fit then
+    that `ceiling` derives from the limit this process runs under once the dense weights are loaded (ceiling.py; on
+    a GPU, its free memory less a reserve: `moelane.device.expert_room`), else an expert store whose pool takes that
+    budget, with a warning that says so. A model that does not fit then
     runs paged instead of being killed for memory halfway through loading. `device`: as `store_factory`'s."""
     store_factory(None, host_memory, policy, default_tier)  # (the store's settings checked now, before any loading)
     ceiling = Ceiling(None, default_tier) if ceiling is None else ceiling
@@ -151,15 +153,17 @@ def fitting_factory(
         if not n_experts and tier > 0:
             raise StoreError(NO_EXPERTS)
         need = n_experts * each
-        room = ceiling.budget(need)
+        on_gpu = device is not None and device.type != "cpu"
+        room = expert_room(device) if on_gpu and device is not None else ceiling.budget(need)
         if need <= room:  # (a dense model needs nothing)
             return resident_at_tier(handles, dtype, tier, progress, device) if n_experts else ResidentProvider({})
         report = ceiling.report
-        where = (
-            f"the memory limit is {format_bytes(report.limit)} ({report.source})"
-            if report.limit is not None
-            else f"{format_bytes(report.room)} of memory is free"
-        )
+        if on_gpu:
+            where = f"{format_bytes(room)} of {device}'s memory is left for them"
+        elif report.limit is not None:
+            where = f"the memory limit is {format_bytes(report.limit)} ({report.source})"
+        else:
+            where = f"{format_bytes(report.room)} of memory is free"
         if room < each:
             raise StoreError(f"{where}: the experts' budget left ({format_bytes(room)}) holds no expert "
                              f"({format_bytes(each)}): raise the limit, or compute in bfloat16 (--dtype)")  # fmt: skip

@@ -207,7 +207,7 @@ class ExpertStore:
         """Route one layer call; unless `staged` (and the experts big enough), wait for its loads before returning."""
         li = self._index[layer]
         base = li * self.n_experts
-        flat = expert_ids.reshape(-1).numpy()
+        flat = expert_ids.reshape(-1).cpu().numpy()  # (routed on a device: the table is host-side)
         keys = np.unique(flat) + base
         phase = getattr(self._local, "phase", None) or ("decode" if expert_ids.shape[0] == 1 else "prefill")
         if li == 0:
