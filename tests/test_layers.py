@@ -7,6 +7,7 @@ import each other:
 
     errors, assets
     kernels                  the weight products (one op at every precision) and the quantised formats
+    device                   where a model computes: --device parsed, a model's weights moved there
     model                    the model's math, loading a checkpoint, the expert provider seam
     pager                    the seam of the pager: trace.py, plan.py, and the planner both sides run
     pager.live | pager.lab   the store a running model uses | offline work on traces
@@ -31,6 +32,7 @@ import moelane
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("moelane.errors", "moelane.assets"),),
     (("moelane.kernels",),),
+    (("moelane.device",),),
     (("moelane.model",),),
     (("moelane.pager",),),
     (("moelane.pager.live",), ("moelane.pager.lab",)),
