@@ -233,7 +233,7 @@ def test_bf16_prefill_logits_are_transformers_bit_for_bit(
     once), theirs were off by up to 0.016. The dense projections are left to the BLAS here, as the reference computes
     them: moelane's own bf16 products (`model/weights.py`) sum in another fixed order, so their bits differ from
     oneDNN's, and `test_bf16_greedy_matches_transformers` checks them."""
-    monkeypatch.setattr(load_module, "prepare_weights", lambda model, quantize, progress, cache: 0)
+    monkeypatch.setattr(load_module, "prepare_weights", lambda model, quantize, progress, cache, device: 0)
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     ref, lm = reference(folder, torch.bfloat16), moelane.load(folder, dtype=torch.bfloat16)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
