@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.kernels import formats
 from moelane.kernels.formats import INT4_DIVISORS
 from moelane.model.derived import cache_dir
 from moelane.model.provider import ResidentProvider
@@ -165,6 +167,22 @@ def test_tier_file_is_built_once_checked_and_rebuilt_on_change(folder: Path, tmp
     tiers.close()
     again = TierFile.open_or_build(handles, codec, cache_dir(model), files)
     assert again.path.stat().st_mtime_ns == built  # reused, not rebuilt
+    again.close()
+    index = again.path.with_suffix(".json")
+    body = json.loads(index.read_text())
+    assert body["quantizer"] == formats.QUANTIZER_VERSION
+    del body["quantizer"]  # a file from before the quantiser's version was recorded: made by quantiser 3
+    index.write_text(json.dumps(body))
+    old = TierFile.open_or_build(handles, codec, cache_dir(model), files)
+    assert old.path.stat().st_mtime_ns == built or formats.QUANTIZER_VERSION != 3
+    old.close()
+    index.write_text(json.dumps({**body, "quantizer": formats.QUANTIZER_VERSION + 1}))  # another quantiser's codes
+    newer = TierFile.open_or_build(handles, codec, cache_dir(model), files)
+    assert json.loads(index.read_text())["quantizer"] == formats.QUANTIZER_VERSION  # built again
+    built = newer.path.stat().st_mtime_ns
+    newer.close()
+    again = TierFile.open_or_build(handles, codec, cache_dir(model), files)
+    assert again.path.stat().st_mtime_ns == built
     again.close()
     with open(again.path, "r+b") as f:  # damage one expert's blob
         f.seek(codec.nbytes * 5 + 3)

@@ -54,7 +54,7 @@ class QuantFormat:
 
 FORMATS: dict[int, QuantFormat] = {1: QuantFormat(8, 64), 2: QuantFormat(4, 32)}
 # Bump whenever `quantize` gives other codes or scales for the same weights: the files that keep its output record
-# it (dense caches: model/derived.py; tier files: with their own TIER_FILE_VERSION, pager/live/storage.py).
+# it (dense caches: model/derived.py; tier files: beside their layout's TIER_FILE_VERSION, pager/live/storage.py).
 QUANTIZER_VERSION = 3
 
 

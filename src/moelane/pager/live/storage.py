@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from moelane.errors import ModelLoadError, MoelaneError
+from moelane.kernels.formats import QUANTIZER_VERSION
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.model.derived import cache_dir, file_fingerprint
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
@@ -47,8 +48,9 @@ from moelane.pager.live.transfer import Transfer
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
 log = logging.getLogger(__name__)
-# bump whenever the blob layout or the quantiser (formats.QUANTIZER_VERSION) changes (2: adaptive group size; 3: int4
-# scales)
+# bump whenever the blob layout changes (2: adaptive group size; 3: int4 scales); the quantiser's own version
+# (formats.QUANTIZER_VERSION) is recorded beside it, and a file of another is built again. Files of version 3 were all
+# made by quantiser 3 (they did not record it).
 TIER_FILE_VERSION = 3
 
 
@@ -238,6 +240,7 @@ class TierFile:
             index = json.loads(index_path.read_text())
             if (
                 index.get("version") == TIER_FILE_VERSION
+                and index.get("quantizer", 3) == QUANTIZER_VERSION
                 and index.get("fingerprint") == fingerprint
                 and index.get("blob_bytes") == codec.nbytes
                 and bin_path.stat().st_size == codec.nbytes * len(keys)
@@ -245,7 +248,8 @@ class TierFile:
                 return cls(bin_path, codec, order, [int(c) for c in index["crcs"]], files.bounce)
         log.info("building the %s tier file for %d experts: %s", name, len(keys), bin_path)
         crcs = build_tier_file(handles, codec, files, bin_path, progress)
-        body = {"version": TIER_FILE_VERSION, "tier": name, "blob_bytes": codec.nbytes, "fingerprint": fingerprint}
+        body = {"version": TIER_FILE_VERSION, "quantizer": QUANTIZER_VERSION, "tier": name, "blob_bytes": codec.nbytes,
+                "fingerprint": fingerprint}  # fmt: skip
         tmp = index_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({**body, "crcs": crcs}))
         os.replace(tmp, index_path)
