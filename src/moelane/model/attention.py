@@ -13,7 +13,7 @@ Shape alphabet: N rows in the pass, n rows of one stream, H hidden, Hq/Hkv heads
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -96,6 +96,11 @@ class Batch:
         sizes = [part.rows for part in self.parts]
         cut = [torch.split(t, sizes) for t in rows]
         return [(part, tuple(c[i] for c in cut)) for i, part in enumerate(self.parts)]
+
+    def per_part(self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
+        """`fn(part, *its rows)` for each of the compiled step's parts (`by_part`), the results in row order."""
+        outs = [fn(part, *cut) for part, cut in self.by_part(*rows)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def pack_queries(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -277,12 +282,14 @@ def attend_streams(
     are slots of one pool and whose packed query rows (`pack_queries`) come to the same tiles go through one batched
     call (`attend_group`). q [N, Hq, D], k/v [N, Hkv, D]; sinks [Hkv, group] (`with_sinks`) or None."""
     if batch.parts and batch.slots is not None:  # the compiled decode step: each pool's rows apart, in row order
-        outs = [
-            attend_pooled(q_, k_, v_, part.pool.k[layer], part.pool.v[layer], slots, positions, part.keys, scale,
-                          window, sinks)
-            for part, (q_, k_, v_, slots, positions) in batch.by_part(q, k, v, batch.slots, batch.positions)
-        ]  # fmt: skip
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        def pooled(
+            part: PoolPart, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, at: torch.Tensor
+        ) -> torch.Tensor:
+            k_pool, v_pool = part.pool.k[layer], part.pool.v[layer]
+            return attend_pooled(q, k, v, k_pool, v_pool, slots, at, part.keys, scale, window, sinks)
+
+        return batch.per_part(pooled, q, k, v, batch.slots, batch.positions)
     write_rows(layer, batch, k, v)
     counts = [n for _, n in batch.spans]
     if uniform(batch):  # one stream, or equal row counts and one pool (a decode round): no per-stream slicing

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from moelane.errors import ModelLoadError
-from moelane.model.attention import Attention, Batch, row_slots
+from moelane.model.attention import Attention, Batch, PoolPart, row_slots
 from moelane.model.checkpoint import renamed
 from moelane.model.config import Config, key
 from moelane.model.decoder import Decoder
@@ -116,11 +116,11 @@ def remember(bx: torch.Tensor, layer: int, batch: Batch, kernel: int) -> torch.T
     back = torch.arange(kernel - 1, -1, -1, device=batch.positions.device)
     at = batch.positions[:, None] - back[None, :]  # [N, L]: p - (L-1) .. p
     if batch.parts and batch.slots is not None:  # the compiled decode step: each pool's rows apart, in row order
-        outs = [
-            recall(part.pool.k[layer], slots, positions, at_, bx_)
-            for part, (slots, positions, at_, bx_) in batch.by_part(batch.slots, batch.positions, at, bx)
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+        def pooled(part: PoolPart, *rows: torch.Tensor) -> torch.Tensor:
+            return recall(part.pool.k[layer], *rows)
+
+        return batch.per_part(pooled, batch.slots, batch.positions, at, bx)
     slots = batch.slots if batch.slots is not None else row_slots(batch.caches, batch.spans)
     pools = {cache.pool for cache in batch.caches}
     if len(pools) == 1:
