@@ -7,6 +7,8 @@ are timed on the same weights in alternated rounds (A B, B A, ...), medians of t
   GB/s of the distinct experts' bytes.
 - matrix (--matrix): one expert matrix at 1 thread, one pair, its bytes read from L2 (the fastest of 8 calls a round):
   the kernel's compute bound apart from the memory's. w13 and w2 of each shape.
+- dense (--dense OUTxIN): one dense projection (`linear`: every row against one matrix, as attention and LM heads
+  are) at each of --rows, the matrix streamed from memory (a copy per call in --span-gb, taken round-robin).
 
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --threads 1,2
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --matrix
@@ -19,6 +21,7 @@ absolute figures: 2-thread rounds suffer most from the other load (a descheduled
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -107,6 +110,19 @@ def matrix_call(kind: str, n_out: int, n_in: int, g: torch.Generator) -> tuple[C
     return lambda module, i: module.gather_linear(x, zero, zero, pool.data, pool.scales), pool.nbytes
 
 
+def dense_call(kind: str, n_out: int, n_in: int, n_rows: int, span_gb: float, g: torch.Generator) -> tuple[Call, float]:
+    """-> (call(module, i): a dense product of n_rows rows, the matrix's bytes)."""
+    one = kb.random_pool(kind, 1, n_out, n_in, g)
+    copies = [one] + [kb.random_pool(kind, 1, n_out, n_in, g) for _ in range(max(0, int(span_gb * 1e9 / one.nbytes)))]
+    x = torch.randn(n_rows, n_in, generator=g)
+
+    def call(module: ModuleType, i: int) -> torch.Tensor:
+        pool = copies[i % len(copies)] if i else one
+        return module.gather_linear(x, None, None, pool.data, pool.scales)
+
+    return call, one.nbytes
+
+
 def ab(modules: dict[str, ModuleType], call: Call, rounds: int, calls: int, best: bool) -> dict[str, float]:
     """Seconds per call of each side: the median over rounds of each round's median (or fastest) call."""
     per_round: dict[str, list[float]] = {"a": [], "b": []}
@@ -135,12 +151,20 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10, help="timed calls per round and side")
     ap.add_argument("--span-gb", type=float, default=1.5)
     ap.add_argument("--matrix", action="store_true", help="single matrices from L2 at 1 thread instead of layers")
+    ap.add_argument("--dense", metavar="OUTxIN", help="one dense projection of this shape at --rows instead of layers")
     args = ap.parse_args()
     modules = {"a": build(args.a), "b": build(args.b)}
     base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b}
     g = torch.Generator().manual_seed(0)
     jobs: list[tuple[dict[str, object], Callable[[], tuple[Call, float]]]] = []
-    for name in args.shapes.split(","):
+    if args.dense:
+        n_out, n_in = (int(v) for v in args.dense.split("x"))
+        for kind in args.kinds.split(","):
+            for n_threads in (int(t) for t in args.threads.split(",")):
+                for n_rows in (int(r) for r in args.rows.split(",")):
+                    conf = {"what": f"dense {args.dense}", "kind": kind, "rows": n_rows, "threads": n_threads}
+                    jobs.append((conf, functools.partial(dense_call, kind, n_out, n_in, n_rows, args.span_gb, g)))
+    for name in [] if args.dense else args.shapes.split(","):
         shape = kb.SHAPES[name]
         for kind in args.kinds.split(","):
             if args.matrix:
