@@ -106,3 +106,16 @@ def test_the_shipped_model_on_cuda_replies_as_on_the_cpu() -> None:
     a = list(cpu.generate_ids(prompt, 24))
     b = list(gpu.generate_ids(prompt, 24))
     assert a == b
+
+
+def test_device_out_of_memory_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU too small for what the flags ask: one line naming the way out, no traceback."""
+
+    def too_big(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 23.6 GiB total)\nmore")
+
+    monkeypatch.setattr(moelane, "load", too_big)
+    line = cli_error(["run", "hello"], capsys)
+    assert "out of device memory (CUDA out of memory. Tried to allocate 20.00 GiB" in line and "--expert-memory" in line

@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except MoelaneError as e:
         return say_error(str(e))
+    except torch.OutOfMemoryError as e:  # (a device's memory: the host's ends in the OOM killer, not here)
+        first = (str(e).strip().splitlines() or ["out of memory"])[0]
+        return say_error(f"out of device memory ({first}): give the experts less (--expert-memory), hold them smaller "
+                         "(--default-tier int8 or int4, --quantize), or use a device with more memory")  # fmt: skip
     except Terminated:  # (SIGTERM, where the command takes it as Ctrl-C)
         return 143
     except KeyboardInterrupt:
