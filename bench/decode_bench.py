@@ -121,12 +121,15 @@ def moelane_runner(
     expert_memory: str | None = None,
     device: str = "cpu",
     host_memory: str | None = None,
+    cuda_graphs: bool = False,
 ) -> Callable[[], float]:
     import moelane
 
     lm = moelane.load(folder, setting.dtype, compile=compiled, default_tier=setting.default_tier,
                       quantize=setting.quantize, expert_memory=expert_memory, host_memory=host_memory,
                       device=device)  # fmt: skip
+    if cuda_graphs:
+        lm.enable_compile(cuda_graphs=True)
     last: list[list[int]] = []
 
     def run() -> float:
@@ -233,6 +236,9 @@ def main() -> None:
     p.add_argument("--host-memory", help="moelane's host-RAM expert cache (pinned on a GPU; default none)")
     p.add_argument("--device", default="cpu",
                    help="where moelane and transformers compute: cpu, cuda, cuda:N (default cpu)")  # fmt: skip
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also run moelane compiled with CUDA graphs (engine moelane-graphs; its tokens are compared "
+                   "with moelane-compiled's)")  # fmt: skip
     args = p.parse_args()
     folder = build_model(args.model, args.shape)
     from tokenizers import Tokenizer
@@ -254,6 +260,10 @@ def main() -> None:
                                                                   args.host_memory)  # fmt: skip
             print(json.dumps({"event": "compiled", "quant": quant, "seconds": round(time.perf_counter() - t0, 1)}),
                   flush=True)  # fmt: skip
+        if args.cuda_graphs:
+            graphs = moelane_runner(folder, setting, True, args.tokens, args.expert_memory, args.device,
+                                    args.host_memory, cuda_graphs=True)  # fmt: skip
+            runners[(quant, "moelane-graphs")] = graphs
         if args.moelane_gguf and setting.gguf is not None:
             path = gguf_file(folder, setting.gguf, args.gguf_dir, args.llama_cpp, args.llama_python)
             if path is None:
@@ -296,6 +306,9 @@ def print_summary(
         for ref in ("transformers", "llama.cpp"):
             if best is not None and ref in medians:
                 summary[f"moelane_vs_{ref}"] = round(best / medians[ref], 2)
+        if (quant, "moelane-graphs") in runners and (quant, "moelane-compiled") in runners:
+            a, b = (runners[(quant, k)].tokens[0] for k in ("moelane-graphs", "moelane-compiled"))  # type: ignore[attr-defined]
+            summary["graphs_same_tokens_as_compiled"] = a == b
         ours = [runners[(quant, k)] for k in ("gguf", "moelane-compiled", "moelane") if (quant, k) in runners]
         if ours and (quant, "llama.cpp") in runners:
             a, b = ours[0].tokens[0], runners[(quant, "llama.cpp")].tokens[0]  # type: ignore[attr-defined]

@@ -4,7 +4,8 @@
 #   1. the device kernel's test and the shipped model's replies against the CPU's;
 #   2. family parity against transformers and the lanes identity tests, on the device (MOELANE_TEST_DEVICE);
 #   3. bench/decode_bench.py on the device: moelane (eager and compiled) against transformers, batch 1, on the
-#      random 115M model (float32) and on the inflated model (bench/inflate.py, bf16);
+#      random 115M model (float32; also compiled with CUDA graphs, its tokens compared) and on the inflated model
+#      (bench/inflate.py, bf16 and int8);
 #   4. the inflated model paged: device pools of 50% and 25% of its expert bytes, with pinned host RAM behind them,
 #      then 25% from disk alone;
 # then prints one summary table. Logs and JSON lines go to OUT_DIR (default /tmp/moelane-device-check).
@@ -55,7 +56,7 @@ step identity env MOELANE_TEST_DEVICE=$DEVICE $PY -m pytest -q -p no:cacheprovid
 SMALL=$OUT_DIR/qwen3moe-115m
 INFLATED=$OUT_DIR/inflated-8192
 step decode-115m $PY bench/decode_bench.py --model "$SMALL" --quant float32 --device "$DEVICE" \
-    --engines moelane,moelane-compiled,transformers --rounds 3 --tokens 64
+    --engines moelane,moelane-compiled,transformers --cuda-graphs --rounds 3 --tokens 64
 [ -f "$INFLATED/config.json" ] || step inflate $PY bench/inflate.py "$INFLATED"
 step decode-inflated $PY bench/decode_bench.py --model "$INFLATED" --quant bf16,int8 --device "$DEVICE" \
     --engines moelane,moelane-compiled,transformers --rounds 3 --tokens 64
@@ -76,7 +77,8 @@ print("\nstep                 exit  seconds")
 for line in (out / "steps.txt").read_text().splitlines():
     name, rc, secs = line.split()
     print(f"{name:<20}{rc:>6}{secs:>9}")
-print(f"\n{'run':<20}{'quant':<8}{'moelane':>9}{'compiled':>10}{'transformers':>14}{'ratio':>7}{'hit rate':>10}")
+print(f"\n{'run':<20}{'quant':<8}{'moelane':>9}{'compiled':>10}{'graphs':>8}{'transformers':>14}{'ratio':>7}"
+      f"{'hit rate':>10}")
 resident = {}
 for log in sorted(out.glob("*.log")):
     lines = [json.loads(t) for t in log.read_text().splitlines() if t.startswith("{")]
@@ -86,11 +88,16 @@ for log in sorted(out.glob("*.log")):
         best = max((v for k, v in m.items() if k.startswith("moelane")), default=None)
         if log.stem == "decode-inflated":
             resident[s["quant"]] = best
-        cells = [f"{m[k]:.1f}" if k in m else "-" for k in ("moelane", "moelane-compiled", "transformers")]
+        cells = [f"{m[k]:.1f}" if k in m else "-" for k in ("moelane", "moelane-compiled", "moelane-graphs",
+                                                             "transformers")]
+        if "graphs_same_tokens_as_compiled" in s:
+            cells[2] += "" if s["graphs_same_tokens_as_compiled"] else "*"
         ratio = s.get("moelane_vs_transformers")
         if ratio is None and log.stem.startswith("paged") and resident.get(s["quant"]):
             ratio = f"{best / resident[s['quant']]:.2f}r"  # (of the all-resident run)
         hit = hits.get(s["quant"], "-")
-        print(f"{log.stem:<20}{s['quant']:<8}{cells[0]:>9}{cells[1]:>10}{cells[2]:>14}{ratio or '-':>7}{hit:>10}")
-print("(ratio: moelane's best against transformers; 'r': a paged run against the all-resident one)")
+        print(f"{log.stem:<20}{s['quant']:<8}{cells[0]:>9}{cells[1]:>10}{cells[2]:>8}{cells[3]:>14}{ratio or '-':>7}"
+              f"{hit:>10}")
+print("(ratio: moelane's best against transformers; 'r': a paged run against the all-resident one; graphs: compiled "
+      "with CUDA graphs, '*' where its tokens differ from compiled's)")
 EOF

@@ -261,9 +261,10 @@ class LM:
 
     # ---- one stream ---------------------------------------------------------------------------------------------
 
-    def enable_compile(self) -> None:
+    def enable_compile(self, cuda_graphs: bool = False) -> None:
         """Compile the decode step whole (fullgraph): one graph for every row count, pool size and cache capacity,
-        compiled at its first call."""
+        compiled at its first call. `cuda_graphs` (on a CUDA device; a trial, docs/accelerator.md): Inductor records
+        CUDA graphs of the step (`mode="reduce-overhead"`'s), one per input shape it meets."""
         # All experts resident: one graph. A pager's store hands back to Python at its residency check.
         whole = isinstance(self.provider, ResidentProvider)
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
@@ -274,6 +275,8 @@ class LM:
         # shapes, and the op's fake gives its output's. Without them the 115M model's int4 decode went 343 -> 359
         # tok/s (docs/kernels.md).
         options |= {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+        if cuda_graphs:
+            options["triton.cudagraphs"] = True
         # Dynamo keeps its graphs on the code object, and with module guards skipped it cannot tell two LMs of the
         # same tensor shapes apart (another family's graph was run: KeyError inside). So each LM compiles a copy of
         # the step's code, which holds only its own graphs. Static shapes, except the row count and the pool
