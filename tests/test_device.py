@@ -16,6 +16,9 @@ import moelane
 from moelane.device import move, parse
 from moelane.errors import InputError
 from moelane.kernels import Pool
+from moelane.model.cache import Rows
+from moelane.model.lm import LM
+from moelane.model.load import FAMILIES
 from moelane.model.load import load as load_folder
 from tests.helpers import random_model
 
@@ -119,3 +122,25 @@ def test_device_out_of_memory_is_one_line_and_exit_2(
     monkeypatch.setattr(moelane, "load", too_big)
     line = cli_error(["run", "hello"], capsys)
     assert "out of device memory (CUDA out of memory. Tried to allocate 20.00 GiB" in line and "--expert-memory" in line
+
+
+def raises_only_at_the_host_copy(lm: LM, rows: list[Rows]) -> None:
+    """`lm.forward(rows)` on the meta device runs through (every tensor it makes is there: a tensor made on the CPU
+    would meet a meta one and fail) and stops only where the logits are copied to the host, which meta tensors cannot
+    be (they hold no data)."""
+    with pytest.raises(NotImplementedError, match="meta") as e:
+        lm.forward(rows)
+    assert e.traceback[-1].name == "_forward_eager", e.traceback[-1]
+
+
+@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f != "llama4_text"))
+def test_a_pass_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path: Path) -> None:
+    """The meta device stands in for a GPU: each family's passes (two streams of two cache capacities, a decode round
+    of two streams of one pool, and two streams of one pool feeding different row counts) make every tensor where the
+    model is."""
+    lm = load_folder(random_model(family, tmp_path), device=torch.device("meta"))
+    assert lm.device.type == "meta"
+    a, b, c = lm.new_cache(256), lm.new_cache(512), lm.new_cache(256)
+    raises_only_at_the_host_copy(lm, [Rows(a, [1, 2, 3], 0), Rows(b, [4, 5], 0), Rows(c, [6], 0)])
+    raises_only_at_the_host_copy(lm, [Rows(a, [7], 3, decode=True), Rows(c, [8], 1, decode=True)])
+    raises_only_at_the_host_copy(lm, [Rows(a, [9, 10], 4), Rows(c, [11], 2)])
