@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,10 @@ def raises_only_at_the_host_copy(lm: LM, rows: list[Rows]) -> None:
     assert e.traceback[-1].name == "_forward_eager", e.traceback[-1]
 
 
-@pytest.mark.parametrize("family", sorted(f for f in FAMILIES if f != "llama4_text"))
+FAMILY_NAMES = sorted(f for f in FAMILIES if f != "llama4_text")  # (llama4_text: Llama 4's text model, one family)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_pass_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path: Path) -> None:
     """The meta device stands in for a GPU: each family's passes (two streams of two cache capacities, a decode round
     of two streams of one pool, and two streams of one pool feeding different row counts) make every tensor where the
@@ -144,3 +148,20 @@ def test_a_pass_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path
     raises_only_at_the_host_copy(lm, [Rows(a, [1, 2, 3], 0), Rows(b, [4, 5], 0), Rows(c, [6], 0)])
     raises_only_at_the_host_copy(lm, [Rows(a, [7], 3, decode=True), Rows(c, [8], 1, decode=True)])
     raises_only_at_the_host_copy(lm, [Rows(a, [9, 10], 4), Rows(c, [11], 2)])
+
+
+@pytest.mark.parametrize(
+    "family",
+    [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILY_NAMES],
+)
+def test_the_compiled_step_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path: Path) -> None:
+    """The compiled decode step, traced whole (Dynamo, fullgraph; run by its eager backend, since Inductor has no code
+    for the meta device), on the meta device: rows of two pools in one call make every tensor where the model is."""
+    lm = load_folder(random_model(family, tmp_path), device=torch.device("meta"))
+    step = types.FunctionType(LM._decode_step.__code__.replace(), LM._decode_step.__globals__, "_decode_step")
+    lm._compiled = torch.compile(types.MethodType(step, lm), backend="eager", fullgraph=True, dynamic=False)
+    a, b = lm.new_cache(256), lm.new_cache(512)
+    rows = [Rows(a, [7], 3, decode=True), Rows(b, [8], 1, decode=True), Rows(b, [9], 2, decode=True)]
+    with pytest.raises(NotImplementedError, match="meta") as e:
+        lm.forward(rows)
+    assert e.traceback[-1].name == "_decode", e.traceback[-1]  # (the logits' copy to the host, after the step)
