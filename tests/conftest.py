@@ -47,6 +47,11 @@ SLOW_IN_THE_FAST_LOOP = (
     # the shipped fixtures and the inflated model's claim, read again by the benchmarks' own runs
     "tests/pager/test_fixtures.py::test_default_model_fixture_reads_and_replays",
     "tests/test_inflate.py::test_same_greedy_replies",
+    # a CPU run leaves CUDA alone: subprocesses that load a model (the meta-device passes stay fast); the compiled
+    # step on the meta device: its eager passes stay fast
+    "tests/test_device.py::test_a_cpu_run_never_touches_cuda",
+    "tests/pager/test_store_device.py::test_a_cpu_store_does_not_initialise_cuda",
+    "tests/test_device.py::test_the_compiled_step_on_another_device_makes_nothing_on_the_cpu",
 )
 # every family's first config stays fast (fp32 parity, bf16 prefill bit for bit); other configs' parity and the bf16
 # greedy replies run with the slow set

@@ -152,7 +152,7 @@ def test_a_pass_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path
 
 @pytest.mark.parametrize(
     "family",
-    [f if f == "qwen3_moe" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILY_NAMES],
+    FAMILY_NAMES,
 )
 def test_the_compiled_step_on_another_device_makes_nothing_on_the_cpu(family: str, tmp_path: Path) -> None:
     """The compiled decode step, traced whole (Dynamo, fullgraph; run by its eager backend, since Inductor has no code
