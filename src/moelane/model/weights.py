@@ -25,10 +25,9 @@ import torch
 from torch import nn
 
 from moelane import kernels
+from moelane.device import CPU
 from moelane.errors import ModelLoadError
 from moelane.model.derived import DenseCache
-
-CPU = torch.device("cpu")
 
 log = logging.getLogger(__name__)
 QUANTIZE = ("auto", "none", "int8", "int4")

@@ -153,13 +153,13 @@ def fitting_factory(
         if not n_experts and tier > 0:
             raise StoreError(NO_EXPERTS)
         need = n_experts * each
-        on_gpu = device is not None and device.type != "cpu"
-        room = expert_room(device) if on_gpu and device is not None else ceiling.budget(need)
+        gpu = on_device(device)
+        room = expert_room(gpu) if gpu is not None else ceiling.budget(need)
         if need <= room:  # (a dense model needs nothing)
             return resident_at_tier(handles, dtype, tier, progress, device) if n_experts else ResidentProvider({})
         report = ceiling.report
-        if on_gpu:
-            where = f"{format_bytes(room)} of {device}'s memory is left for them"
+        if gpu is not None:
+            where = f"{format_bytes(room)} of {gpu}'s memory is left for them"
         elif report.limit is not None:
             where = f"the memory limit is {format_bytes(report.limit)} ({report.source})"
         else:

@@ -311,7 +311,7 @@ class HostCache:
     """Stored forms of experts in host RAM, keyed (layer, expert, tier), under `budget` bytes (LRU); `cost(n)`: the
     bytes a buffer of n bytes really takes (default n)."""
 
-    def __init__(self, budget: int, cost: Callable[[int], int] | None = None) -> None:
+    def __init__(self, budget: int, cost: Callable[[int], int] = int) -> None:
         self.budget, self.cost = budget, cost
         self.nbytes = 0
         self._items: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
@@ -325,7 +325,7 @@ class HostCache:
             return buf
 
     def put(self, key: tuple[int, int, int], buf: torch.Tensor) -> None:
-        n = buf.numel() if self.cost is None else self.cost(buf.numel())
+        n = self.cost(buf.numel())
         if n > self.budget:
             return
         with self._lock:
@@ -333,7 +333,7 @@ class HostCache:
                 return
             while self.nbytes + n > self.budget:
                 _, old = self._items.popitem(last=False)
-                self.nbytes -= old.numel() if self.cost is None else self.cost(old.numel())
+                self.nbytes -= self.cost(old.numel())
             self._items[key] = buf
             self.nbytes += n
 
@@ -350,7 +350,7 @@ class Storage:
         self.handles, self.check_finite, self.progress = handles, check_finite, progress
         self.transfer = Transfer() if transfer is None else transfer
         self.files = ShardFiles()
-        self.host = HostCache(host_bytes, None if transfer is None else transfer.host_bytes)
+        self.host = HostCache(host_bytes, self.transfer.host_bytes)
         first = Path(next(iter(handles.values()))[0].path)
         self.model_folder = first.parent
         self.tier_prefix = f"{model_name(first)}." if is_gguf(first) else ""  # (a GGUF's tier files carry its name)
