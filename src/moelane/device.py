@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moelane.errors import InputError
-from moelane.kernels import Pool
+from moelane.kernels import Pool, serves
 
 CPU = torch.device("cpu")
 
@@ -40,11 +40,10 @@ def parse(text: str | torch.device | None) -> torch.device:
     index = 0 if device.index is None else device.index
     if index >= torch.cuda.device_count():
         raise InputError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    try:
-        import triton  # noqa: F401  (the device's weight products are Triton kernels: moelane.kernels.cuda)
-    except ImportError:
-        raise InputError(f"--device {text} needs Triton (pip install triton)") from None
-    return torch.device("cuda", index)
+    device = torch.device("cuda", index)
+    if not serves(device):  # (the device's weight products are Triton kernels: moelane.kernels.cuda)
+        raise InputError(f"--device {text} needs Triton (pip install triton)")
+    return device
 
 
 def move(model: nn.Module, device: torch.device) -> None:
