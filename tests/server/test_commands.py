@@ -235,7 +235,10 @@ def test_requests_still_running_when_the_grace_ends_are_told_the_server_stops(ti
     thread.start()
     assert wait_until(lambda: server.started, 30)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40}
+    # End-of-sequence banned: every reply runs its 40 tokens, past the grace. (Sampled, the tiny model ends some replies
+    # within their first few tokens: those requests finish inside the grace, and rightly get their whole reply.)
+    no_eos = {str(t): -100 for t in tiny_lm.eos_ids}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "logit_bias": no_eos}
     with ThreadPoolExecutor(2) as pool:
         whole = pool.submit(httpx.post, url, json=body, timeout=30)
         streamed = pool.submit(httpx.post, url, json={**body, "stream": True}, timeout=30)
