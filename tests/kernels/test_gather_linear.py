@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moelane import kernels
+from moelane.kernels import formats, op
 from tests.kernels.helpers import random_pool, reference
 
 # (In, Out): int8 groups of 64 / 32 / 16 / 64 padded (36, 100), int4 32 / 16 with a tail (48) / padded; f32 and bf16
@@ -85,15 +86,49 @@ def test_bits_hold_when_threads_take_each_others_items(extension: kernels.Availa
         busy.join()
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_extension_reads_every_kind_as_its_dequantised_f32(extension: kernels.Availability, kind: str) -> None:
-    """bf16 and int8 weights are widened exactly, then the same fp32 dot product as an f32 pool: the same bits."""
+def test_extension_reads_bf16_as_its_dequantised_f32(extension: kernels.Availability) -> None:
+    """bf16 weights are widened exactly, then the same fp32 dot product as an f32 pool: the same bits."""
     for n_in in (192, 96, 48, 36):
-        pool = random_pool(kind, 2, 9, n_in, seed=n_in)
+        pool = random_pool("bf16", 2, 9, n_in, seed=n_in)
         as_f32 = kernels.Pool("f32", kernels.dequantize(pool))
         x = torch.randn(5, n_in)
         rows, slots = pairs(7, 5, 2, seed=3)
         assert torch.equal(kernels.gather_linear(x, rows, slots, pool), kernels.gather_linear(x, rows, slots, as_f32))
+
+
+@pytest.mark.parametrize("n_in", [192, 100, 36, 2048])
+def test_extension_codes_activations_as_formats_does(extension: kernels.Availability, n_in: int) -> None:
+    """The int8 kernel's activation codes and scales (csrc/activations.h) are formats.quantize_activations' bit for
+    bit: rows of ties (k + 0.5 steps), an all-zero block, a padded tail, tiny and huge magnitudes."""
+    g = torch.Generator().manual_seed(n_in)
+    x = torch.randn(6, n_in, generator=g)
+    x[1] = (torch.randint(-254, 255, (n_in,), generator=g) / 2.0) * 0.25  # halves of the step: ties to even
+    x[1, ::32] = 127 * 0.25 / 2  # each block's extreme: d = 0.125, codes exact or ties
+    x[2, :32] = 0.0
+    x[3] *= 1e-30
+    x[5, 32:64] *= 1e-40  # a block whose d is subnormal: coded 0
+    x[4] *= 1e30
+    codes, scales = op._backend.extension().quantise_rows(x)  # type: ignore[union-attr]
+    want_codes, want_scales = formats.quantize_activations(x)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert codes.shape == (6, -(-n_in // 64) * 64) and scales.shape == (6, codes.shape[1] // 32)
+    assert torch.all(codes[:, n_in:] == 0) and torch.all(codes[2, :32] == 0)
+
+
+@pytest.mark.parametrize("impl_name", ["extension", "fallback"])
+def test_int8_products_with_a_nan_activation_are_nan(impl_name: str, extension: kernels.Availability) -> None:
+    """A NaN or an infinity in an activation row makes that row's int8 products NaN (not finite garbage); the
+    other rows are untouched."""
+    pool = random_pool("int8", 1, 5, 192, seed=1)
+    x = torch.randn(3, 192)
+    x[0, 70] = float("nan")
+    x[1, 5] = float("inf")
+    kernels.use_fallback(impl_name == "fallback")
+    try:
+        y = kernels.linear(x, pool)
+    finally:
+        kernels.use_fallback(False)
+    assert torch.all(torch.isnan(y[:2])) and torch.all(torch.isfinite(y[2]))
 
 
 def test_extension_int4_is_f32_over_permuted_columns(extension: kernels.Availability) -> None:

@@ -16,6 +16,7 @@ from moelane.errors import ModelLoadError
 from moelane.model.cache import Rows
 from moelane.model.weights import prepare_weights
 from tests.helpers import random_model
+from tests.kernels.helpers import code_like
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,12 @@ def projections(lm: moelane.LM) -> list[nn.Linear]:
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantised_projections_compute_as_the_model_with_their_dequantised_weights(folder: Path, quantize: str) -> None:
+def test_quantised_projections_compute_as_the_model_with_their_dequantised_weights(
+    folder: Path, quantize: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each projection holds its weight's tier codes and scales (the LM head int8 under int4 too, as a llama.cpp Q4_0
     file holds it), and the logits are those of the float32 model whose projections hold the dequantised weights
-    (the reference), within float32 rounding."""
+    and, where int8, see their inputs as int8 codes (the reference), within float32 rounding."""
     reference = moelane.load(folder)
     lm = moelane.load(folder, quantize=quantize)
     pairs = list(zip(projections(reference), projections(lm), strict=True))
@@ -45,6 +48,7 @@ def test_quantised_projections_compute_as_the_model_with_their_dequantised_weigh
             want = kernels.quantize(weight.reshape(1, *weight.shape[-2:]), kind)
             assert torch.equal(q.weight.data, want.data) and torch.equal(q.weight.scales, want.scales)
             weight.copy_(kernels.dequantize(want).view_as(weight))
+    code_like(reference.model, lm.model, monkeypatch)
     assert isinstance(lm.model.model.embed_tokens.weight, torch.Tensor)  # embeddings as stored
     ids = list(range(3, 40))
     want_logits, got = reference.logits(ids), lm.logits(ids)

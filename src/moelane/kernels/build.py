@@ -41,6 +41,7 @@ COMPILE_MESSAGE = "compiling moelane's CPU kernels (once, ~30 s)"
 FLAGS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
     "generic": ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp"],  # tests: the portable tiles
+    "no-vnni": ["-O3", "-march=native", "-mno-avx512vnni", "-ffp-contract=off", "-fopenmp"],  # tests: int8 by pmaddwd
 }
 _lock = threading.Lock()
 

@@ -1,4 +1,6 @@
-"""`gather_linear` in plain PyTorch, for where the C++ extension cannot be built. Slow, same semantics.
+"""`gather_linear` in plain PyTorch, for where the C++ extension cannot be built. Slow, same semantics: int8 weights
+meet the activations' int8 codes (`formats.quantize_activations`), each product the exact code product times the
+activation scale x the weight scale.
 
 Batch invariance here: a pair's y comes from element-wise ops only (no matmul, no torch reduction, whose order
 can depend on shapes and threads): its x row and each dequantised weight row are cut into chunks of LANES columns,
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from moelane.kernels.formats import ACTIVATION_BLOCK, quantize_activations
 
 LANES = 64
 BLOCK_ELEMENTS = 1 << 20  # n * B * L per step
@@ -37,13 +41,32 @@ def gather_linear(
         return y
     order = torch.argsort(slots, stable=True)
     used, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    codes, x_scales = _int8_activations(x) if data.dtype == torch.int8 else (None, None)
     for slot, pairs in zip(used.tolist(), torch.split(order, counts.tolist()), strict=True):
-        xs = _pad(x[rows[pairs]].float())  # [n, I']
         block = max(1, BLOCK_ELEMENTS // (len(pairs) * LANES))
+        if codes is None or x_scales is None or scales is None:
+            xs = _pad(x[rows[pairs]].float())  # [n, I']
+            for r0 in range(0, data.shape[1], block):
+                w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
+                y[pairs, r0 : r0 + w.shape[0]] = _dots(xs, w)
+            continue
         for r0 in range(0, data.shape[1], block):
-            w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
-            y[pairs, r0 : r0 + w.shape[0]] = _dots(xs, w)
+            w_codes = _pad(data[slot, r0 : r0 + block, : x.shape[1]].float())  # [B, I']
+            w_scales = _pad(_per_column(scales[slot, r0 : r0 + block].float(), data.shape[2])[:, : x.shape[1]])
+            y[pairs, r0 : r0 + w_codes.shape[0]] = _dots(codes[rows[pairs]], w_codes, x_scales[rows[pairs]], w_scales)
     return y
+
+
+def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, I] -> (codes, scales) per column, float32 [R, I'] (I' = I padded to LANES)."""
+    codes, scales = quantize_activations(x)
+    per_column = scales.repeat_interleave(ACTIVATION_BLOCK, dim=1)
+    return _pad(codes.float()[:, : x.shape[1]]), _pad(per_column[:, : x.shape[1]])
+
+
+def _per_column(s: torch.Tensor, cols: int) -> torch.Tensor:
+    """Group scales [B, G] -> each column's scale [B, cols]."""
+    return s.repeat_interleave(cols // s.shape[1], dim=1)
 
 
 def _check(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, data: torch.Tensor) -> None:
@@ -77,11 +100,18 @@ def _dequantize_rows(
     return (values * s.repeat_interleave(group, dim=1))[:, :n_in]
 
 
-def _dots(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """xs [n, I'], w [B, I'] -> [n, B]: per (pair, row) LANES partial sums in column order, then halving."""
+def _dots(
+    xs: torch.Tensor, w: torch.Tensor, x_scales: torch.Tensor | None = None, w_scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """xs [n, I'], w [B, I'] -> [n, B]: per (pair, row) LANES partial sums in column order, then halving. With
+    scales (int8: xs and w codes, their products exact), each product is weighed by x scale x w scale first."""
     acc = torch.zeros(xs.shape[0], w.shape[0], LANES)
     for c in range(0, xs.shape[1], LANES):
-        acc += xs[:, None, c : c + LANES] * w[None, :, c : c + LANES]
+        chunk = slice(c, c + LANES)
+        products = xs[:, None, chunk] * w[None, :, chunk]
+        if x_scales is not None and w_scales is not None:
+            products = products * (x_scales[:, None, chunk] * w_scales[None, :, chunk])
+        acc += products
     while acc.shape[-1] > 1:
         half = acc.shape[-1] // 2
         acc = acc[..., :half] + acc[..., half:]

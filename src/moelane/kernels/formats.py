@@ -125,3 +125,27 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, cols: int, fmt: QuantF
     group = fmt.group_for(cols)
     w = values.view(rows, n_groups, group) * scales.float()[..., None]
     return w.reshape(rows, n_groups * group)[:, :cols]
+
+
+# Activations meeting int8 weights are coded per block of ACTIVATION_BLOCK columns, as llama.cpp's Q8_0 codes them
+# (docs/kernels.md "int8: integer dot products"); rows are padded with zeros to whole ACTIVATION_CHUNKs (the CPU
+# kernel's 64-column vpdpbusd chunks).
+ACTIVATION_BLOCK = 32
+ACTIVATION_CHUNK = 64
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, I] float32 -> (codes int8 [R, C], scales float32 [R, C / 32]), C = I padded to 64: per block of 32
+    columns d = max |x| / 127 and code = round-half-even(x * (1 / d)) in [-127, 127], 0 where d is below the
+    smallest normal float. The CPU
+    kernel's rule bit for bit on finite rows (csrc/activations.h); a block holding a NaN or an infinity gets a
+    non-finite d, so its products come out NaN."""
+    cols = -(-x.shape[1] // ACTIVATION_CHUNK) * ACTIVATION_CHUNK
+    blocks = torch.nn.functional.pad(x.float(), (0, cols - x.shape[1])).view(x.shape[0], -1, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    # tensor / tensor: a true fp32 division, as the kernel's (a Python scalar divisor may become a reciprocal multiply)
+    scales = amax / torch.full_like(amax, 127.0)
+    usable = (scales >= torch.finfo(torch.float32).tiny) & torch.isfinite(scales)  # normal: 1 / d is finite
+    inverse = torch.where(usable, torch.ones_like(scales) / torch.where(usable, scales, 1.0), 0.0)
+    codes = torch.round(blocks * inverse[..., None]).clamp(-127, 127).nan_to_num(0.0)
+    return codes.to(torch.int8).view(x.shape[0], cols), scales

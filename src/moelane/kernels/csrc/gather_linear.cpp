@@ -18,6 +18,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #else
 #include "tiles_generic.h"
 #endif
+#include "activations.h"
 
 namespace moelane {
 namespace {
@@ -91,19 +93,15 @@ Weights weights_of(const torch::Tensor& data, const std::optional<torch::Tensor>
   return w;
 }
 
-// x rows as the tiles read them: int4 permuted within each 32 (16-column tail: 16) columns, evens then odds;
-// int8 zero-padded to whole groups. -> [R, cols] (empty when x can be read as it is).
+// x rows as the float tiles read them: int4 permuted within each 32 (16-column tail: 16) columns, evens then odds.
+// -> [R, cols] (empty when x can be read as it is: f32, bf16; int8 reads QuantisedRows instead).
 std::vector<float> prepare_x(const Weights& w, const float* x, int64_t n_rows, int64_t in) {
   std::vector<float> buf;
-  if (w.kind == Kind::F32 || w.kind == Kind::BF16 || (w.kind == Kind::INT8 && w.cols == in)) return buf;
+  if (w.kind != Kind::INT4) return buf;
   buf.assign(n_rows * w.cols, 0.0f);
   for (int64_t i = 0; i < n_rows; ++i) {
     const float* src = x + i * in;
     float* dst = buf.data() + i * w.cols;
-    if (w.kind == Kind::INT8) {
-      std::copy(src, src + in, dst);
-      continue;
-    }
     for (int64_t c = 0; c < w.cols; c += 32) {
       const int64_t half = std::min<int64_t>(32, w.cols - c) / 2;
       for (int64_t l = 0; l < half; ++l) {
@@ -115,16 +113,18 @@ std::vector<float> prepare_x(const Weights& w, const float* x, int64_t n_rows, i
   return buf;
 }
 
+// xs: the activation rows as floats (f32, bf16, int4); qs: as int8 codes (int8).
 template <int NM, class S>
-void dispatch(const Weights& w, const float* const* xs, const uint8_t* const* rows, const S* const* srows, float* out) {
+void dispatch(const Weights& w, const float* const* xs, const QRow* const* qs, const uint8_t* const* rows,
+              const S* const* srows, float* out) {
   switch (w.kind) {
     case Kind::F32: return tile_float<NM>(xs, reinterpret_cast<const float* const*>(rows), w.cols, out);
     case Kind::BF16: return tile_float<NM>(xs, reinterpret_cast<const uint16_t* const*>(rows), w.cols, out);
     case Kind::INT8: {
       auto q = reinterpret_cast<const int8_t* const*>(rows);
-      if (w.group == 64) return tile_int8<NM, 64>(xs, q, srows, w.cols, out);
-      if (w.group == 32) return tile_int8<NM, 32>(xs, q, srows, w.cols, out);
-      return tile_int8<NM, 16>(xs, q, srows, w.cols, out);
+      if (w.group == 64) return tile_int8<NM, 64>(qs, q, srows, w.cols, out);
+      if (w.group == 32) return tile_int8<NM, 32>(qs, q, srows, w.cols, out);
+      return tile_int8<NM, 16>(qs, q, srows, w.cols, out);
     }
     case Kind::INT4:
       if (w.group == 32) return tile_int4<NM, 32>(xs, rows, srows, w.cols, out);
@@ -141,27 +141,27 @@ bool item_scales(const Weights& w) {
 
 // sf: the work item's scales as fp32 from its first row r0 on, where item_scales (else unused).
 template <int NM>
-void tile(const Weights& w, const float* const* xs, int64_t slot, const int64_t* r4, const float* sf, int64_t r0,
-          float* out) {
+void tile(const Weights& w, const float* const* xs, const QRow* const* qs, int64_t slot, const int64_t* r4,
+          const float* sf, int64_t r0, float* out) {
   const uint8_t* rows[4];
   for (int r = 0; r < 4; ++r) rows[r] = w.row(slot, r4[r]);
   if (item_scales(w)) {
     const float* srows[4];
     for (int r = 0; r < 4; ++r) srows[r] = sf + (r4[r] - r0) * w.n_groups;
-    return dispatch<NM>(w, xs, rows, srows, out);
+    return dispatch<NM>(w, xs, qs, rows, srows, out);
   }
   const uint16_t* srows[4] = {};
   for (int r = 0; r < 4 && w.scales; ++r) srows[r] = w.scale_row(slot, r4[r]);
-  dispatch<NM>(w, xs, rows, srows, out);
+  dispatch<NM>(w, xs, qs, rows, srows, out);
 }
 
-void run_tile(int nm, const Weights& w, const float* const* xs, int64_t slot, const int64_t* r4, const float* sf,
-              int64_t r0, float* out) {
+void run_tile(int nm, const Weights& w, const float* const* xs, const QRow* const* qs, int64_t slot, const int64_t* r4,
+              const float* sf, int64_t r0, float* out) {
   switch (nm) {
-    case 1: return tile<1>(w, xs, slot, r4, sf, r0, out);
-    case 2: return tile<2>(w, xs, slot, r4, sf, r0, out);
-    case 3: return tile<3>(w, xs, slot, r4, sf, r0, out);
-    default: return tile<4>(w, xs, slot, r4, sf, r0, out);
+    case 1: return tile<1>(w, xs, qs, slot, r4, sf, r0, out);
+    case 2: return tile<2>(w, xs, qs, slot, r4, sf, r0, out);
+    case 3: return tile<3>(w, xs, qs, slot, r4, sf, r0, out);
+    default: return tile<4>(w, xs, qs, slot, r4, sf, r0, out);
   }
 }
 
@@ -173,8 +173,8 @@ bool rows8(const Weights& w, int64_t n_pairs) {
 }
 
 // As tile<1> for 8 rows (r8) of a `rows8` slot: the `*_rows8` tiles, each row's arithmetic the 4-row tile's.
-void tile8(const Weights& w, const float* x, int64_t slot, const int64_t* r8, const float* sf, int64_t r0,
-           float* out) {
+void tile8(const Weights& w, const float* x, const QRow* qx, int64_t slot, const int64_t* r8, const float* sf,
+           int64_t r0, float* out) {
   const uint8_t* rows[8];
   const float* srows[8];
   for (int r = 0; r < 8; ++r) {
@@ -183,9 +183,9 @@ void tile8(const Weights& w, const float* x, int64_t slot, const int64_t* r8, co
   }
   if (w.kind == Kind::INT4) return tile_int4_rows8(x, rows, srows, w.cols, out);
   auto q = reinterpret_cast<const int8_t* const*>(rows);
-  if (w.group == 64) return tile_int8_rows8<64>(x, q, srows, w.cols, out);
-  if (w.group == 32) return tile_int8_rows8<32>(x, q, srows, w.cols, out);
-  tile_int8_rows8<16>(x, q, srows, w.cols, out);
+  if (w.group == 64) return tile_int8_rows8<64>(qx, q, srows, w.cols, out);
+  if (w.group == 32) return tile_int8_rows8<32>(qx, q, srows, w.cols, out);
+  tile_int8_rows8<16>(qx, q, srows, w.cols, out);
 }
 
 // Pairs of one slot: order[first .. first + count) are their pair indices, ascending.
@@ -197,8 +197,9 @@ struct SlotPairs {
 struct Plan {
   std::vector<int64_t> order, rows;
   std::vector<SlotPairs> groups;
-  const float* x;  // activation rows as the tiles read them, ldx apart
+  const float* x;  // activation rows as the float tiles read them, ldx apart
   int64_t ldx;
+  std::vector<QRow> q;  // activation rows as the int8 tiles read them (int8 weights only)
   float* y;  // [P, Out]
 };
 
@@ -213,6 +214,7 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
     widen_scales(w.scale_row(g.slot, r0), (r1 - r0) * w.n_groups, sf.data());
   }
   const float* xs[4];
+  const QRow* qs[4] = {};
   int64_t trows[8];
   float out[16];
   const bool eight = rows8(w, g.count);
@@ -229,15 +231,20 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
       for (int k = 0; k < tile_rows; ++k)
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, trows[k]) + kPrefetchBytes + b);
     if (eight) {
-      tile8(w, plan.x + plan.rows[plan.order[g.first]] * plan.ldx, g.slot, trows, sf.data(), r0, out);
+      const int64_t xrow = plan.rows[plan.order[g.first]];
+      tile8(w, plan.x + xrow * plan.ldx, plan.q.empty() ? nullptr : &plan.q[xrow], g.slot, trows, sf.data(), r0, out);
       float* yrow = plan.y + plan.order[g.first] * w.out;
       for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[k];
       continue;
     }
     for (int64_t m0 = 0; m0 < g.count; m0 += 4) {
       const int nm = static_cast<int>(std::min<int64_t>(4, g.count - m0));
-      for (int m = 0; m < nm; ++m) xs[m] = plan.x + plan.rows[plan.order[g.first + m0 + m]] * plan.ldx;
-      run_tile(nm, w, xs, g.slot, trows, sf.data(), r0, out);
+      for (int m = 0; m < nm; ++m) {
+        const int64_t xrow = plan.rows[plan.order[g.first + m0 + m]];
+        xs[m] = plan.x + xrow * plan.ldx;
+        if (!plan.q.empty()) qs[m] = &plan.q[xrow];
+      }
+      run_tile(nm, w, xs, qs, g.slot, trows, sf.data(), r0, out);
       for (int m = 0; m < nm; ++m) {
         float* yrow = plan.y + plan.order[g.first + m0 + m] * w.out;
         for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[4 * m + k];
@@ -277,7 +284,7 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
   auto y = torch::empty({n_pairs, w.out}, x.options());
   if (n_pairs == 0 || w.out == 0) return y;
 
-  Plan plan{std::vector<int64_t>(n_pairs), std::move(rows), {}, nullptr, 0, y.data_ptr<float>()};
+  Plan plan{std::vector<int64_t>(n_pairs), std::move(rows), {}, nullptr, 0, {}, y.data_ptr<float>()};
   std::iota(plan.order.begin(), plan.order.end(), 0);
   std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
   for (int64_t i = 0; i < n_pairs; ++i) {
@@ -288,6 +295,11 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
   const std::vector<float> xbuf = prepare_x(w, x.data_ptr<float>(), n_rows, in);
   plan.x = xbuf.empty() ? x.data_ptr<float>() : xbuf.data();
   plan.ldx = xbuf.empty() ? in : w.cols;
+  std::optional<QuantisedRows> xq;
+  if (w.kind == Kind::INT8) {
+    xq.emplace(x.data_ptr<float>(), n_rows, in, w.cols);
+    for (int64_t i = 0; i < n_rows; ++i) plan.q.push_back(xq->row(i));
+  }
 
   const int64_t per_item = std::max<int64_t>(4, kItemBytes / std::max<int64_t>(1, w.row_bytes) / 4 * 4);
   const int64_t n_blocks = (w.out + per_item - 1) / per_item;
@@ -315,11 +327,27 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
   return y;
 }
 
+// x [R, In] f32 as the int8 tiles read it -> (codes int8 [R, C], scales f32 [R, C / 32]), C = In padded to 64: for
+// the tests, against formats.quantize_activations.
+std::tuple<torch::Tensor, torch::Tensor> quantise_rows(const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "quantise_rows: x must be float32 [R, In]");
+  auto x = x_in.contiguous();
+  const int64_t n_rows = x.size(0), in = x.size(1), cols = (in + kChunk - 1) / kChunk * kChunk;
+  const QuantisedRows xq(x.data_ptr<float>(), n_rows, in, cols);
+  auto codes = torch::empty({n_rows, cols}, torch::kInt8);
+  auto scales = torch::empty({n_rows, cols / kBlock}, torch::kFloat32);
+  std::copy(xq.codes().begin(), xq.codes().end(), codes.data_ptr<int8_t>());
+  const auto d = xq.block_scales();
+  std::copy(d.begin(), d.end(), scales.data_ptr<float>());
+  return {codes, scales};
+}
+
 }  // namespace moelane
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: other Python threads (the store's readers, the server) run while a product streams weights
   m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quantise_rows", &moelane::quantise_rows, "int8 activation codes and scales (activations.h), for tests");
   m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
 }

@@ -2,14 +2,18 @@
 // (activation row, weight row), reduced by `reduce4`'s fixed tree. tiles_generic.h is the same arithmetic lane for lane
 // in plain C++ (it documents the lane layout); both give the same bits where the CPU has FMA.
 //
-// A weight is widened to its exact fp32 value before it meets x (bf16 -> fp32; int8 code * fp16 scale and
-// int4 (nibble - 8) * fp16 scale are exact in fp32: at most 19 significant bits), so every kind is the same fp32
-// dot product of x with the dequantised row: chunk c of 16 columns into lane c % 16 by FMA, in column order.
-// Scales come as a pointer per tile row: fp32 (widened by the caller) or fp16 (widened here, see `tile_scales`).
+// f32, bf16 and int4: a weight is widened to its exact fp32 value before it meets x (bf16 -> fp32; int4
+// (nibble - 8) * fp16 scale is exact in fp32), so each is the same fp32 dot product of x with the dequantised row:
+// chunk c of 16 columns into lane c % 16 by FMA, in column order. int8 multiplies codes by the activations' int8
+// codes (activations.h, `tile_int8`), as llama.cpp's Q8_0 does. Scales come as a pointer per tile row: fp32 (widened
+// by the caller) or fp16 (widened here, see `tile_scales`).
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+
+#include "activations.h"
 
 namespace moelane {
 namespace {  // internal linkage: calls are direct (no PLT), and may be inlined
@@ -95,31 +99,76 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
   finish<NM>(acc, out);
 }
 
-// int8 codes, one fp16 scale per G columns (G in 16, 32, 64); n (padded) a multiple of G.
-template <int NM, int G, class S>
-inline void tile_int8(const float* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
-  __m512 acc[NM][4];
+// int8 weights against int8 activations (activations.h): per 64-column chunk and lane l, the exact int32 sum of
+// its 4 code products (`dot4`), widened to fp32 and weighed by the lane's activation scale x weight scale (one fp32
+// multiply), into acc by FMA. One fp16 weight scale per G columns (G in 16, 32, 64: lanes of one, two or four
+// groups a chunk); n (padded) a multiple of G; a last chunk of n % 64 columns is read masked. Per 64 weights and
+// activation row: the dot, a conversion, the scale multiply and the FMA (the fp32-widening tile took 16 uops for
+// 64 weights and a row: docs/kernels.md).
+inline __m512i dot4(__m512i corr, __m512i wu, __m512i xq) {  // corr + per lane sum_j wu[4l+j] (u8) * xq[4l+j] (s8)
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(corr, wu, xq);
+#else  // the same sums from words: even bytes and odd bytes each as int16, two pmaddwd
+  const __m512i w_even = _mm512_and_si512(wu, _mm512_set1_epi16(0xFF)), w_odd = _mm512_srli_epi16(wu, 8);
+  const __m512i x_even = _mm512_srai_epi16(_mm512_slli_epi16(xq, 8), 8), x_odd = _mm512_srai_epi16(xq, 8);
+  return _mm512_add_epi32(corr, _mm512_add_epi32(_mm512_madd_epi16(w_even, x_even), _mm512_madd_epi16(w_odd, x_odd)));
+#endif
+}
+
+// The weight scales of chunk k's lanes (lane l: the group of column 64k + 4l), 0 past the row's n_groups.
+template <int G>
+inline __m512 lane_scales(const float* sf, int64_t k, int64_t n_groups) {
+  if constexpr (G == 64) {
+    return _mm512_set1_ps(sf[k]);
+  } else {
+    constexpr int64_t per = 64 / G;
+    const __m512i idx = G == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __mmask16 left = static_cast<__mmask16>((1u << std::min(per, n_groups - k * per)) - 1);
+    return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(left, sf + k * per));
+  }
+}
+
+// Chunk k of NR weight rows (codes + 128: wu) against NM activation rows.
+template <int NM, int NR, int G>
+inline void chunk_int8(__m512 (&acc)[NM][NR], const QRow* const* xs, const __m512i (&wu)[NR], const float* const* sf,
+                       int64_t k, int64_t n_groups) {
+  __m512 sv[NR];
+  for (int r = 0; r < NR; ++r) sv[r] = lane_scales<G>(sf[r], k, n_groups);
+  for (int m = 0; m < NM; ++m) {
+    const __m512i xq = _mm512_loadu_si512(xs[m]->q + 64 * k), corr = _mm512_loadu_si512(xs[m]->corr + 16 * k);
+    const __m512 dv = _mm512_loadu_ps(xs[m]->d + 16 * k);
+    for (int r = 0; r < NR; ++r)
+      acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4(corr, wu[r], xq)), _mm512_mul_ps(dv, sv[r]), acc[m][r]);
+  }
+}
+
+template <int NM, int NR, int G>
+inline void rows_int8(__m512 (&acc)[NM][NR], const QRow* const* xs, const int8_t* const* q, const float* const* sf,
+                      int64_t n) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int m = 0; m < NM; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  __m512i wu[NR];
+  for (; 64 * k + 64 <= n; ++k) {
+    for (int r = 0; r < NR; ++r) wu[r] = _mm512_xor_si512(_mm512_loadu_si512(q[r] + 64 * k), flip);
+    chunk_int8<NM, NR, G>(acc, xs, wu, sf, k, n / G);
+  }
+  if (64 * k < n) {  // G < 64: zero codes past the row (flipped to 128, they meet zero activation codes)
+    const __mmask64 left = (~0ULL) >> (64 - (n - 64 * k));
+    for (int r = 0; r < NR; ++r) wu[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(left, q[r] + 64 * k), flip);
+    chunk_int8<NM, NR, G>(acc, xs, wu, sf, k, n / G);
+  }
+}
+
+template <int NM, int G, class S>
+inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
   alignas(64) float local[4][kMaxGroups];
   const float* sf[4];
   tile_scales(s, n / G, local, sf);
-  for (int64_t g = 0; g < n / G; ++g) {
-    __m512 sv[4];
-    for (int r = 0; r < 4; ++r) sv[r] = _mm512_set1_ps(sf[r][g]);
-    for (int k = 0; k < G / 16; ++k) {
-      const int64_t c = g * G + 16 * k;
-      __m512 wv[4];
-      for (int r = 0; r < 4; ++r) {
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + c));
-        wv[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), sv[r]);
-      }
-      for (int m = 0; m < NM; ++m) {
-        __m512 xv = _mm512_loadu_ps(xs[m] + c);
-        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-      }
-    }
-  }
+  __m512 acc[NM][4];
+  rows_int8<NM, 4, G>(acc, xs, q, sf, n);
   finish<NM>(acc, out);
 }
 
@@ -200,23 +249,14 @@ inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float
   reduce4(acc[4], acc[5], acc[6], acc[7], out + 4);
 }
 
-// tile_int8 at one activation row for 8 weight rows (rows of few groups): as tile_int4_rows8.
+// tile_int8 at one activation row for 8 weight rows (rows of few groups): each row's arithmetic exactly tile_int8's.
 template <int G>
-inline void tile_int8_rows8(const float* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
-  __m512 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < n / G; ++g)
-    for (int k = 0; k < G / 16; ++k) {
-      const int64_t c = g * G + 16 * k;
-      const __m512 xv = _mm512_loadu_ps(x + c);
-      for (int r = 0; r < 8; ++r) {
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[r] + c));
-        __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s[r][g]));
-        acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
-      }
-    }
-  reduce4(acc[0], acc[1], acc[2], acc[3], out);
-  reduce4(acc[4], acc[5], acc[6], acc[7], out + 4);
+inline void tile_int8_rows8(const QRow* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
+  const QRow* xs[1] = {x};
+  __m512 acc[1][8];
+  rows_int8<1, 8, G>(acc, xs, q, s, n);
+  reduce4(acc[0][0], acc[0][1], acc[0][2], acc[0][3], out);
+  reduce4(acc[0][4], acc[0][5], acc[0][6], acc[0][7], out + 4);
 }
 
 }  // namespace

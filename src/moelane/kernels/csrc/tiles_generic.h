@@ -5,12 +5,15 @@
 // column 16c + l, acc[l] = fma(x, w, acc[l]) in chunk order (a missing column counts as x = w = 0). The row's sum is
 // the fixed tree s[l] = acc[l] + acc[l+8], t[l] = s[l] + s[l+4], (t0 + t2) + (t1 + t3). int4 permutes the columns
 // within each 32 (x is prepared to match, see tile_int4). Without hardware FMA, fma is a multiply then an add:
-// other bits than the AVX-512 build, still the same for a row whatever else is in the call.
+// other bits than the AVX-512 build, still the same for a row whatever else is in the call. int8 has its own lane
+// layout (tile_int8: integer dot products of 4 columns a lane).
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "activations.h"
 
 namespace moelane {
 namespace {
@@ -93,18 +96,23 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
   finish<NM>(acc, out);
 }
 
+// int8 against the activations' int8 codes (activations.h): chunk k of 64 columns meets lane l with columns
+// 64k + 4l .. 64k + 4l + 3, whose code products sum exactly (int32); acc[l] = fma(float(sum), d * sw, acc[l]) with d
+// the lanes' activation scale and sw their weight group's scale (0 past the row's last group), in chunk order.
 template <int NM, int G, class S>
-inline void tile_int8(const float* const* xs, const int8_t* const* q, const S* const* s, int64_t n,
-                      float* out) {
+inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
   float acc[NM][4][16] = {};
-  float xv[NM][16], wv[4][16];
-  for (int64_t c = 0; c < n; c += 16) {
-    for (int r = 0; r < 4; ++r) {
-      for (int l = 0; l < 16; ++l) wv[r][l] = static_cast<float>(q[r][c + l]) * scale_of(s[r][c / G]);
-    }
-    load_x<NM>(xv, xs, c, 16);
-    chunk<NM>(acc, xv, wv);
-  }
+  for (int64_t k = 0; 64 * k < n; ++k)
+    for (int r = 0; r < 4; ++r)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t c = 64 * k + 4 * l;
+        const float sw = c < n ? scale_of(s[r][c / G]) : 0.0f;
+        for (int m = 0; m < NM; ++m) {
+          int32_t sum = 0;
+          for (int j = 0; j < 4 && c + j < n; ++j) sum += q[r][c + j] * xs[m]->q[c + j];
+          acc[m][r][l] = fma_lane(static_cast<float>(sum), xs[m]->d[16 * k + l] * sw, acc[m][r][l]);
+        }
+      }
   finish<NM>(acc, out);
 }
 
@@ -150,8 +158,8 @@ inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float
 
 // tiles_avx512.h's 8-row int8 tile at one activation row: two 4-row tiles, the same arithmetic per row.
 template <int G>
-inline void tile_int8_rows8(const float* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
-  const float* xs[1] = {x};
+inline void tile_int8_rows8(const QRow* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
+  const QRow* xs[1] = {x};
   tile_int8<1, G>(xs, q, s, n, out);
   tile_int8<1, G>(xs, q + 4, s + 4, n, out + 4);
 }
