@@ -85,6 +85,7 @@ def test_a_prompt_sharing_part_of_a_kept_one_feeds_from_where_they_part(tiny, pa
     check_same(tiny, second, 16, params, **config_of("copy"))
 
 
+@pytest.mark.slow  # (~7 s: the fast loop runs near its 3 minutes in a fresh clone)
 def test_reuse_is_refused_where_the_capacities_read_attention_otherwise(tiny) -> None:
     """A cache of 256 positions is read whole, one of 512 in blocks of 512 keys: other kernels, other bits. A cache
     of 1,024 serves a stream that would get 768 (both read in blocks); one of 512 too small for a stream's reply has

@@ -1,8 +1,8 @@
 // Activation rows quantised for int8 weights (docs/kernels.md, "int8: integer dot products"): each row cut into
 // blocks of 32 columns, each block coded as llama.cpp's Q8_0 codes its activations, d = max |x| / 127 (fp32),
 // code = round-half-even(x * (1 / d)) in [-127, 127] (all 0 where d is below the smallest normal float; where d is
-// not finite, a NaN or an infinity in the block, the products come out NaN). formats.quantize_activations is the same rule in PyTorch, bit
-// for bit on finite rows (tests/kernels).
+// not finite, a NaN or an infinity in the block, the products come out NaN). formats.quantize_activations is the
+// same rule in PyTorch, bit for bit on finite rows (tests/kernels).
 //
 // The tiles read a row as 64-column chunks, lane l of chunk k holding columns 64k + 4l .. 64k + 4l + 3 (the layout
 // of vpdpbusd), so beside the codes each chunk carries, per lane, the scale of the block its columns lie in and
@@ -94,7 +94,8 @@ class QuantisedRows {
     // round half to even (the default rounding mode, as nearbyint), NaN (a non-finite x) to 0
     const __m512i c0 = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(s0, s0, _CMP_ORD_Q), s0);
     const __m512i c1 = _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(s1, s1, _CMP_ORD_Q), s1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(c0, lo), hi)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                     _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(c0, lo), hi)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
                      _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(c1, lo), hi)));
     return scale;
