@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moelane.kernels.formats import ACTIVATION_BLOCK, quantize_activations
+from moelane.kernels.formats import quantize_activations
 
 LANES = 64
 BLOCK_ELEMENTS = 1 << 20  # n * B * L per step
@@ -41,26 +41,27 @@ def gather_linear(
         return y
     order = torch.argsort(slots, stable=True)
     used, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    codes, x_scales = _int8_activations(x) if data.dtype == torch.int8 else (None, None)
+    coded = _int8_activations(x) if data.dtype == torch.int8 else None  # (codes, scales) per column
     for slot, pairs in zip(used.tolist(), torch.split(order, counts.tolist()), strict=True):
         block = max(1, BLOCK_ELEMENTS // (len(pairs) * LANES))
-        if codes is None or x_scales is None or scales is None:
+        if coded is None or scales is None:
             xs = _pad(x[rows[pairs]].float())  # [n, I']
             for r0 in range(0, data.shape[1], block):
                 w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
                 y[pairs, r0 : r0 + w.shape[0]] = _dots(xs, w)
             continue
+        x_codes, x_scales = (t[rows[pairs]] for t in coded)  # [n, I']
         for r0 in range(0, data.shape[1], block):
             w_codes = _pad(data[slot, r0 : r0 + block, : x.shape[1]].float())  # [B, I']
             w_scales = _pad(_per_column(scales[slot, r0 : r0 + block].float(), data.shape[2])[:, : x.shape[1]])
-            y[pairs, r0 : r0 + w_codes.shape[0]] = _dots(codes[rows[pairs]], w_codes, x_scales[rows[pairs]], w_scales)
+            y[pairs, r0 : r0 + w_codes.shape[0]] = _dots(x_codes, w_codes, x_scales, w_scales)
     return y
 
 
 def _int8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, I] -> (codes, scales) per column, float32 [R, I'] (I' = I padded to LANES)."""
     codes, scales = quantize_activations(x)
-    per_column = scales.repeat_interleave(ACTIVATION_BLOCK, dim=1)
+    per_column = _per_column(scales, codes.shape[1])
     return _pad(codes.float()[:, : x.shape[1]]), _pad(per_column[:, : x.shape[1]])
 
 
@@ -95,9 +96,7 @@ def _dequantize_rows(
         values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float() - 8.0
     else:
         values = codes.float()
-    s = scales[slot, r0:r1].float()
-    group = values.shape[1] // s.shape[1]
-    return (values * s.repeat_interleave(group, dim=1))[:, :n_in]
+    return (values * _per_column(scales[slot, r0:r1].float(), values.shape[1]))[:, :n_in]
 
 
 def _dots(

@@ -137,9 +137,8 @@ ACTIVATION_CHUNK = 64
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, I] float32 -> (codes int8 [R, C], scales float32 [R, C / 32]), C = I padded to 64: per block of 32
     columns d = max |x| / 127 and code = round-half-even(x * (1 / d)) in [-127, 127], 0 where d is below the
-    smallest normal float. The CPU
-    kernel's rule bit for bit on finite rows (csrc/activations.h); a block holding a NaN or an infinity gets a
-    non-finite d, so its products come out NaN."""
+    smallest normal float. The CPU kernel's rule bit for bit on finite rows (csrc/activations.h); a block holding a
+    NaN or an infinity gets a non-finite d, so its products come out NaN."""
     cols = -(-x.shape[1] // ACTIVATION_CHUNK) * ACTIVATION_CHUNK
     blocks = torch.nn.functional.pad(x.float(), (0, cols - x.shape[1])).view(x.shape[0], -1, ACTIVATION_BLOCK)
     amax = blocks.abs().amax(dim=-1)
