@@ -10,6 +10,8 @@ from moelane.kernels import formats
 from moelane.model import layers
 from moelane.model.weights import replace
 
+INTEGER_KINDS = ("int8", "int4")  # pools whose products meet the activations' int8 codes
+
 
 def random_pool(kind: str, n_slots: int, n_out: int, n_in: int, seed: int) -> kernels.Pool:
     """S random matrices [Out, In] (one all-zero half row: a zero group) quantised to `kind`."""
@@ -22,46 +24,46 @@ def random_pool(kind: str, n_slots: int, n_out: int, n_in: int, seed: int) -> ke
 def reference(
     x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pool: kernels.Pool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (y in float64 from the dequantised weights, the error bound) [P, Out]. int8 weights meet x's int8 codes
-    (`formats.quantize_activations`), so x is taken as those codes dequantised.
+    """-> (y in float64 from the dequantised weights, the error bound) [P, Out]. int8 and int4 weights meet x's int8
+    codes (`formats.quantize_activations`), so x is taken as those codes dequantised.
 
     Bound: (In / 16 + 6) * 2^-24 * sum_i |x_i w_i|, the first-order bound of a sum of In products with at most
     In / 16 + 6 roundings on any term's path: the extension rounds each FMA of its 16-lane chain (In / 16) and 4
     levels of tree; the fallback rounds the product, its 64-lane chain (In / 64) and 6 levels of halving. int8 has
     fewer: the scale product, its chain of In / 64 FMAs and the tree (the fallback: one rounding more a product)."""
     w = kernels.dequantize(pool).double()[slots]
-    xs = (dequantized_activations(x) if pool.kind == "int8" else x.double())[rows]
+    xs = (dequantized_activations(x) if pool.kind in INTEGER_KINDS else x.double())[rows]
     y = torch.einsum("pi,poi->po", xs, w)
     magnitude = torch.einsum("pi,poi->po", xs.abs(), w.abs())
     return y, (x.shape[1] / 16 + 6) * 2.0**-24 * magnitude
 
 
 def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [R, I] as the int8 kernels see it: its codes times their block's scale, float64 (exact)."""
+    """x [R, I] as the int8 / int4 kernels see it: its codes times their block's scale, float64 (exact)."""
     codes, scales = formats.quantize_activations(x)
     values = codes.double() * scales.double().repeat_interleave(formats.ACTIVATION_BLOCK, dim=1)
     return values[:, : x.shape[1]]
 
 
 def sees_int8_codes(x: torch.Tensor) -> torch.Tensor:
-    """x [..., I] as an int8 product sees it: each row's int8 codes dequantised, rounded to float32."""
+    """x [..., I] as an int8 or int4 product sees it: each row's int8 codes dequantised, rounded to float32."""
     return dequantized_activations(x.reshape(-1, x.shape[-1]).float()).float().view_as(x)
 
 
 def code_like(reference: torch.nn.Module, quantised: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From now on each projection of `reference` whose counterpart (same name) in `quantised` is an int8 pool sees
-    its input as that int8 product sees it (`sees_int8_codes`); its weight is read as an f32 pool for that."""
+    """From now on each projection of `reference` whose counterpart (same name) in `quantised` is an int8 or int4
+    pool sees its input as that product sees it (`sees_int8_codes`); its weight is read as an f32 pool for that."""
     theirs = dict(quantised.named_modules())
     coded: set[int] = set()
     for name, module in reference.named_modules():
         twin = theirs.get(name)
         if not isinstance(module, torch.nn.Linear) or not isinstance(getattr(twin, "weight", None), kernels.Pool):
             continue
-        if twin.weight.kind == "int8":  # type: ignore[union-attr]
+        if twin.weight.kind in INTEGER_KINDS:  # type: ignore[union-attr]
             if not isinstance(module.weight, kernels.Pool):
                 replace(module, kernels.Pool("f32", module.weight.detach().float().contiguous()[None]))
             coded.add(id(module.weight))
-    assert coded, "no int8 projection to code"
+    assert coded, "no int8 or int4 projection to code"
 
     def kernel_linear(x: torch.Tensor, w: kernels.Pool) -> torch.Tensor:
         return kernels.linear(sees_int8_codes(x) if id(w) in coded else x, w)

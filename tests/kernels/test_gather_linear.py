@@ -98,7 +98,7 @@ def test_extension_reads_bf16_as_its_dequantised_f32(extension: kernels.Availabi
 
 @pytest.mark.parametrize("n_in", [192, 100, 36, 2048])
 def test_extension_codes_activations_as_formats_does(extension: kernels.Availability, n_in: int) -> None:
-    """The int8 kernel's activation codes and scales (csrc/activations.h) are formats.quantize_activations' bit for
+    """The integer kernels' activation codes and scales (csrc/activations.h) are formats.quantize_activations' bit for
     bit: rows of ties (k + 0.5 steps), an all-zero block, a padded tail, tiny and huge magnitudes."""
     g = torch.Generator().manual_seed(n_in)
     x = torch.randn(6, n_in, generator=g)
@@ -115,11 +115,14 @@ def test_extension_codes_activations_as_formats_does(extension: kernels.Availabi
     assert torch.all(codes[:, n_in:] == 0) and torch.all(codes[2, :32] == 0)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("impl_name", ["extension", "fallback"])
-def test_int8_products_with_a_nan_activation_are_nan(impl_name: str, extension: kernels.Availability) -> None:
-    """A NaN or an infinity in an activation row makes that row's int8 products NaN (not finite garbage); the
-    other rows are untouched."""
-    pool = random_pool("int8", 1, 5, 192, seed=1)
+def test_integer_products_with_a_nan_activation_are_nan(
+    impl_name: str, kind: str, extension: kernels.Availability
+) -> None:
+    """A NaN or an infinity in an activation row makes that row's int8 / int4 products NaN (not finite garbage);
+    the other rows are untouched."""
+    pool = random_pool(kind, 1, 5, 192, seed=1)
     x = torch.randn(3, 192)
     x[0, 70] = float("nan")
     x[1, 5] = float("inf")
@@ -131,19 +134,14 @@ def test_int8_products_with_a_nan_activation_are_nan(impl_name: str, extension: 
     assert torch.all(torch.isnan(y[:2])) and torch.all(torch.isfinite(y[2]))
 
 
-def test_extension_int4_is_f32_over_permuted_columns(extension: kernels.Availability) -> None:
-    """int4 meets x with each 32 columns (a 16-column tail: 16) taken evens first, then odds: the f32 product over
-    columns so permuted, of x and of the dequantised weights padded to whole groups, gives the same bits."""
-    for n_in in (192, 48, 36):
-        pool = random_pool("int4", 2, 9, n_in, seed=n_in)
-        cols = pool.data.shape[2] * 2
-        perm = torch.cat([torch.arange(c, min(c + 32, cols)).view(-1, 2).t().flatten() for c in range(0, cols, 32)])
-        w = torch.nn.functional.pad(kernels.dequantize(pool), (0, cols - n_in))[..., perm].contiguous()
-        x = torch.randn(5, n_in)
-        xp = torch.nn.functional.pad(x, (0, cols - n_in))[:, perm].contiguous()
-        rows, slots = pairs(7, 5, 2, seed=3)
-        got = kernels.gather_linear(x, rows, slots, pool)
-        assert torch.equal(got, kernels.gather_linear(xp, rows, slots, kernels.Pool("f32", w)))
+def test_extension_codes_activations_in_the_nibble_order(extension: kernels.Availability) -> None:
+    """For int4 the kernel holds each 128-column chunk's codes as its 64 even columns, then its 64 odd ones
+    (csrc/activations.h, Layout::Nibbles): formats.quantize_activations' codes and scales, so permuted."""
+    x = torch.randn(3, 200)
+    codes, scales = op._backend.extension().quantise_rows(x, nibbles=True)  # type: ignore[union-attr]
+    want_codes, want_scales = formats.quantize_activations(torch.nn.functional.pad(x, (0, 56)))
+    perm = torch.cat([torch.arange(c, c + 128).view(64, 2).t().flatten() for c in range(0, 256, 128)])
+    assert torch.equal(codes, want_codes[:, perm]) and torch.equal(scales, want_scales)
 
 
 @pytest.mark.parametrize("kind", kernels.KINDS)

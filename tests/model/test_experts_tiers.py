@@ -73,14 +73,14 @@ def reference(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pools: tuple[TierPool, ...], coded: bool = False
 ) -> torch.Tensor:
     """Dequantise-then-matmul in float64: sum over k of weights[t, k] * swiglu expert of slot [t, k] on x[t]. With
-    `coded`, an int8 slot's two products see their inputs (x, then its float32 activations) as the kernels' int8
-    products do (tests/kernels/helpers.py `sees_int8_codes`)."""
+    `coded`, an int8 or int4 slot's two products see their inputs (x, then its float32 activations) as the kernels'
+    integer products do (tests/kernels/helpers.py `sees_int8_codes`)."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for t in range(slots.shape[0]):
         for k in range(slots.shape[1]):
             slot = int(slots[t, k])
             pool = next(p for p in pools if p.first <= slot < p.first + p.n_slots)
-            code = coded and pool.kind == "int8"
+            code = coded and pool.kind in ("int8", "int4")
             w13, w2 = (w.double() for w in dequantised(pool, slot - pool.first))
             gate, up = (w13 @ seen(x[t], code)).chunk(2)
             out[t] += float(weights[t, k]) * (w2 @ seen(torch.nn.functional.silu(gate) * up, code))
@@ -88,7 +88,7 @@ def reference(
 
 
 def seen(v: torch.Tensor, code: bool) -> torch.Tensor:
-    """A product's input row in float64: as an int8 product codes it (from its float32 value), or as it is."""
+    """A product's input row in float64: as an integer product codes it (from its float32 value), or as it is."""
     return sees_int8_codes(v.float()[None])[0].double() if code else v.double()
 
 

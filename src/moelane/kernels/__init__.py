@@ -15,11 +15,10 @@ never mix; threads split (slot, output rows) work items, never a dot product (cs
 PyTorch fallback keeps it with element-wise ops only (fallback.py). On a CUDA device a Triton kernel serves (cuda.py):
 one program per (pair, block of output rows), fixed blocks, no split reduction.
 
-Accuracy: f32, bf16 and int4 weights are widened to their exact fp32 values (bf16, code * fp16 scale), so a result
-is an fp32 dot product of x with the dequantised row, within (In / 16 + 6) * 2^-24 * sum |x_i w_i| of the exact
-value. int8 weights meet x coded to int8 per 32 columns (`formats.quantize_activations`, as llama.cpp's Q8_0 does),
-in exact integer dot products: the same bound for x as its codes dequantise it (docs/kernels.md "int8: integer dot
-products").
+Accuracy: f32 and bf16 weights are widened to their exact fp32 values, so a result is an fp32 dot product of x with
+the row, within (In / 16 + 6) * 2^-24 * sum |x_i w_i| of the exact value. int8 and int4 weights meet x coded to int8
+per 32 columns (`formats.quantize_activations`, as llama.cpp's Q8_0 and Q4_0 do), in exact integer dot products:
+the same bound for x as its codes dequantise it (docs/kernels.md "int8 and int4: integer dot products").
 """
 
 from moelane.kernels.build import BuildError

@@ -12,8 +12,8 @@ element-wise into a [BLOCK_OUT, BLOCK_IN] fp32 accumulator, then sums each accum
 The block sizes are constants of the kernel, never chosen by the number of pairs or rows, so y[p] is the same bits
 whatever P is and whichever pairs share the launch: no matrix unit, no split reduction, no autotuning. Each weight
 is widened to its exact fp32 value (bf16; code * fp16 scale; (nibble - 8) * scale) before the multiply, as the CPU
-does for f32, bf16 and int4, so those agree with the CPU kernels to fp32 rounding (not bitwise: another summation
-order); the CPU's int8 codes its activations to int8 first (docs/kernels.md), this kernel does not.
+does for f32 and bf16, so those agree with the CPU kernels to fp32 rounding (not bitwise: another summation order);
+the CPU's int8 and int4 code their activations to int8 first (docs/kernels.md), this kernel does not.
 
 Bytes: each pair reads its slot's bytes; pairs of one slot in one launch read them again from the L2 cache (50 MB on
 an H100), not from device memory, at decode's few rows a slot.

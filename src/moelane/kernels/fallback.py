@@ -1,6 +1,6 @@
-"""`gather_linear` in plain PyTorch, for where the C++ extension cannot be built. Slow, same semantics: int8 weights
-meet the activations' int8 codes (`formats.quantize_activations`), each product the exact code product times the
-activation scale x the weight scale.
+"""`gather_linear` in plain PyTorch, for where the C++ extension cannot be built. Slow, same semantics: int8 and int4
+weights meet the activations' int8 codes (`formats.quantize_activations`), each product the exact code product times
+the activation scale x the weight scale.
 
 Batch invariance here: a pair's y comes from element-wise ops only (no matmul, no torch reduction, whose order
 can depend on shapes and threads): its x row and each dequantised weight row are cut into chunks of LANES columns,
@@ -41,10 +41,11 @@ def gather_linear(
         return y
     order = torch.argsort(slots, stable=True)
     used, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    coded = _int8_activations(x) if data.dtype == torch.int8 else None  # (codes, scales) per column
+    integer = scales is not None and data.dtype in (torch.int8, torch.uint8)
+    coded = _int8_activations(x) if integer else None  # (codes, scales) per column
     for slot, pairs in zip(used.tolist(), torch.split(order, counts.tolist()), strict=True):
         block = max(1, BLOCK_ELEMENTS // (len(pairs) * LANES))
-        if coded is None or scales is None:
+        if coded is None or scales is None:  # (scales: for the type checker; coded implies them)
             xs = _pad(x[rows[pairs]].float())  # [n, I']
             for r0 in range(0, data.shape[1], block):
                 w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
@@ -52,9 +53,9 @@ def gather_linear(
             continue
         x_codes, x_scales = (t[rows[pairs]] for t in coded)  # [n, I']
         for r0 in range(0, data.shape[1], block):
-            w_codes = _pad(data[slot, r0 : r0 + block, : x.shape[1]].float())  # [B, I']
-            w_scales = _pad(_per_column(scales[slot, r0 : r0 + block].float(), data.shape[2])[:, : x.shape[1]])
-            y[pairs, r0 : r0 + w_codes.shape[0]] = _dots(x_codes, w_codes, x_scales, w_scales)
+            codes = _codes(data[slot, r0 : r0 + block])  # [B, C]
+            w_scales = _pad(_per_column(scales[slot, r0 : r0 + block].float(), codes.shape[1])[:, : x.shape[1]])
+            y[pairs, r0 : r0 + codes.shape[0]] = _dots(x_codes, _pad(codes[:, : x.shape[1]]), x_scales, w_scales)
     return y
 
 
@@ -85,6 +86,13 @@ def _pad(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, -t.shape[1] % LANES))
 
 
+def _codes(rows: torch.Tensor) -> torch.Tensor:
+    """Quantised rows [B, bytes] -> their codes as float32 [B, C]: int8 as stored, int4 nibble - 8 (low first)."""
+    if rows.dtype == torch.uint8:
+        return torch.stack([rows & 0x0F, rows >> 4], dim=-1).flatten(-2).float() - 8.0
+    return rows.float()
+
+
 def _dequantize_rows(
     data: torch.Tensor, scales: torch.Tensor | None, slot: int, r0: int, r1: int, n_in: int
 ) -> torch.Tensor:
@@ -92,10 +100,7 @@ def _dequantize_rows(
     codes = data[slot, r0:r1]
     if scales is None:
         return codes.float()
-    if codes.dtype == torch.uint8:  # int4: low nibble first
-        values = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2).float() - 8.0
-    else:
-        values = codes.float()
+    values = _codes(codes)
     return (values * _per_column(scales[slot, r0:r1].float(), values.shape[1]))[:, :n_in]
 
 
@@ -103,7 +108,7 @@ def _dots(
     xs: torch.Tensor, w: torch.Tensor, x_scales: torch.Tensor | None = None, w_scales: torch.Tensor | None = None
 ) -> torch.Tensor:
     """xs [n, I'], w [B, I'] -> [n, B]: per (pair, row) LANES partial sums in column order, then halving. With
-    scales (int8: xs and w codes, their products exact), each product is weighed by x scale x w scale first."""
+    scales (int8, int4: xs and w codes, their products exact), each product is weighed by x scale x w scale first."""
     acc = torch.zeros(xs.shape[0], w.shape[0], LANES)
     for c in range(0, xs.shape[1], LANES):
         chunk = slice(c, c + LANES)

@@ -127,9 +127,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, cols: int, fmt: QuantF
     return w.reshape(rows, n_groups * group)[:, :cols]
 
 
-# Activations meeting int8 weights are coded per block of ACTIVATION_BLOCK columns, as llama.cpp's Q8_0 codes them
-# (docs/kernels.md "int8: integer dot products"); rows are padded with zeros to whole ACTIVATION_CHUNKs (the CPU
-# kernel's 64-column vpdpbusd chunks).
+# Activations meeting int8 and int4 weights are coded per block of ACTIVATION_BLOCK columns, as llama.cpp's Q8_0
+# codes them (docs/kernels.md "int8 and int4: integer dot products"); rows are padded with zeros to whole
+# ACTIVATION_CHUNKs (the CPU's int8 chunks; its int4 chunks of 128 hold the same codes in another order).
 ACTIVATION_BLOCK = 32
 ACTIVATION_CHUNK = 64
 

@@ -1,12 +1,17 @@
-// Activation rows quantised for int8 weights (docs/kernels.md, "int8: integer dot products"): each row cut into
+// Activation rows quantised for int8 and int4 weights (docs/kernels.md, "Integer dot products"): each row cut into
 // blocks of 32 columns, each block coded as llama.cpp's Q8_0 codes its activations, d = max |x| / 127 (fp32),
 // code = round-half-even(x * (1 / d)) in [-127, 127] (all 0 where d is below the smallest normal float; where d is
 // not finite, a NaN or an infinity in the block, the products come out NaN). formats.quantize_activations is the
 // same rule in PyTorch, bit for bit on finite rows (tests/kernels).
 //
-// The tiles read a row as 64-column chunks, lane l of chunk k holding columns 64k + 4l .. 64k + 4l + 3 (the layout
-// of vpdpbusd), so beside the codes each chunk carries, per lane, the scale of the block its columns lie in and
-// -128 x the sum of its 4 codes (the weights meet x as code + 128, unsigned; that term takes the 128 off again).
+// The tiles read a row in chunks of 16 lanes (the lanes of vpdpbusd), in one of two layouts:
+//   Bytes (int8 weights): chunks of 64 columns, lane l holding columns 64k + 4l .. 64k + 4l + 3 (one vector);
+//   Nibbles (int4 weights, whose byte j packs columns 2j and 2j + 1): chunks of 128 columns, held as their 64 even
+//     columns, then their 64 odd ones (two vectors, which meet a weight chunk's low nibbles and its high nibbles), so
+//     lane l holds columns 128k + 8l .. 128k + 8l + 7: the even four in the first vector, the odd four in the second.
+// Beside the codes each chunk carries, per lane, the scale of the block its columns lie in and -bias x the sum of its
+// codes (the weights meet x unsigned, as code + bias: 128 for int8, 8 for int4's stored nibbles; that term takes the
+// bias off again).
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -24,9 +29,11 @@ namespace moelane {
 namespace {
 
 constexpr int64_t kBlock = 32;  // columns under one activation scale
-constexpr int64_t kChunk = 64;  // columns of one vpdpbusd
 
-// One quantised activation row as the int8 tiles read it: chunks of codes, and per chunk 16 lanes of scales and
+enum class Layout { Bytes, Nibbles };  // a chunk's columns and lane order (above)
+constexpr int64_t chunk_columns(Layout layout) { return layout == Layout::Bytes ? 64 : 128; }
+
+// One quantised activation row as the integer tiles read it: chunks of codes, and per chunk 16 lanes of scales and
 // corrections.
 struct QRow {
   const int8_t* q;
@@ -37,9 +44,11 @@ struct QRow {
 // Rows [R, in] quantised over `cols` columns (a multiple of 16, >= in; zero past in), padded to whole chunks.
 class QuantisedRows {
  public:
-  QuantisedRows(const float* x, int64_t n_rows, int64_t in, int64_t cols)
-      : chunks_((cols + kChunk - 1) / kChunk),
-        q_(n_rows * chunks_ * kChunk, 0),
+  QuantisedRows(const float* x, int64_t n_rows, int64_t in, int64_t cols, Layout layout)
+      : layout_(layout),
+        width_(chunk_columns(layout)),
+        chunks_((cols + width_ - 1) / width_),
+        q_(n_rows * chunks_ * width_, 0),
         d_(n_rows * chunks_ * 16, 0.0f),
         corr_(n_rows * chunks_ * 16, 0) {
     // rows apart on the threads (a w2 call codes every pair's activations: 64 rows of 8192 took ~1 ms on one)
@@ -49,27 +58,39 @@ class QuantisedRows {
   }
 
   QRow row(int64_t i) const {
-    return {q_.data() + i * chunks_ * kChunk, d_.data() + i * chunks_ * 16, corr_.data() + i * chunks_ * 16};
+    return {q_.data() + i * chunks_ * width_, d_.data() + i * chunks_ * 16, corr_.data() + i * chunks_ * 16};
   }
 
-  // codes [R, chunks * 64] and scales [R, chunks * 2], for the tests' comparison with formats.py
+  // codes [R, chunks x width] (in the layout's order) and scales [R, chunks x width / 32], for the tests'
+  // comparison with formats.py
   const std::vector<int8_t>& codes() const { return q_; }
   std::vector<float> block_scales() const {
-    std::vector<float> out(d_.size() / 8);
-    for (size_t b = 0; b < out.size(); ++b) out[b] = d_[b * 8];
+    const int64_t per = width_ / kBlock;  // blocks a chunk
+    std::vector<float> out(d_.size() / 16 * per);
+    for (size_t b = 0; b < out.size(); ++b) out[b] = d_[(b / per) * 16 + (b % per) * (16 / per)];
     return out;
   }
 
  private:
+  // Codes in column order, then per chunk its layout's order; lanes of a chunk's block b are 16 / per apart
+  // (per = its blocks: 2 or 4), in order.
   void quantise_row(const float* x, int64_t in, int64_t i) {
-    int8_t* q = q_.data() + i * chunks_ * kChunk;
+    int8_t* q = q_.data() + i * chunks_ * width_;
     float* d = d_.data() + i * chunks_ * 16;
+    const int64_t per = width_ / kBlock, lanes = 16 / per;
     for (int64_t b = 0; b * kBlock < in; ++b) {
       const float scale = quantise_block(x + b * kBlock, std::min(kBlock, in - b * kBlock), q + b * kBlock);
-      for (int l = 0; l < 8; ++l) d[(b / 2) * 16 + (b % 2) * 8 + l] = scale;
+      std::fill_n(d + (b / per) * 16 + (b % per) * lanes, lanes, scale);
     }
     int32_t* corr = corr_.data() + i * chunks_ * 16;
-    for (int64_t k = 0; k < chunks_; ++k) lane_sums(q + k * kChunk, corr + k * 16);
+    for (int64_t k = 0; k < chunks_; ++k) {
+      if (layout_ == Layout::Bytes) {
+        lane_sums(q + k * width_, corr + k * 16);
+      } else {
+        evens_then_odds(q + k * width_);
+        nibble_lane_sums(q + k * width_, corr + k * 16);
+      }
+    }
   }
 
   // 0 where the block's scale is below the smallest normal float or not finite, else 1 / scale (finite)
@@ -101,11 +122,29 @@ class QuantisedRows {
     return scale;
   }
 
-  // corr[l] = -128 x the sum of codes 4l .. 4l + 3 of one chunk
+  // corr[l] = -128 x the sum of codes 4l .. 4l + 3 of one Bytes chunk
   static void lane_sums(const int8_t* q, int32_t* corr) {
     const __m512i pairs = _mm512_maddubs_epi16(_mm512_set1_epi8(1), _mm512_loadu_si512(q));
     const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
     _mm512_storeu_si512(corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+  }
+
+  // One Nibbles chunk's 128 codes in column order -> its 64 even columns, then its 64 odd ones.
+  static void evens_then_odds(int8_t* q) {
+    const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi16_epi8(v0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32), _mm512_cvtepi16_epi8(v1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64), _mm512_cvtepi16_epi8(_mm512_srli_epi16(v0, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 96), _mm512_cvtepi16_epi8(_mm512_srli_epi16(v1, 8)));
+  }
+
+  // corr[l] = -8 x the sum of a Nibbles chunk's lane l codes: bytes 4l .. 4l + 3 of both halves
+  static void nibble_lane_sums(const int8_t* q, int32_t* corr) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(ones, _mm512_loadu_si512(q)),
+                                           _mm512_maddubs_epi16(ones, _mm512_loadu_si512(q + 64)));
+    const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+    _mm512_storeu_si512(corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 3)));
   }
 #else
   static float quantise_block(const float* x, int64_t n, int8_t* q) {
@@ -129,8 +168,24 @@ class QuantisedRows {
       corr[l] = -128 * sum;
     }
   }
+
+  static void evens_then_odds(int8_t* q) {
+    int8_t t[128];
+    for (int c = 0; c < 128; ++c) t[(c % 2) * 64 + c / 2] = q[c];
+    std::copy(t, t + 128, q);
+  }
+
+  static void nibble_lane_sums(const int8_t* q, int32_t* corr) {
+    for (int l = 0; l < 16; ++l) {
+      int32_t sum = 0;
+      for (int j = 0; j < 4; ++j) sum += q[4 * l + j] + q[64 + 4 * l + j];
+      corr[l] = -8 * sum;
+    }
+  }
 #endif
 
+  Layout layout_;
+  int64_t width_;  // columns a chunk
   int64_t chunks_;
   std::vector<int8_t> q_;
   std::vector<float> d_;

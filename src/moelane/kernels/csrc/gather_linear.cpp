@@ -93,27 +93,7 @@ Weights weights_of(const torch::Tensor& data, const std::optional<torch::Tensor>
   return w;
 }
 
-// x rows as the float tiles read them: int4 permuted within each 32 (16-column tail: 16) columns, evens then odds.
-// -> [R, cols] (empty when x can be read as it is: f32, bf16; int8 reads QuantisedRows instead).
-std::vector<float> prepare_x(const Weights& w, const float* x, int64_t n_rows, int64_t in) {
-  std::vector<float> buf;
-  if (w.kind != Kind::INT4) return buf;
-  buf.assign(n_rows * w.cols, 0.0f);
-  for (int64_t i = 0; i < n_rows; ++i) {
-    const float* src = x + i * in;
-    float* dst = buf.data() + i * w.cols;
-    for (int64_t c = 0; c < w.cols; c += 32) {
-      const int64_t half = std::min<int64_t>(32, w.cols - c) / 2;
-      for (int64_t l = 0; l < half; ++l) {
-        if (c + 2 * l < in) dst[c + l] = src[c + 2 * l];
-        if (c + 2 * l + 1 < in) dst[c + half + l] = src[c + 2 * l + 1];
-      }
-    }
-  }
-  return buf;
-}
-
-// xs: the activation rows as floats (f32, bf16, int4); qs: as int8 codes (int8).
+// xs: the activation rows as floats (f32, bf16); qs: as int8 codes (int8, int4).
 template <int NM, class S>
 void dispatch(const Weights& w, const float* const* xs, const QRow* const* qs, const uint8_t* const* rows,
               const S* const* srows, float* out) {
@@ -127,8 +107,8 @@ void dispatch(const Weights& w, const float* const* xs, const QRow* const* qs, c
       return tile_int8<NM, 16>(qs, q, srows, w.cols, out);
     }
     case Kind::INT4:
-      if (w.group == 32) return tile_int4<NM, 32>(xs, rows, srows, w.cols, out);
-      return tile_int4<NM, 16>(xs, rows, srows, w.cols, out);
+      if (w.group == 32) return tile_int4<NM, 32>(qs, rows, srows, w.cols, out);
+      return tile_int4<NM, 16>(qs, rows, srows, w.cols, out);
   }
 }
 
@@ -168,20 +148,22 @@ void run_tile(int nm, const Weights& w, const float* const* xs, const QRow* cons
 // Whether a slot's pairs take 8-row tiles (`tile8`): its only pair, on short int8 / int4 rows (batch-1 decode), whose
 // scales item_scales widens (fewer than kItemScaleGroups).
 bool rows8(const Weights& w, int64_t n_pairs) {
-  return n_pairs == 1 && w.n_groups < kItemScaleGroups &&
-         ((w.kind == Kind::INT4 && w.group == 32) || w.kind == Kind::INT8);
+  return n_pairs == 1 && w.n_groups < kItemScaleGroups && (w.kind == Kind::INT4 || w.kind == Kind::INT8);
 }
 
 // As tile<1> for 8 rows (r8) of a `rows8` slot: the `*_rows8` tiles, each row's arithmetic the 4-row tile's.
-void tile8(const Weights& w, const float* x, const QRow* qx, int64_t slot, const int64_t* r8, const float* sf,
-           int64_t r0, float* out) {
+void tile8(const Weights& w, const QRow* qx, int64_t slot, const int64_t* r8, const float* sf, int64_t r0,
+           float* out) {
   const uint8_t* rows[8];
   const float* srows[8];
   for (int r = 0; r < 8; ++r) {
     rows[r] = w.row(slot, r8[r]);
     srows[r] = sf + (r8[r] - r0) * w.n_groups;
   }
-  if (w.kind == Kind::INT4) return tile_int4_rows8(x, rows, srows, w.cols, out);
+  if (w.kind == Kind::INT4) {
+    if (w.group == 32) return tile_int4_rows8<32>(qx, rows, srows, w.cols, out);
+    return tile_int4_rows8<16>(qx, rows, srows, w.cols, out);
+  }
   auto q = reinterpret_cast<const int8_t* const*>(rows);
   if (w.group == 64) return tile_int8_rows8<64>(qx, q, srows, w.cols, out);
   if (w.group == 32) return tile_int8_rows8<32>(qx, q, srows, w.cols, out);
@@ -199,7 +181,7 @@ struct Plan {
   std::vector<SlotPairs> groups;
   const float* x;  // activation rows as the float tiles read them, ldx apart
   int64_t ldx;
-  std::vector<QRow> q;  // activation rows as the int8 tiles read them (int8 weights only)
+  std::vector<QRow> q;  // activation rows as the integer tiles read them (int8 and int4 weights only)
   float* y;  // [P, Out]
 };
 
@@ -232,7 +214,7 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
         for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, trows[k]) + kPrefetchBytes + b);
     if (eight) {
       const int64_t xrow = plan.rows[plan.order[g.first]];
-      tile8(w, plan.x + xrow * plan.ldx, plan.q.empty() ? nullptr : &plan.q[xrow], g.slot, trows, sf.data(), r0, out);
+      tile8(w, &plan.q[xrow], g.slot, trows, sf.data(), r0, out);
       float* yrow = plan.y + plan.order[g.first] * w.out;
       for (int k = 0; k < nr; ++k) yrow[trows[k]] = out[k];
       continue;
@@ -292,12 +274,11 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
     if (plan.groups.empty() || slot != plan.groups.back().slot) plan.groups.push_back({slot, i, 0});
     ++plan.groups.back().count;
   }
-  const std::vector<float> xbuf = prepare_x(w, x.data_ptr<float>(), n_rows, in);
-  plan.x = xbuf.empty() ? x.data_ptr<float>() : xbuf.data();
-  plan.ldx = xbuf.empty() ? in : w.cols;
+  plan.x = x.data_ptr<float>();
+  plan.ldx = in;
   std::optional<QuantisedRows> xq;
-  if (w.kind == Kind::INT8) {
-    xq.emplace(x.data_ptr<float>(), n_rows, in, w.cols);
+  if (w.kind == Kind::INT8 || w.kind == Kind::INT4) {
+    xq.emplace(x.data_ptr<float>(), n_rows, in, w.cols, w.kind == Kind::INT4 ? Layout::Nibbles : Layout::Bytes);
     for (int64_t i = 0; i < n_rows; ++i) plan.q.push_back(xq->row(i));
   }
 
@@ -327,13 +308,15 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
   return y;
 }
 
-// x [R, In] f32 as the int8 tiles read it -> (codes int8 [R, C], scales f32 [R, C / 32]), C = In padded to 64: for
-// the tests, against formats.quantize_activations.
-std::tuple<torch::Tensor, torch::Tensor> quantise_rows(const torch::Tensor& x_in) {
+// x [R, In] f32 as the integer tiles read it -> (codes int8 [R, C], scales f32 [R, C / 32]), C = In padded to whole
+// chunks, the codes in int8's layout or (nibbles) int4's: for the tests, against formats.quantize_activations.
+std::tuple<torch::Tensor, torch::Tensor> quantise_rows(const torch::Tensor& x_in, bool nibbles) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "quantise_rows: x must be float32 [R, In]");
   auto x = x_in.contiguous();
-  const int64_t n_rows = x.size(0), in = x.size(1), cols = (in + kChunk - 1) / kChunk * kChunk;
-  const QuantisedRows xq(x.data_ptr<float>(), n_rows, in, cols);
+  const Layout layout = nibbles ? Layout::Nibbles : Layout::Bytes;
+  const int64_t n_rows = x.size(0), in = x.size(1), width = chunk_columns(layout);
+  const int64_t cols = (in + width - 1) / width * width;
+  const QuantisedRows xq(x.data_ptr<float>(), n_rows, in, cols, layout);
   auto codes = torch::empty({n_rows, cols}, torch::kInt8);
   auto scales = torch::empty({n_rows, cols / kBlock}, torch::kFloat32);
   std::copy(xq.codes().begin(), xq.codes().end(), codes.data_ptr<int8_t>());
@@ -348,6 +331,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: other Python threads (the store's readers, the server) run while a product streams weights
   m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("quantise_rows", &moelane::quantise_rows, "int8 activation codes and scales (activations.h), for tests");
+  m.def("quantise_rows", &moelane::quantise_rows, "int8 activation codes and scales (activations.h), for tests",
+        py::arg("x"), py::arg("nibbles") = false);
   m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
 }

@@ -2,11 +2,11 @@
 // (activation row, weight row), reduced by `reduce4`'s fixed tree. tiles_generic.h is the same arithmetic lane for lane
 // in plain C++ (it documents the lane layout); both give the same bits where the CPU has FMA.
 //
-// f32, bf16 and int4: a weight is widened to its exact fp32 value before it meets x (bf16 -> fp32; int4
-// (nibble - 8) * fp16 scale is exact in fp32), so each is the same fp32 dot product of x with the dequantised row:
-// chunk c of 16 columns into lane c % 16 by FMA, in column order. int8 multiplies codes by the activations' int8
-// codes (activations.h, `tile_int8`), as llama.cpp's Q8_0 does. Scales come as a pointer per tile row: fp32 (widened
-// by the caller) or fp16 (widened here, see `tile_scales`).
+// f32 and bf16: a weight is widened to its exact fp32 value before it meets x (bf16 -> fp32), so each is the same
+// fp32 dot product of x with the row: chunk c of 16 columns into lane c % 16 by FMA, in column order. int8 and int4
+// multiply codes by the activations' int8 codes (activations.h; `tile_int8`, `tile_int4`), as llama.cpp's Q8_0 and
+// Q4_0 do. Scales come as a pointer per tile row: fp32 (widened by the caller) or fp16 (widened here, see
+// `tile_scales`).
 #pragma once
 #include <immintrin.h>
 
@@ -172,81 +172,81 @@ inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* co
   finish<NM>(acc, out);
 }
 
-// int4, tiers' layout (byte j = code 2j | code 2j+1 << 4, stored + 8), one fp16 scale per G columns (G in 16, 32).
-// x is prepared per 32 columns as [16 even columns, 16 odd columns] (per 16-column tail: [8 even, 8 odd]), so low
-// nibbles meet the first half and high nibbles the second. A nibble becomes its weight by one permute of the
-// 16-entry table (-8..7) * scale. Per 32 columns and row that is a zero-extend, a shift, the table's multiply, two
-// permutes and, per activation row, two FMAs: 7 vector uops at NM 1, on the two 512-bit ports (~16 GB/s of weight
-// bytes a core from L2, docs/kernels.md). Other ways to index the table take as many (a 16-byte broadcast and two
-// variable shifts: measured the same) or give lanes of several groups a vector (one table no longer serves).
-template <int NM, int G, class S>
-inline void tile_int4(const float* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
-  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
-  const __m512i low4 = _mm512_set1_epi32(15);
-  __m512 acc[NM][4];
+// int4, tiers' layout (byte j = code 2j | code 2j + 1 << 4, stored + 8: unsigned), one fp16 scale per G columns
+// (G in 16, 32), against activations coded in the Nibbles layout (activations.h): a chunk of 128 columns is 64 bytes,
+// whose low nibbles meet the chunk's even activation codes and whose high nibbles its odd ones, both into the same
+// lanes (lane l: columns 128k + 8l .. + 7, of one group and one activation block), so each lane's two `dot4`s chain
+// in int32 before one conversion, scale multiply and FMA. Per 128 weights and activation row: two masks, a shift,
+// two dots, the conversion, the multiply and the FMA, and per weight row a permute for the scales (the fp32-widening
+// tile took 28 vector uops: docs/kernels.md).
+template <int G>
+inline __m512 nibble_scales(const float* sf, int64_t k, int64_t n_groups) {  // lane l: the group of 128k + 8l
+  constexpr int64_t per = 128 / G;
+  const __m512i idx = G == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                              : _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __mmask16 left = static_cast<__mmask16>((1u << std::min(per, n_groups - k * per)) - 1);
+  return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(left, sf + k * per));
+}
+
+template <int NM, int NR, int G>
+inline void chunk_int4(__m512 (&acc)[NM][NR], const QRow* const* xs, const __m512i (&v)[NR], const float* const* sf,
+                       int64_t k, int64_t n_groups) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i lo[NR], hi[NR];
+  __m512 sv[NR];
+  for (int r = 0; r < NR; ++r) {
+    lo[r] = _mm512_and_si512(v[r], low4);
+    hi[r] = _mm512_and_si512(_mm512_srli_epi16(v[r], 4), low4);
+    sv[r] = nibble_scales<G>(sf[r], k, n_groups);
+  }
+  for (int m = 0; m < NM; ++m) {
+    const __m512i even = _mm512_loadu_si512(xs[m]->q + 128 * k), odd = _mm512_loadu_si512(xs[m]->q + 128 * k + 64);
+    const __m512i corr = _mm512_loadu_si512(xs[m]->corr + 16 * k);
+    const __m512 dv = _mm512_loadu_ps(xs[m]->d + 16 * k);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i sum = dot4(dot4(corr, lo[r], even), hi[r], odd);
+      acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, sv[r]), acc[m][r]);
+    }
+  }
+}
+
+template <int NM, int NR, int G>
+inline void rows_int4(__m512 (&acc)[NM][NR], const QRow* const* xs, const uint8_t* const* p, const float* const* sf,
+                      int64_t n) {
   for (int m = 0; m < NM; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  __m512i v[NR];
+  for (; 128 * k + 128 <= n; ++k) {
+    for (int r = 0; r < NR; ++r) v[r] = _mm512_loadu_si512(p[r] + 64 * k);
+    chunk_int4<NM, NR, G>(acc, xs, v, sf, k, n / G);
+  }
+  if (128 * k < n) {  // 16 .. 112 columns left: nibbles past the row read as 0 and meet zero activation codes
+    const __mmask64 left = (~0ULL) >> (64 - (n - 128 * k) / 2);
+    for (int r = 0; r < NR; ++r) v[r] = _mm512_maskz_loadu_epi8(left, p[r] + 64 * k);
+    chunk_int4<NM, NR, G>(acc, xs, v, sf, k, n / G);
+  }
+}
+
+template <int NM, int G, class S>
+inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
   alignas(64) float local[4][kMaxGroups];
   const float* sf[4];
   tile_scales(s, n / G, local, sf);
-  int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
-    __m512 lo[4], hi[4];
-    for (int r = 0; r < 4; ++r) {
-      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + c / 2)));
-      if constexpr (G == 32) {
-        __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 32]));
-        lo[r] = _mm512_permutexvar_ps(b, t);  // the index's low 4 bits only
-        hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
-      } else {  // lanes 0-7 in group c/16, lanes 8-15 in the next: two tables, picked by index bit 4
-        __m512 ta = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16]));
-        __m512 tb = _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16 + 1]));
-        lo[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_and_si512(b, low4), second), tb);
-        hi[r] = _mm512_permutex2var_ps(ta, _mm512_or_si512(_mm512_srli_epi32(b, 4), second), tb);
-      }
-    }
-    for (int m = 0; m < NM; ++m) {
-      __m512 xl = _mm512_loadu_ps(xs[m] + c), xh = _mm512_loadu_ps(xs[m] + c + 16);
-      for (int r = 0; r < 4; ++r) {
-        acc[m][r] = _mm512_fmadd_ps(xl, lo[r], acc[m][r]);
-        acc[m][r] = _mm512_fmadd_ps(xh, hi[r], acc[m][r]);
-      }
-    }
-  }
-  if (c < n) {  // G == 16 and an odd number of groups: 8 bytes; lanes 0-7 low nibbles, lanes 8-15 high nibbles
-    __m512 wv[4];
-    for (int r = 0; r < 4; ++r) {
-      __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[r] + c / 2));
-      __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
-      b = _mm512_mask_srli_epi32(b, 0xFF00, b, 4);
-      wv[r] = _mm512_permutexvar_ps(b, _mm512_mul_ps(table, _mm512_set1_ps(sf[r][c / 16])));
-    }
-    for (int m = 0; m < NM; ++m) {
-      __m512 xv = _mm512_loadu_ps(xs[m] + c);
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-    }
-  }
+  __m512 acc[NM][4];
+  rows_int4<NM, 4, G>(acc, xs, p, sf, n);
   finish<NM>(acc, out);
 }
 
-// tile_int4 at one activation row for 8 weight rows (rows of few groups, G 32): each row's arithmetic exactly
-// tile_int4's (the same chunks, accumulator and reduce4 tree), with twice the independent work between reductions.
-inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
-  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  __m512 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c + 32 <= n; c += 32) {
-    const __m512 xl = _mm512_loadu_ps(x + c), xh = _mm512_loadu_ps(x + c + 16);
-    for (int r = 0; r < 8; ++r) {
-      __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[r] + c / 2)));
-      __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(s[r][c / 32]));
-      acc[r] = _mm512_fmadd_ps(xl, _mm512_permutexvar_ps(b, t), acc[r]);
-      acc[r] = _mm512_fmadd_ps(xh, _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t), acc[r]);
-    }
-  }
-  reduce4(acc[0], acc[1], acc[2], acc[3], out);
-  reduce4(acc[4], acc[5], acc[6], acc[7], out + 4);
+// tile_int4 at one activation row for 8 weight rows (rows of few groups): each row's arithmetic exactly tile_int4's,
+// with twice the independent work between reductions.
+template <int G>
+inline void tile_int4_rows8(const QRow* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
+  const QRow* xs[1] = {x};
+  __m512 acc[1][8];
+  rows_int4<1, 8, G>(acc, xs, p, s, n);
+  reduce4(acc[0][0], acc[0][1], acc[0][2], acc[0][3], out);
+  reduce4(acc[0][4], acc[0][5], acc[0][6], acc[0][7], out + 4);
 }
 
 // tile_int8 at one activation row for 8 weight rows (rows of few groups): each row's arithmetic exactly tile_int8's.

@@ -3,10 +3,9 @@
 //
 // Lane layout of one dot product x . w over n columns: 16 lanes; chunk c (columns 16c .. 16c+15) meets lane l with
 // column 16c + l, acc[l] = fma(x, w, acc[l]) in chunk order (a missing column counts as x = w = 0). The row's sum is
-// the fixed tree s[l] = acc[l] + acc[l+8], t[l] = s[l] + s[l+4], (t0 + t2) + (t1 + t3). int4 permutes the columns
-// within each 32 (x is prepared to match, see tile_int4). Without hardware FMA, fma is a multiply then an add:
-// other bits than the AVX-512 build, still the same for a row whatever else is in the call. int8 has its own lane
-// layout (tile_int8: integer dot products of 4 columns a lane).
+// the fixed tree s[l] = acc[l] + acc[l+8], t[l] = s[l] + s[l+4], (t0 + t2) + (t1 + t3). Without hardware FMA, fma
+// is a multiply then an add: other bits than the AVX-512 build, still the same for a row whatever else is in the
+// call. int8 and int4 have their own lane layouts (integer dot products of 4 columns a lane: tile_int8, tile_int4).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -116,44 +115,35 @@ inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* co
   finish<NM>(acc, out);
 }
 
-// int4: per 32 columns, chunk 1 holds the low nibbles of the 16 bytes (even columns), chunk 2 the high nibbles (odd
-// columns); a 16-column tail (G == 16) is one chunk: low nibbles of its 8 bytes, then their high nibbles.
+// int4 against the activations' int8 codes in the Nibbles layout (activations.h): chunk k of 128 columns meets lane
+// l with columns 128k + 8l .. 128k + 8l + 7 (bytes 64k + 4l .. + 3; each even column's code in the chunk's first 64,
+// each odd one's in its second); the exact int32 sum of (nibble - 8) x code, then as tile_int8.
 template <int NM, int G, class S>
-inline void tile_int4(const float* const* xs, const uint8_t* const* p, const S* const* s, int64_t n,
-                      float* out) {
+inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
   float acc[NM][4][16] = {};
-  float xv[NM][16], wv[4][16];
-  int64_t c = 0;
-  for (; c + 32 <= n; c += 32)
-    for (int half = 0; half < 2; ++half) {
-      for (int r = 0; r < 4; ++r)
-        for (int l = 0; l < 16; ++l) {
-          const uint8_t byte = p[r][c / 2 + l];
-          const int code = (half ? byte >> 4 : byte & 15) - 8;
-          wv[r][l] = static_cast<float>(code) * scale_of(s[r][(c + 2 * l) / G]);
-        }
-      load_x<NM>(xv, xs, c + 16 * half, 16);
-      chunk<NM>(acc, xv, wv);
-    }
-  if (c < n) {
-    for (int r = 0; r < 4; ++r) {
-      const float scale = scale_of(s[r][c / G]);
+  for (int64_t k = 0; 128 * k < n; ++k)
+    for (int r = 0; r < 4; ++r)
       for (int l = 0; l < 16; ++l) {
-        const uint8_t byte = p[r][c / 2 + l % 8];
-        wv[r][l] = static_cast<float>((l < 8 ? byte & 15 : byte >> 4) - 8) * scale;
+        const int64_t first = 128 * k + 8 * l;  // the lane's first column
+        const float sw = first < n ? scale_of(s[r][first / G]) : 0.0f;
+        for (int m = 0; m < NM; ++m) {
+          int32_t sum = 0;
+          for (int j = 0; j < 8 && first + j < n; ++j) {
+            const uint8_t byte = p[r][(first + j) / 2];
+            sum += ((j % 2 ? byte >> 4 : byte & 15) - 8) * xs[m]->q[128 * k + 64 * (j % 2) + 4 * l + j / 2];
+          }
+          acc[m][r][l] = fma_lane(static_cast<float>(sum), xs[m]->d[16 * k + l] * sw, acc[m][r][l]);
+        }
       }
-    }
-    load_x<NM>(xv, xs, c, 16);
-    chunk<NM>(acc, xv, wv);
-  }
   finish<NM>(acc, out);
 }
 
-// tiles_avx512.h's 8-row int4 tile at one activation row (G 32): two 4-row tiles, the same arithmetic per row.
-inline void tile_int4_rows8(const float* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
-  const float* xs[1] = {x};
-  tile_int4<1, 32>(xs, p, s, n, out);
-  tile_int4<1, 32>(xs, p + 4, s + 4, n, out + 4);
+// tiles_avx512.h's 8-row int4 tile at one activation row: two 4-row tiles, the same arithmetic per row.
+template <int G>
+inline void tile_int4_rows8(const QRow* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
+  const QRow* xs[1] = {x};
+  tile_int4<1, G>(xs, p, s, n, out);
+  tile_int4<1, G>(xs, p + 4, s + 4, n, out + 4);
 }
 
 // tiles_avx512.h's 8-row int8 tile at one activation row: two 4-row tiles, the same arithmetic per row.
