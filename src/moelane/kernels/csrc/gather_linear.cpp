@@ -34,13 +34,15 @@ namespace {
 
 enum class Kind { F32, BF16, INT8, INT4 };
 
-// Work items: (slot, block of output rows of about kItemBytes of weights). A tile's 4 rows are taken a quarter of the
-// block apart, so each thread reads 4 sequential streams: with short rows (192 columns) one stream of consecutive rows
+// Work items: (slot, block of output rows of about `item_bytes` of weights: kMaxItemBytes, or less where the call
+// would otherwise have under kItemsPerThread items a thread, never under kMinItemBytes; 512 KiB where 128 KiB was:
+// one inflated MoE layer streamed from memory, 2 threads, int8 / int4 / bf16 +3-6%: docs/kernels.md). A tile's 4 rows
+// are taken a quarter of the block apart, so each thread reads 4 sequential streams: with short rows (192 columns) one stream of consecutive rows
 // left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against 18-21, 2 threads). Rows of at
 // most kPrefetchRowBytes are also prefetched kPrefetchBytes ahead in each stream (int8 192-column rows: +15%); longer
 // rows lost up to 20% to it (a burst of prefetches per tile). 2 KiB ahead, where 4 KiB was: a streamed inflated layer
 // +3% at one row and +3-5% at four, 2 threads (1 KiB the same, 8 KiB -5%; docs/kernels.md).
-constexpr int64_t kItemBytes = 128 * 1024;
+constexpr int64_t kMaxItemBytes = 512 * 1024, kMinItemBytes = 128 * 1024, kItemsPerThread = 8;
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kPrefetchRowBytes = 768;
 constexpr int64_t kItemScaleGroups = 16;  // see item_scales
@@ -282,7 +284,11 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
     for (int64_t i = 0; i < n_rows; ++i) plan.q.push_back(xq->row(i));
   }
 
-  const int64_t per_item = std::max<int64_t>(4, kItemBytes / std::max<int64_t>(1, w.row_bytes) / 4 * 4);
+  const int64_t row_bytes = std::max<int64_t>(1, w.row_bytes);
+  const int64_t call_bytes = static_cast<int64_t>(plan.groups.size()) * w.out * row_bytes;
+  const int64_t item_bytes =
+      std::clamp(call_bytes / (kItemsPerThread * at::get_num_threads()), kMinItemBytes, kMaxItemBytes);
+  const int64_t per_item = std::max<int64_t>(4, item_bytes / row_bytes / 4 * 4);
   const int64_t n_blocks = (w.out + per_item - 1) / per_item;
   // Each thread takes the items of its own contiguous share in order (sequential weight streams, as a fixed split
   // reads them), and when its share is done takes the items left in the others' shares. So a thread whose core is
