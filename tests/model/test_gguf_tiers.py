@@ -124,7 +124,8 @@ def recording_bars(made: list[list]) -> type:
     return Bar
 
 
-@pytest.mark.parametrize("expert_memory", [None, "7%"], ids=["resident", "paged"])
+# (paged: with the slow set, for the fast loop's 3 minutes: the longest fast test when the machine is loaded)
+@pytest.mark.parametrize("expert_memory", [None, pytest.param("7%", marks=pytest.mark.slow)], ids=["resident", "paged"])
 def test_building_the_tier_file_shows_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                expert_memory: str | None) -> None:  # fmt: skip
     """With `progress`, building the tier file moves a bar by every expert, resident or paged, as loading the
