@@ -41,14 +41,13 @@ def gather_linear(
         return y
     order = torch.argsort(slots, stable=True)
     used, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    integer = scales is not None and data.dtype in (torch.int8, torch.uint8)
-    coded = _int8_activations(x) if integer else None  # (codes, scales) per column
+    coded = None if scales is None else _int8_activations(x)  # int8 / int4 (the kinds with scales): per column
     for slot, pairs in zip(used.tolist(), torch.split(order, counts.tolist()), strict=True):
         block = max(1, BLOCK_ELEMENTS // (len(pairs) * LANES))
-        if coded is None or scales is None:  # (scales: for the type checker; coded implies them)
+        if coded is None or scales is None:  # f32 / bf16 (scales: for the type checker)
             xs = _pad(x[rows[pairs]].float())  # [n, I']
             for r0 in range(0, data.shape[1], block):
-                w = _pad(_dequantize_rows(data, scales, slot, r0, r0 + block, x.shape[1]))  # [B, I']
+                w = _pad(data[slot, r0 : r0 + block].float())  # [B, I']
                 y[pairs, r0 : r0 + w.shape[0]] = _dots(xs, w)
             continue
         x_codes, x_scales = (t[rows[pairs]] for t in coded)  # [n, I']
@@ -91,17 +90,6 @@ def _codes(rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype == torch.uint8:
         return torch.stack([rows & 0x0F, rows >> 4], dim=-1).flatten(-2).float() - 8.0
     return rows.float()
-
-
-def _dequantize_rows(
-    data: torch.Tensor, scales: torch.Tensor | None, slot: int, r0: int, r1: int, n_in: int
-) -> torch.Tensor:
-    """Rows r0..r1 of one slot as float32 [B, I] (exact values, see pool.dequantize)."""
-    codes = data[slot, r0:r1]
-    if scales is None:
-        return codes.float()
-    values = _codes(codes)
-    return (values * _per_column(scales[slot, r0:r1].float(), values.shape[1]))[:, :n_in]
 
 
 def _dots(
