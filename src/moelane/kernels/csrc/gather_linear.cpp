@@ -37,8 +37,8 @@ enum class Kind { F32, BF16, INT8, INT4 };
 // Work items: (slot, block of output rows of about `item_bytes` of weights: kMaxItemBytes, or less where the call
 // would otherwise have under kItemsPerThread items a thread, never under kMinItemBytes; 512 KiB where 128 KiB was:
 // one inflated MoE layer streamed from memory, 2 threads, int8 / int4 / bf16 +3-6%: docs/kernels.md). A tile's 4 rows
-// are taken a quarter of the block apart, so each thread reads 4 sequential streams: with short rows (192 columns) one stream of consecutive rows
-// left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against 18-21, 2 threads). Rows of at
+// are taken a quarter of the block apart, so each thread reads 4 sequential streams: with short rows (192 columns)
+// one stream of consecutive rows left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against 18-21, 2 threads). Rows of at
 // most kPrefetchRowBytes are also prefetched kPrefetchBytes ahead in each stream (int8 192-column rows: +15%); longer
 // rows lost up to 20% to it (a burst of prefetches per tile). 2 KiB ahead, where 4 KiB was: a streamed inflated layer
 // +3% at one row and +3-5% at four, 2 threads (1 KiB the same, 8 KiB -5%; docs/kernels.md).
