@@ -22,7 +22,17 @@ the same bound for x as its codes dequantise it (docs/kernels.md "int8 and int4:
 """
 
 from moelane.kernels.build import BuildError
-from moelane.kernels.op import Availability, available, ensure_built, gather_linear, linear, serves, use_fallback
+from moelane.kernels.op import (
+    Availability,
+    attend_cache,
+    attends_in_place,
+    available,
+    ensure_built,
+    gather_linear,
+    linear,
+    serves,
+    use_fallback,
+)
 from moelane.kernels.pool import FLOAT_KINDS, KINDS, Pool, dequantize, quantize
 
 __all__ = [
@@ -31,6 +41,8 @@ __all__ = [
     "Availability",
     "BuildError",
     "Pool",
+    "attend_cache",
+    "attends_in_place",
     "available",
     "dequantize",
     "ensure_built",

@@ -108,3 +108,31 @@ def _dots(
         half = acc.shape[-1] // 2
         acc = acc[..., :half] + acc[..., half:]
     return acc[..., 0]
+
+
+def attend_cache(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """`op.attend_cache` in plain PyTorch, in fp32, one row at a time (so a row's ops have the same shapes whatever
+    the call holds): q [N, Hq, D], pools [S, Hkv, C, D/Dv], slots [N], mask [N, L], sinks [Hq] -> [N, Hq, Dv]."""
+    n, n_heads, _ = q.shape
+    n_kv, length = k_pool.shape[1], mask.shape[1]
+    group = n_heads // n_kv
+    out = q.new_empty((n, n_heads, v_pool.shape[3]), dtype=v_pool.dtype)
+    for i in range(n):
+        seen = mask[i].nonzero().squeeze(1)
+        keys = k_pool[slots[i], :, :length][:, seen].float()  # [Hkv, l, D]
+        values = v_pool[slots[i], :, :length][:, seen].float()
+        rows = q[i].float().view(n_kv, group, -1)
+        scores = torch.bmm(rows, keys.transpose(1, 2)) * scale  # [Hkv, G, l]
+        if sinks is not None:
+            scores = torch.cat([sinks.float().view(n_kv, group, 1), scores], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., -seen.shape[0] :] if seen.shape[0] else scores[..., :0]
+        out[i] = torch.bmm(probs, values).reshape(n_heads, -1).to(v_pool.dtype)
+    return out

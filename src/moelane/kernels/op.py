@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 torch.library.define(
     "moelane::gather_linear", "(Tensor x, Tensor? rows, Tensor? slots, Tensor data, Tensor? scales) -> Tensor"
 )
+torch.library.define(
+    "moelane::attend_cache",
+    "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor mask, Tensor? sinks, float scale) -> Tensor",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,67 @@ def _gather_linear_fake(
 ) -> torch.Tensor:
     n_pairs = x.shape[0] if rows is None else rows.shape[0]
     return x.new_empty((n_pairs, data.shape[1]))
+
+
+@torch.library.impl("moelane::attend_cache", "cpu")
+def _attend_cache_cpu(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    module = _backend.extension()
+    if module is None:
+        return fallback.attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale)
+    y = module.attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale)
+    assert isinstance(y, torch.Tensor)
+    return y
+
+
+@torch.library.register_fake("moelane::attend_cache")  # type: ignore[untyped-decorator]
+def _attend_cache_fake(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v_pool.shape[3]), dtype=v_pool.dtype)
+
+
+def attends_in_place(device: torch.device) -> bool:
+    """Whether `attend_cache` computes on `device` at its own speed: the CPU extension built (else callers keep
+    their own attention), or the meta device (shapes only). Traceable: compiled code asks it too."""
+    return device.type == "meta" or (device.type == "cpu" and _backend.extension() is not None)
+
+
+def attend_cache(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of N query rows over their slots' caches, read in place (csrc/attention.cpp):
+    q [N, Hq, D], k_pool [S, Hkv, C, D], v_pool [S, Hkv, C, Dv], slots [N], mask [N, L] (the keys l < L each row
+    sees), sinks [Hq] logits or None -> [N, Hq, Dv] in the pools' dtype, computed in fp32.
+
+    Each row's result is the same bits whatever N, the other rows, L past its last visible key and the thread count.
+    CPU only (`serves`)."""
+    if not torch.compiler.is_compiling() and q.device.type == "cpu":
+        module = _backend.extension()
+        if module is not None:
+            y: torch.Tensor = module.attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale)
+            return y
+    out: torch.Tensor = torch.ops.moelane.attend_cache.default(q, k_pool, v_pool, slots, mask, sinks, scale)
+    return out
 
 
 def gather_linear(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pool: Pool) -> torch.Tensor:

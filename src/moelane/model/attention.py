@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelane import kernels
 from moelane.model.cache import KVCache, KVPool
 from moelane.model.config import Config
 from moelane.model.layers import TILE, RMSNorm, linear, pad_rows
@@ -374,9 +375,11 @@ def attend_pooled(
     own position. Rows of one stream (a token and its drafts) see each other's K/V, since every write comes first.
 
     q [N, Hq, D]; k/v [N, Hkv, D]; k_pool/v_pool [S, Hkv, C, D/Dv]; slots, positions [N]; key_pos [L] ->
-    [N, Hq, Dv]. Each row's query heads sharing a KV head meet that head's keys in one matrix of a batched product,
-    [group, D] x [D, L], the same kernel for every row whatever N and L are, so no row's numbers depend on the
-    others (`reach`)."""
+    [N, Hq, Dv]. On a CPU with moelane's kernels built, `kernels.attend_cache` reads each row's keys and values in
+    place, one thread a (row, KV head) in key order (docs/kernels.md "Decode attention"). Elsewhere each row's slot
+    is gathered at key_pos and its query heads sharing a KV head meet that head's keys in one matrix of a batched
+    product, [group, D] x [D, L], the same kernel for every row whatever N and L are. Either way no row's numbers
+    depend on the others (`reach`)."""
     n, n_heads, d = q.shape
     n_kv, d_v, length = k_pool.shape[1], v_pool.shape[3], key_pos.shape[0]
     # a reach is never 1 (a cache holds at least a bucket): said, so the compiler never asks (it would, of L == 1)
@@ -384,6 +387,10 @@ def attend_pooled(
     group = n_heads // n_kv
     k_pool[slots, :, positions] = k.to(k_pool.dtype)
     v_pool[slots, :, positions] = v.to(v_pool.dtype)
+    if kernels.attends_in_place(q.device):  # the cache read in place (csrc/attention.cpp)
+        mask = visible(key_pos, positions, window)  # [N, L]: key_pos is arange(L)
+        return kernels.attend_cache(q, k_pool, v_pool, slots, mask, None if sinks is None else sinks.reshape(-1),
+                                    scale)  # fmt: skip
     # each row's slot, read at key_pos only: [N, Hkv, L, D]
     # One KV head (multi-query attention) is read without its head dim: inductor cannot lower a product over a
     # gather whose size-1 dim sits beside the unbacked key length (it needs that length to lay the gather out).

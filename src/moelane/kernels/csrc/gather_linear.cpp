@@ -28,6 +28,7 @@
 #include "tiles_generic.h"
 #endif
 #include "activations.h"
+#include "attention.h"
 
 namespace moelane {
 namespace {
@@ -339,5 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("quantise_rows", &moelane::quantise_rows, "int8 activation codes and scales (activations.h), for tests",
         py::arg("x"), py::arg("nibbles") = false);
+  m.def("attend_cache", &moelane::attend_cache, "the decode step's attention over a KV pool (see attention.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
 }
