@@ -63,6 +63,10 @@ def code_like(reference: torch.nn.Module, quantised: torch.nn.Module, monkeypatc
             if not isinstance(module.weight, kernels.Pool):
                 replace(module, kernels.Pool("f32", module.weight.detach().float().contiguous()[None]))
             coded.add(id(module.weight))
+    for module in reference.modules():  # q, k and v joined in one pool (`Attention.fuse_projections`)
+        joined = getattr(module, "qkv", None)
+        if joined is not None and id(module.q_proj.weight) in coded:
+            coded.add(id(joined))
     assert coded, "no int8 or int4 projection to code"
 
     def kernel_linear(x: torch.Tensor, w: kernels.Pool) -> torch.Tensor:

@@ -70,6 +70,38 @@ def test_bf16_projections_read_through_the_kernels_and_rows_stay_batch_invariant
     assert torch.equal(torch.cat([last, drafted]), torch.stack(solo))
 
 
+@pytest.mark.skipif(kernels.ensure_built().backend == "fallback", reason="pools need the C++ kernels")
+@pytest.mark.parametrize(
+    ("family", "dtype", "quantize", "compile"),
+    [("qwen3_moe", torch.float32, "int4", True), ("qwen2_moe", torch.bfloat16, "none", False)],
+)
+def test_q_k_and_v_in_one_product_give_the_bits_of_three(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, dtype: torch.dtype, quantize: str, compile: bool
+) -> None:
+    """Each attention's q, k and v pools are joined into one (qwen2_moe's biases added after it), its views take
+    their place, and a prompt and decode steps (compiled in float32; in bf16 eager, since compiled bf16 drops
+    roundings by the graph's fusions: `layers.linear_parts`) give the logits of the three products bit for bit."""
+    folder = random_model(family, tmp_path / family)
+
+    def run(lm: moelane.LM) -> torch.Tensor:
+        cache = lm.new_cache(256)
+        out = [lm.forward([Rows(cache, list(range(3, 20)), 0)])[0][-1]]
+        return torch.stack(out + [lm.step(t, 17 + i, cache) for i, t in enumerate([5, 9, 11])])
+
+    fused = moelane.load(folder, dtype, quantize=quantize, compile=compile)
+    attentions = [m for m in fused.model.modules() if hasattr(m, "qkv")]
+    assert attentions and all(isinstance(m.qkv, kernels.Pool) for m in attentions)
+    for m in attentions:  # q, k and v view the joined pool's rows
+        assert m.q_proj.weight.data.data_ptr() == m.qkv.data.data_ptr()
+        assert m.v_proj.weight.data.untyped_storage().data_ptr() == m.qkv.data.untyped_storage().data_ptr()
+    if family == "qwen2_moe":
+        assert all(m.q_proj.bias is not None for m in attentions)
+    monkeypatch.setattr("moelane.model.load.fuse_projections", lambda model: 0)
+    apart = moelane.load(folder, dtype, quantize=quantize, compile=compile)
+    assert all(m.qkv is None for m in apart.model.modules() if hasattr(m, "qkv"))
+    assert torch.equal(run(fused), run(apart))
+
+
 @pytest.mark.slow
 def test_a_quantised_model_compiles_its_decode_step_whole(folder: Path) -> None:
     lm = moelane.load(folder, quantize="int8", compile=True)

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moelane import kernels
+from moelane.kernels import Pool
 from moelane.model.cache import KVCache, KVPool
 from moelane.model.config import Config
-from moelane.model.layers import TILE, RMSNorm, linear, pad_rows
+from moelane.model.layers import TILE, RMSNorm, linear, linear_parts, pad_rows
 from moelane.model.rope import apply_rope
 
 # Attention reads a cache only up to `reach`: the rows' last position rounded up to a multiple of REACH.
@@ -229,6 +230,42 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
         self.scale = head_dim**-0.5
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        self.qkv: Pool | None = None  # q, k and v's rows in one kernel pool (`fuse_projections`)
+
+    def fuse_projections(self) -> bool:
+        """Read q, k and v through one kernel pool where all three are pools of one kind and width (`model/weights.py`):
+        one product a step where there were three, x coded once for int8 / int4, and each output row the same bits,
+        since a row's arithmetic does not depend on which rows share the call (moelane.kernels). q/k/v_proj keep views
+        of its rows, so nothing is held twice. -> whether they were fused."""
+        weights: list[object] = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        parts = [p for p in weights if isinstance(p, Pool)]
+        if self.qkv is not None or len(parts) != 3:
+            return False
+        first = parts[0]
+        shape = (first.kind, first.in_features, first.n_slots, first.data.shape[2], first.data.device)
+        if any((p.kind, p.in_features, p.n_slots, p.data.shape[2], p.data.device) != shape for p in parts):
+            return False
+        data = torch.cat([p.data for p in parts], dim=1)
+        scales = None if first.scales is None else torch.cat([cast(torch.Tensor, p.scales) for p in parts], dim=1)
+        self.qkv = Pool(first.kind, data, scales, first.in_features)
+        start = 0
+        for proj, part in zip((self.q_proj, self.k_proj, self.v_proj), parts, strict=True):
+            end = start + part.out_features
+            rows = Pool(first.kind, data[:, start:end], None if scales is None else scales[:, start:end],
+                        first.in_features)  # fmt: skip
+            proj.weight = rows  # type: ignore[assignment]
+            start = end
+        return True
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [N, heads x head dim] of the rows x: one product where `fuse_projections` joined them."""
+        q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+        if self.qkv is None:
+            return linear(x, q_proj.weight, q_proj.bias), linear(x, k_proj.weight, k_proj.bias), \
+                linear(x, v_proj.weight, v_proj.bias)  # fmt: skip
+        parts = [(cast(Pool, p.weight).out_features, p.bias) for p in (q_proj, k_proj, v_proj)]
+        q, k, v = linear_parts(x, self.qkv, parts)
+        return q, k, v
 
     @classmethod
     def of(cls, config: Config, **options: Any) -> Self:
@@ -240,9 +277,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = linear(x, self.q_proj.weight, self.q_proj.bias)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias)
+        q, k, v = self.project(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:

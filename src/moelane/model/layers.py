@@ -11,7 +11,7 @@ Shape alphabet: N rows in the pass, H hidden, D head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,17 @@ def linear(
         return y if b is None else y + b
     n = x.shape[0]
     return F.linear(pad_rows(x), w, b)[:n]
+
+
+def linear_parts(x: torch.Tensor, w: Pool, parts: Sequence[tuple[int, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """`linear` of a pool whose rows are several projections' (`Attention.fuse_projections`), parts [(rows, bias)]
+    in row order -> each part's output, rounded to x's dtype and biased apart, as its own `linear` does it. The same
+    bits as the separate products, eager and in float32; compiled in bf16, Inductor leaves out some roundings to bf16
+    where it fuses a cast with what reads it, and which it fuses depends on the graph, so there the bits may differ
+    from the separate products' (a row's bits still do not depend on the other rows)."""
+    y = kernel_linear(x.float(), w)
+    return [t.to(x.dtype) if b is None else t.to(x.dtype) + b
+            for t, (_, b) in zip(torch.split(y, [n for n, _ in parts], dim=-1), parts, strict=True)]  # fmt: skip
 
 
 def whole_vectors(n: int) -> int:

@@ -49,7 +49,7 @@ from moelane.model.gguf.vocab import gguf_tokenizer, stop_ids
 from moelane.model.lm import LM
 from moelane.model.provider import ExpertProvider, ResidentProvider
 from moelane.model.tokenizer import Tokenizer
-from moelane.model.weights import check_quantize, holds_file_codes, prepare_weights
+from moelane.model.weights import check_quantize, fuse_projections, holds_file_codes, prepare_weights
 
 __all__ = ["FAMILIES", "load"]
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ def load(
         handles, tokenizer = read_gguf(gguf_file, family, config, model, compute, preflight, own_codes)
     cache = DenseCache.of(folder, quantize, compute) if quantize in ("int8", "int4") else None
     prepare_weights(model, quantize, progress, cache, device)
+    if device == CPU:  # (on a device, `move` would copy a fused pool and its views apart)
+        fuse_projections(model)
     move(model, device)
     build_provider = provider or (lambda h, d: ResidentProvider.from_handles(h, d, progress=progress, device=device))
     lm = LM(folder, config, family, model, tokenizer, handles, build_provider(handles, compute), compute)

@@ -102,6 +102,14 @@ def quantise_projections(
     return len(pools)
 
 
+def fuse_projections(model: nn.Module) -> int:
+    """Each attention's q, k and v pools joined into one where they can be (`Attention.fuse_projections`: one
+    product where there were three, the same bits) -> how many were joined."""
+    n = sum(bool(fuse()) for m in model.modules() if callable(fuse := getattr(m, "fuse_projections", None)))
+    log.debug("%d attentions read q, k and v in one product", n)
+    return n
+
+
 def replace(module: nn.Linear, pool: kernels.Pool) -> None:
     del module.weight  # (the Parameter; a plain attribute takes its place)
     module.weight = pool  # type: ignore[assignment]

@@ -126,9 +126,9 @@ class Llama4Attention(Attention):
         self, x: torch.Tensor, layer: int, batch: Batch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(n, self.n_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(n, self.n_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(n, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q, k = q.view(n, self.n_heads, self.head_dim), k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
         if self.rotates:
             q, k = self.rotate(q, k, *rope)
         elif self.tuning is not None:
