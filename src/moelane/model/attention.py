@@ -230,7 +230,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(n_heads * head_dim, eps), RMSNorm(n_kv_heads * head_dim, eps)
         self.scale = head_dim**-0.5
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
-        self.qkv: Pool | None = None  # q, k and v's rows in one kernel pool (`fuse_projections`)
+        self.qkv: Pool | None = None  # q, k and v's rows in one kernel pool (`fuse_projections`), and their views
+        self._qkv_views: tuple[Pool, ...] = ()
 
     def fuse_projections(self) -> bool:
         """Read q, k and v through one kernel pool where all three are pools of one kind and width (`model/weights.py`):
@@ -248,23 +249,28 @@ class Attention(nn.Module):
         data = torch.cat([p.data for p in parts], dim=1)
         scales = None if first.scales is None else torch.cat([cast(torch.Tensor, p.scales) for p in parts], dim=1)
         self.qkv = Pool(first.kind, data, scales, first.in_features)
-        start = 0
+        views, start = [], 0
         for proj, part in zip((self.q_proj, self.k_proj, self.v_proj), parts, strict=True):
             end = start + part.out_features
             rows = Pool(first.kind, data[:, start:end], None if scales is None else scales[:, start:end],
                         first.in_features)  # fmt: skip
             proj.weight = rows  # type: ignore[assignment]
+            views.append(rows)
             start = end
+        self._qkv_views = tuple(views)
         return True
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [N, heads x head dim] of the rows x: one product where `fuse_projections` joined them."""
         q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
-        if self.qkv is None:
+        # (a projection given another weight since, as tests swap in references, is read on its own again)
+        weights: tuple[object, ...] = (q_proj.weight, k_proj.weight, v_proj.weight)
+        views = self._qkv_views
+        if not views or any(w is not v for w, v in zip(weights, views, strict=True)):
             return linear(x, q_proj.weight, q_proj.bias), linear(x, k_proj.weight, k_proj.bias), \
                 linear(x, v_proj.weight, v_proj.bias)  # fmt: skip
         parts = [(cast(Pool, p.weight).out_features, p.bias) for p in (q_proj, k_proj, v_proj)]
-        q, k, v = linear_parts(x, self.qkv, parts)
+        q, k, v = linear_parts(x, cast(Pool, self.qkv), parts)
         return q, k, v
 
     @classmethod

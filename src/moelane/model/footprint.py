@@ -74,23 +74,39 @@ def expert_bytes(provider: Any, layer: int) -> float:
 
 def dense_bytes(model: nn.Module) -> int:
     """Bytes of the weights a pass reads whole: every module's parameters and kernel pools but the embeddings' (a
-    tied LM head reads the embedding matrix whole: it is counted as the head's). Each storage once."""
+    tied LM head reads the embedding matrix whole: it is counted as the head's). Each byte once: a pool that views
+    another's rows (`Attention.fuse_projections`) adds nothing."""
+    spans: list[tuple[int, int]] = []  # (first byte, end) of each tensor in memory
+    elsewhere = 0  # tensors with no address (the meta device), each counted whole, once
     seen: set[int] = set()
-    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal elsewhere
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        size = t.numel() * t.element_size()
+        if t.device.type == "meta":
+            elsewhere += size
+        else:
+            spans.append((t.data_ptr(), t.data_ptr() + size))
+
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     for module in model.modules():
         for name, value in vars(module).items():
-            if isinstance(value, Pool) and id(value) not in seen:
-                seen.add(id(value))
-                total += tensor_bytes((value.data, value.scales))
+            if isinstance(value, Pool):
+                add(value.data)
+                add(value.scales)
             elif name == "_parameters":
                 for p in value.values():
-                    if p is None or id(p) in seen or (id(p) in embeddings and id(p) not in heads):
-                        continue
-                    seen.add(id(p))
-                    total += p.numel() * p.element_size()
-    return total
+                    if p is not None and (id(p) not in embeddings or id(p) in heads):
+                        add(p)
+    total, end = 0, 0
+    for first, last in sorted(spans):  # the union of the spans
+        total += max(0, last - max(first, end))
+        end = max(end, last)
+    return total + elsewhere
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -13,7 +13,8 @@ experts, the LM head) can become a `kernels.Pool` of one matrix, which `layers.l
   and reduces each row in a fixed order, where oneDNN's bf16 products gave a row other bits among other row counts
   on an AMX Xeon (docs/batch-invariance.md, docs/kernels.md). The Pool views the weight's own storage (no copy).
 Without the extension unquantised weights stay tensors (F.linear on row tiles; its fallback is 25-70x slower). A tied
-LM head that is quantised gets its own copy; the embeddings keep theirs.
+LM head that is quantised gets its own copy; the embeddings keep theirs. On the CPU each attention's q, k and v pools
+are then joined into one where they are of one kind and width (`fuse_projections`): one product a step for three.
 """
 
 from __future__ import annotations
