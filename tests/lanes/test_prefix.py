@@ -221,7 +221,8 @@ def test_a_paged_target_reuses_caches(tiny) -> None:
     lm.close()
 
 
-@pytest.mark.parametrize("drafter", ["copy", "recall"])
+# (copy: 8 s, the fast set's longest test: in the slow set)
+@pytest.mark.parametrize("drafter", [pytest.param("copy", marks=pytest.mark.slow), "recall"])
 def test_many_streams_sharing_prefixes_in_waves_reply_as_alone(tiny, drafter: str) -> None:
     """Three conversations, then nine follow-ups of them at once, four streams a round: a follow-up takes a kept cache
     if it is there and fits (capacities 256 and 512 mixed), or prefills beside those that did; a few edit the last
