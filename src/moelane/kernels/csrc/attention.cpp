@@ -121,10 +121,11 @@ inline float exp_softmax(float x) {
   return p * scale;
 }
 
-// Scratch of one thread: the visible keys' positions, and per query head their scores, then their shares.
+// Scratch of one thread: the visible keys' positions, per query head their scores, then their shares, each head's
+// total share, and its weighted values.
 struct Scratch {
   std::vector<int64_t> seen;
-  std::vector<float> scores, acc;
+  std::vector<float> scores, total, acc;
 };
 
 template <typename T>
@@ -143,7 +144,7 @@ void attend_item(const Call& c, const T* k_pool, const T* v_pool, T* out, int64_
     const T* key = keys + w.seen[i] * c.k_stride[2];
     for (int64_t g = 0; g < G; ++g) w.scores[g * m + i] = dot(q + g * c.d, key, c.d) * c.scale;
   }
-  std::vector<float> total(G);
+  w.total.resize(G);
   for (int64_t g = 0; g < G; ++g) {
     float* s = w.scores.data() + g * m;
     const float sink = c.sinks != nullptr ? c.sinks[h * G + g] : -std::numeric_limits<float>::infinity();
@@ -152,7 +153,7 @@ void attend_item(const Call& c, const T* k_pool, const T* v_pool, T* out, int64_
     for (int64_t i = 0; i < m; ++i) s[i] = exp_softmax(s[i] - top);
     float sum = c.sinks != nullptr ? exp_softmax(sink - top) : 0.0f;
     for (int64_t i = 0; i < m; ++i) sum += s[i];  // in key order
-    total[g] = sum;
+    w.total[g] = sum;
   }
   // out[g, j] = the sum over the visible keys, in key order, of share x value: 64 columns at a time in registers,
   // then 16, then one (the same multiply and add for each element either way).
@@ -190,7 +191,7 @@ void attend_item(const Call& c, const T* k_pool, const T* v_pool, T* out, int64_
   }
   T* o = out + (n * c.n_kv + h) * G * c.d_v;
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < c.d_v; ++j) o[g * c.d_v + j] = static_cast<T>(w.acc[g * c.d_v + j] / total[g]);
+    for (int64_t j = 0; j < c.d_v; ++j) o[g * c.d_v + j] = static_cast<T>(w.acc[g * c.d_v + j] / w.total[g]);
 }
 
 template <typename T>
