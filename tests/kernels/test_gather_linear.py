@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moelane import kernels
-from moelane.kernels import formats, op
+from moelane.kernels import fallback, formats, op
 from tests.kernels.helpers import random_pool, reference
 
 # (In, Out): int8 groups of 64 / 32 / 16 / 64 padded (36, 100), int4 32 / 16 with a tail (48) / padded; f32 and bf16
@@ -183,3 +183,56 @@ def test_bad_inputs_are_refused(impl: str) -> None:
         kernels.gather_linear(x, torch.tensor([0, 3]), ok, pool)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.gather_linear(x, ok, torch.tensor([2, 0]), pool)
+
+
+def test_the_dispatcher_calls_the_extension_from_cpp_and_the_fallback_when_forced(
+    extension: kernels.Availability,
+) -> None:
+    """While the extension serves, the ops' CPU kernels in the dispatcher are its C++ ones (compiled code's calls
+    never enter Python), with the extension's bits; forcing the fallback puts op.py's Python kernel back."""
+    pool = random_pool("int4", 3, 40, 96, seed=2)
+    x = torch.randn(5, 96)
+    rows, slots = pairs(9, 5, 3, seed=4)
+    module = op._backend.extension()
+    assert module is not None
+
+    def cpu_kernel(name: str) -> str:
+        table: str = torch._C._dispatch_dump_table(f"moelane::{name}")
+        return next(line for line in table.splitlines() if line.startswith("CPU:"))
+
+    for name, source in (("gather_linear", "gather_linear.cpp"), ("attend_cache", "gather_linear.cpp")):
+        assert source in cpu_kernel(name)
+    y = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
+    assert torch.equal(y, module.gather_linear(x, rows, slots, pool.data, pool.scales))
+    kernels.use_fallback(True)
+    try:
+        assert "library.py" in cpu_kernel("gather_linear") and "library.py" in cpu_kernel("attend_cache")
+        y = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
+        assert torch.equal(y, fallback.gather_linear(x, rows, slots, pool.data, pool.scales))
+    finally:
+        kernels.use_fallback(False)
+    assert "gather_linear.cpp" in cpu_kernel("gather_linear")
+
+
+def test_the_cpp_kernels_release_the_gil(extension: kernels.Availability) -> None:
+    """A Python thread runs while a dispatcher call of the op computes (the store's readers and the server do)."""
+    pool = random_pool("f32", 1, 4096, 4096, seed=3)
+    x = torch.randn(64, 4096)
+    ticks = 0
+    done = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        before = ticks
+        torch.ops.moelane.gather_linear.default(x, None, None, pool.data, pool.scales)
+        during = ticks - before
+    finally:
+        done.set()
+        t.join()
+    assert during > 100

@@ -20,7 +20,7 @@ from moelane.errors import InputError, ModelLoadError
 from moelane.lanes.drafters import CopyDrafter, ModelDrafter
 from moelane.model.attention import reach
 from moelane.model.cache import KVCache, KVPool, Rows
-from moelane.model.sampling import SamplingParams, adjusted, sample
+from moelane.model.sampling import SamplingParams, adjusted, argmax, argmax_rows, sample
 from moelane.model.tokenizer import StopFilter
 from tests.helpers import random_model
 
@@ -799,3 +799,23 @@ def test_a_closed_model_says_so(tmp_path: Path, folder: Path) -> None:
     paged.close()
     with pytest.raises(MoelaneError, match="closed"):
         paged.generate("hi", max_tokens=2)
+
+
+def test_argmax_is_torchs_first_maximum() -> None:
+    """sampling.argmax (NumPy on the CPU) chooses as torch.argmax: the lowest id on ties, a NaN where there is one."""
+    g = torch.Generator().manual_seed(3)
+    cases = [
+        torch.randn(32000, generator=g),
+        torch.tensor([1.0, 3.0, 3.0, 2.0]),
+        torch.full((5,), float("-inf")),
+        torch.tensor([1.0, float("nan"), 3.0, float("nan")]),
+        torch.tensor([float("inf"), 2.0, float("inf")]),
+    ]
+    ties = torch.randint(0, 4, (4000,), generator=g).float()  # many ties at the maximum
+    cases.append(ties)
+    for logits in cases:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            z = logits.to(dtype)
+            assert argmax(z) == int(torch.argmax(z))
+        block = torch.stack([logits, logits.flip(0)])
+        assert argmax_rows(block) == block.argmax(-1).tolist()

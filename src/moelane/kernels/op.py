@@ -1,7 +1,8 @@
 """The custom op `moelane::gather_linear`, its two implementations, and the functions callers use.
 
     torch.ops.moelane.gather_linear(x, rows?, slots?, data, scales?) -> y     (the schema; registered at import)
-        CPU: the C++ extension (build.py), or where it cannot be built, fallback.py
+        CPU: the C++ extension (build.py; its kernels registered from C++, so the dispatcher calls them without
+             Python), or where it cannot be built, fallback.py (by this module's Python kernel)
         CUDA: a Triton kernel (cuda.py), imported at the first product on a CUDA tensor
         fake: y's shape [P, Out], so torch.compile(fullgraph=True) traces through it without a graph break
 
@@ -66,8 +67,15 @@ class _Backend:
                     except build.BuildError as e:
                         self.error = str(e)
                         log.warning("moelane's CPU kernels are unavailable, using the slow fallback: %s", e)
+                    self.sync()
                     self.tried = True
         return None if self.forced else self.module
+
+    def sync(self) -> None:
+        """The dispatcher's CPU kernels: the extension's own C++ kernels while it serves (compiled code's op calls
+        then never enter Python), else this module's Python ones, which call the fallback."""
+        if self.module is not None:
+            self.module.register_cpu(not self.forced)
 
 
 _backend = _Backend()
@@ -75,7 +83,9 @@ _backend = _Backend()
 
 def use_fallback(on: bool) -> None:
     """Force (or stop forcing) the pure-PyTorch implementation. For tests."""
-    _backend.forced = on
+    with _backend.lock:
+        _backend.forced = on
+        _backend.sync()
 
 
 def ensure_built(on_compile: Callable[[str], None] | None = None) -> Availability:
@@ -106,7 +116,8 @@ def _gather_linear_cpu(
     return y
 
 
-# (registered by a call, not as a decorator, which would leave the name None: eager calls use the function itself)
+# (registered by a call, not as a decorator, which would leave the name None: eager calls use the function itself.
+# While the extension serves, its C++ kernels stand in front of this one in the dispatcher: `_Backend.sync`.)
 torch.library.impl("moelane::gather_linear", "cpu")(_gather_linear_cpu)
 
 

@@ -24,13 +24,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import torch
-
 from moelane.errors import InputError
 from moelane.lanes.lane import Lane
 from moelane.lanes.ngram import NgramIndex, longest_match
 from moelane.lanes.prefix import PrefixStore, position_bytes
 from moelane.model.cache import Rows
+from moelane.model.sampling import argmax
 
 log = logging.getLogger(__name__)
 MAX_MATCH = 64
@@ -238,7 +237,7 @@ class ModelDrafter:
                     dc.n_fed += len(feeds[i])
                     if dc.n_fed < len(lanes[i].tokens):
                         continue  # the draft model is still prefilling this stream: no drafts this round
-                out[i].append(int(torch.argmax(lg[-1])))
+                out[i].append(argmax(lg[-1]))
                 if len(out[i]) < depths[i]:
                     still.append(i)
             active = still

@@ -21,7 +21,7 @@ from moelane.lanes.depth import Prices, Seat, allocate
 from moelane.lanes.lane import Lane
 from moelane.lanes.stream import TokenLogprob
 from moelane.model.cache import Rows
-from moelane.model.sampling import sample
+from moelane.model.sampling import argmax_rows, sample
 
 
 @dataclass(slots=True)
@@ -82,7 +82,7 @@ def verify(window: Window, logits: torch.Tensor) -> list[int]:
     lane, first = window.lane, logits.shape[0] - 1 - len(window.drafts)
     params, position = lane.params, len(lane.tokens)
     plain_argmax = params.greedy and not params.adjusts
-    model_ids: list[int] = logits[first:].argmax(-1).tolist() if plain_argmax else []
+    model_ids = argmax_rows(logits[first:]) if plain_argmax else []
     reply = lane.tokens[lane.n_prompt :] if params.adjusts else []
     out: list[int] = []
     for j in range(len(window.drafts) + 1):

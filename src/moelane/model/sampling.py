@@ -117,14 +117,31 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return z
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the largest of the logits [V]: the lowest on ties, a NaN's where there is one (torch.argmax's
+    answer). On the CPU through NumPy: torch's took ~46 us for 32k float32 logits here, NumPy's ~2.5 us, and greedy
+    decode pays it every token."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return int(logits.detach().numpy().argmax())
+    return int(torch.argmax(logits))
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """`argmax` of each row of logits [N, V]."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return [int(i) for i in logits.detach().numpy().argmax(-1)]
+    ids: list[int] = logits.argmax(-1).tolist()
+    return ids
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int, reply: Sequence[int] = ()) -> int:
     """The token at absolute `position` given the logits [V] that predict it and the reply before it."""
     logits = adjusted(logits, params, reply)
     if params.greedy:
-        return int(torch.argmax(logits))
+        return argmax(logits)
     if params.seed is None:
         raise ValueError("sampling needs a seed (pick one per request)")
     gen = torch.Generator().manual_seed(noise_key(params.seed, position))
     u = torch.rand(logits.shape[-1], generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
     gumbel = -torch.log(-torch.log(u))
-    return int(torch.argmax(filtered_logits(logits, params).double() + gumbel))
+    return argmax(filtered_logits(logits, params).double() + gumbel)
