@@ -36,6 +36,7 @@ def check(path: Path | None, ranks: list[Rank], cases: list[list[int]], n_tokens
     assert any(len(reply) > 1 for reply in want[0])
 
 
+@pytest.mark.slow  # (~4 s; the fast set keeps the balanced placement's two ranks)
 def test_two_ranks_reply_as_one_process(tiny: Path) -> None:
     """Greedy and seeded (alternate prompts), drafters none and copy at 1 and 4 streams; rank 1 pages its share."""
     cases = prompts(4, 300)

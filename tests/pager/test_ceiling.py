@@ -56,6 +56,7 @@ def unlimited() -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.slow  # (~5 s; the fast set keeps the refusal below the minimum)
 @needs_cgroup
 def test_at_the_minimum_it_pages_to_the_same_tokens_and_its_budget_follows_the_limit(
     unlimited: subprocess.CompletedProcess[str],

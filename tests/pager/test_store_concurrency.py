@@ -32,7 +32,12 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("predictors", "staged"), [pytest.param(False, False, marks=pytest.mark.slow), (True, False), (True, True)]
+    ("predictors", "staged"),
+    [
+        pytest.param(False, False, marks=pytest.mark.slow),
+        (True, False),
+        pytest.param(True, True, marks=pytest.mark.slow),  # (~4 s)
+    ],
 )
 def test_eight_streams_at_ten_percent(
     deep: Path, predictors: bool, staged: bool, monkeypatch: pytest.MonkeyPatch
