@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     s = decode_bench.SETTINGS[args.quant]
     lm = moelane.load(Path(args.model), s.dtype, compile=True, default_tier=s.default_tier, quantize=s.quantize)
     torch.set_grad_enabled(False)
@@ -109,7 +107,8 @@ def main() -> None:
         b.append(median_us(lambda: runner(row, keys, ks, vs), args.calls))
         print(json.dumps({"round": r, "dynamo_us": round(a[-1]), "exported_us": round(b[-1])}), flush=True)
     print(json.dumps({
-        "summary": True, "git": git.stdout.strip(), "model": args.model, "quant": args.quant, "threads": args.threads,
+        "summary": True, "git": decode_bench.git_rev(), "model": args.model, "quant": args.quant,
+        "threads": args.threads,
         "dynamo_us": round(statistics.median(a)), "exported_us": round(statistics.median(b)),
         "speedup": round(statistics.median(a) / statistics.median(b), 3), "same_bits": torch.equal(dynamo, exported),
         "kv_written_in_place": in_place, "export_s": round(exported_s, 1), "aoti_compile_s": round(compiled_s, 1),

@@ -200,8 +200,7 @@ def test_the_dispatcher_calls_the_extension_from_cpp_and_the_fallback_when_force
         table: str = torch._C._dispatch_dump_table(f"moelane::{name}")
         return next(line for line in table.splitlines() if line.startswith("CPU:"))
 
-    for name, source in (("gather_linear", "gather_linear.cpp"), ("attend_cache", "gather_linear.cpp")):
-        assert source in cpu_kernel(name)
+    assert "gather_linear.cpp" in cpu_kernel("gather_linear") and "gather_linear.cpp" in cpu_kernel("attend_cache")
     y = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
     assert torch.equal(y, module.gather_linear(x, rows, slots, pool.data, pool.scales))
     kernels.use_fallback(True)
