@@ -95,6 +95,17 @@ def test_replies_equal_solo_decode_at_every_precision(tiny_folder: Path, setting
         check_identity(lm, None, cases, 12, **config)
 
 
+@pytest.mark.parametrize("quantize", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+def test_compiled_replies_equal_compiled_solo_decode_with_quantised_weights(tiny_folder: Path, quantize: str) -> None:
+    """The decode step exported and compiled ahead of time (the default) over int8 / int4 experts and projections:
+    shared rounds, drafts verified, give each stream its compiled solo decode."""
+    lm = moelane.load(tiny_folder, quantize=quantize, compile=True)
+    cases = [(p, list(lm.generate_ids(p, 12, params_of(i)))) for i, p in enumerate(prompts(6, lm.vocab_size))]
+    for config in (dict(drafter="none", max_streams=6), dict(drafter="copy", max_streams=4, prefill_chunk=5)):
+        check_identity(lm, None, cases, 12, timed=False, **config)
+    assert lm._compiled is not None and getattr(lm._compiled, "exported", None) is not None
+
+
 @pytest.mark.parametrize(
     ("family", "overrides"),
     [

@@ -23,6 +23,7 @@ import moelane
 import moelane.model.load as load_module
 from moelane.errors import ModelLoadError
 from moelane.model.cache import Rows
+from moelane.model.exported import AheadOrCompiled
 from tests.helpers import random_model
 
 N_PROMPT, N_DECODE, N_GREEDY, TOL = 37, 16, 32, 1e-4
@@ -757,14 +758,16 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
 def test_compiled_decode_matches_eager(
     case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """The decode step compiles whole (fullgraph) for every family and decodes the same tokens as eager; rows of
-    two cache capacities in one call (each pool's rows attend apart) are the bits of each stream's call alone."""
+    """The decode step compiles whole (exported, and compiled ahead of time) for every family and decodes the same
+    tokens as eager; rows of two cache capacities in one call (each pool's rows attend apart) are the bits of each
+    stream's call alone."""
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     lm = moelane.load(folder)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
     eager = greedy(lm, prompt)
     lm.enable_compile()
     assert greedy(lm, prompt) == eager
+    assert isinstance(lm._compiled, AheadOrCompiled) and lm._compiled.exported is not None  # (exported, no fallback)
     caches = [lm.new_cache(64), lm.new_cache(128)]
     for cache in caches:
         lm.forward([Rows(cache, prompt, 0)])

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import operator
+import os
 import secrets
 import threading
 import types
@@ -33,6 +34,7 @@ from moelane.model.cache import KVCache, KVPool, Rows
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.config import Config
 from moelane.model.decoder import Decoder
+from moelane.model.exported import AheadOrCompiled, ExportedStep
 from moelane.model.family import Family
 from moelane.model.footprint import Footprint, footprint
 from moelane.model.provider import ExpertProvider, HostSide, ResidentProvider, RoutingObserver, RoutingRecord
@@ -43,6 +45,18 @@ log = logging.getLogger(__name__)
 CACHE_BUCKET = 256  # KV capacities are rounded up to this, so streams' caches often share one (batched attention)
 STEP_ROWS = 16  # the most rows one call of the compiled decode step takes; more are split over calls
 STEP_POOLS = 2  # the most pools (cache capacities) one call reads: a graph per count, each compiled by `warm_up`
+
+
+def decode_step(model: Decoder, provider: ExpertProvider, parts: list[tuple[torch.Tensor, KVPool, torch.Tensor]]
+                ) -> torch.Tensor:  # fmt: skip
+    """The decode step: per pool (cache capacity), its rows [n, 3] (each row's token, position and cache slot in the
+    pool) and the cache positions they read (`arange(reach)`) -> logits [N, vocab], the parts' rows in order."""
+    rows = parts[0][0] if len(parts) == 1 else torch.cat([r for r, _, _ in parts])
+    tokens, positions, slots = rows.unbind(1)
+    pooled = tuple(PoolPart(r.shape[0], pool, keys) for r, pool, keys in parts)
+    batch = Batch(((0, rows.shape[0]),), (), positions, slots=slots, parts=pooled)
+    hidden = model(tokens, batch, provider, [])
+    return model.logits(hidden)
 
 
 def token_id_list(token_ids: Iterable[int], vocab_size: int, max_context: int) -> list[int]:
@@ -261,12 +275,18 @@ class LM:
 
     # ---- one stream ---------------------------------------------------------------------------------------------
 
-    def enable_compile(self, cuda_graphs: bool = False) -> None:
+    def enable_compile(self, cuda_graphs: bool = False, ahead: bool | None = None) -> None:
         """Compile the decode step whole (fullgraph): one graph for every row count, pool size and cache capacity,
         compiled at its first call. `cuda_graphs` (on a CUDA device; a trial, docs/accelerator.md): Inductor records
-        CUDA graphs of the step (`mode="reduce-overhead"`'s), one per input shape it meets."""
+        CUDA graphs of the step (`mode="reduce-overhead"`'s), one per input shape it meets.
+
+        `ahead` (default: on, unless the environment sets `MOELANE_STEP=dynamo`): with every expert resident on the
+        CPU, the step is exported and compiled ahead of time instead (`moelane.model.exported`), one library per
+        pool count, which skips Dynamo's and Inductor's Python on each call; where that fails, torch.compile's."""
         # All experts resident: one graph. A pager's store hands back to Python at its residency check.
         whole = isinstance(self.provider, ResidentProvider)
+        if ahead is None:
+            ahead = os.environ.get("MOELANE_STEP", "exported") != "dynamo"
         # The modules never change after load, so their guards are skipped: checking them on every step cost ~20% of
         # a 115M model's decode here. Tensor shapes and the provider are still guarded.
         options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -283,6 +303,10 @@ class LM:
         # dimensions that `_decode` and `KVPool` mark.
         step = types.FunctionType(LM._decode_step.__code__.replace(), LM._decode_step.__globals__, "_decode_step")
         self._compiled = torch.compile(types.MethodType(step, self), fullgraph=whole, dynamic=False, options=options)
+        if ahead and whole and not cuda_graphs and self.device.type == "cpu":
+            exported = ExportedStep(decode_step, self.model, self.provider, self.model.cache_shapes(), self.dtype,
+                                    self.device, STEP_ROWS, self.max_context)  # fmt: skip
+            self._compiled = AheadOrCompiled(exported, self._compiled)
         # Past a graph break the row count is the next graph's input, which Dynamo specialises (one graph, other
         # bits, per count): with a pager's store, rows go through one at a time, as a lone stream's do.
         self._step_rows = STEP_ROWS if whole else 1
@@ -330,14 +354,7 @@ class LM:
         return True
 
     def _decode_step(self, parts: list[tuple[torch.Tensor, KVPool, torch.Tensor]]) -> torch.Tensor:
-        """Per pool (cache capacity), its rows [n, 3] (each row's token, position and cache slot in the pool) and the
-        cache positions they read (`arange(reach)`) -> logits [N, vocab], the parts' rows in order."""
-        rows = parts[0][0] if len(parts) == 1 else torch.cat([r for r, _, _ in parts])
-        tokens, positions, slots = rows.unbind(1)
-        pooled = tuple(PoolPart(r.shape[0], pool, keys) for r, pool, keys in parts)
-        batch = Batch(((0, rows.shape[0]),), (), positions, slots=slots, parts=pooled)
-        hidden = self.model(tokens, batch, self._step_provider, [])
-        return self.model.logits(hidden)
+        return decode_step(self.model, self._step_provider, parts)
 
     @torch.no_grad()
     def step(self, token: int, position: int, cache: KVCache) -> torch.Tensor:
