@@ -111,7 +111,8 @@ def test_a_quantised_model_compiles_its_decode_step_whole(folder: Path) -> None:
     lm = moelane.load(folder, quantize="int8", compile=True)
     cache = lm.new_cache(256)
     lm.forward([Rows(cache, list(range(3, 20)), 0)])
-    explained = torch._dynamo.explain(lm._compiled)  # type: ignore[attr-defined]
+    # torch.compile's step (the exported one's fallback, which it is traced from)
+    explained = torch._dynamo.explain(getattr(lm._compiled, "compiled", lm._compiled))  # type: ignore[attr-defined]
     rows = torch.tensor([[5, 17, cache.slot]])
     keys = torch.arange(256)
     result = explained([(rows, cache.pool, keys)])

@@ -247,9 +247,11 @@ class AheadOrCompiled:
     """The exported step, and torch.compile's where it fails: then for every call after, so that a row's bits
     never depend on which of the two computed the call that holds it."""
 
-    def __init__(self, exported: ExportedStep, compiled: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, exported: ExportedStep, compiled: Callable[..., torch.Tensor],
+                 prepare: Callable[[list[tuple[torch.Tensor, Any, torch.Tensor]]], None]) -> None:  # fmt: skip
+        """`prepare(parts)`: what torch.compile's step needs done to its inputs first (`lm.mark_symbolic`)."""
         self.exported: ExportedStep | None = exported
-        self.compiled = compiled
+        self.compiled, self.prepare = compiled, prepare
 
     def __call__(self, parts: list[tuple[torch.Tensor, Any, torch.Tensor]]) -> torch.Tensor:
         if self.exported is not None:
@@ -260,4 +262,5 @@ class AheadOrCompiled:
                 log.warning("compiling the decode step ahead of time failed (%s); using torch.compile", reason)
                 log.debug("the exported step failed", exc_info=True)
                 self.exported = None
+        self.prepare(parts)
         return self.compiled(parts)

@@ -59,6 +59,16 @@ def decode_step(model: Decoder, provider: ExpertProvider, parts: list[tuple[torc
     return model.logits(hidden)
 
 
+def mark_symbolic(parts: list[tuple[torch.Tensor, KVPool, torch.Tensor]]) -> None:
+    """Mark the step's inputs for torch.compile: the pools' slots and capacity dynamic, and the row count and reach
+    unbacked, so the graph is never specialised to the row count (one row included) or the reach it is traced or
+    called with."""
+    for part, pool, keys in parts:
+        pool.mark_dynamic()
+        torch._dynamo.decorators.mark_unbacked(part, 0)
+        torch._dynamo.decorators.mark_unbacked(keys, 0)
+
+
 def token_id_list(token_ids: Iterable[int], vocab_size: int, max_context: int) -> list[int]:
     """A prompt's token ids as a list of ints (numpy and 0-d tensor integers too), or InputError: text, floats, an
     empty prompt, ids outside [0, vocab_size), or more than the context holds with room for one new token."""
@@ -241,15 +251,12 @@ class LM:
         for _, group in itertools.groupby(call, key=lambda row: id(rows[row[0]].cache.pool)):
             members = list(group)
             cache = rows[members[0][0]].cache
-            cache.pool.mark_dynamic()
             part = torch.tensor([(t, position, rows[i].cache.slot) for i, t, position in members], device=self.device)
             keys = torch.arange(reach(max(position for _, _, position in members) + 1, cache.pool.capacity),
                                 device=self.device)  # fmt: skip
-            # Unbacked: the graph is never specialised to the row count (one row included) or the reach it is traced
-            # or called with
-            torch._dynamo.decorators.mark_unbacked(part, 0)
-            torch._dynamo.decorators.mark_unbacked(keys, 0)
             parts.append((part, cache.pool, keys))
+        if not isinstance(self._compiled, AheadOrCompiled):  # (the exported step marks them if it falls back)
+            mark_symbolic(parts)
         logits: torch.Tensor = self._compiled(parts)
         return logits
 
@@ -306,7 +313,7 @@ class LM:
         if ahead and whole and not cuda_graphs and self.device.type == "cpu":
             exported = ExportedStep(decode_step, self.model, self.provider, self.model.cache_shapes(), self.dtype,
                                     self.device, STEP_ROWS, self.max_context)  # fmt: skip
-            self._compiled = AheadOrCompiled(exported, self._compiled)
+            self._compiled = AheadOrCompiled(exported, self._compiled, mark_symbolic)
         # Past a graph break the row count is the next graph's input, which Dynamo specialises (one graph, other
         # bits, per count): with a pager's store, rows go through one at a time, as a lone stream's do.
         self._step_rows = STEP_ROWS if whole else 1
