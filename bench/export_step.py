@@ -1,14 +1,13 @@
-"""A trial, not a path moelane runs: the resident decode step exported once (`torch.export`, non-strict) and compiled
-by AOTInductor, against the same step through `torch.compile` (Dynamo, then Inductor's Python wrapper), on one
-model, one pool, in one process.
+"""The decode step exported and compiled ahead of time (`moelane.model.exported`, the engine's compiled step) against
+the same step through `torch.compile` (Dynamo, then Inductor's Python wrapper), on one model, in one process.
 
     python bench/export_step.py --model DIR [--quant int4] [--calls 300] [--rounds 3]
 
-Prints one JSON line per round (each side's median call in us, alternated) and a summary: the medians, whether the
-exported step's logits are the compiled step's bits, and whether it wrote the KV cache in place. The export takes
-the row count, the reach and the pool's slots and capacity as dims. docs/kernels.md "Against llama.cpp" has what it
-measured and what stands between it and the engine: the package holds its own copy of every weight (AOTInductor's
-default), each pool count needs its export, and the step's inputs must be plain tensors.
+Two LMs of the same weights: one as `moelane.load(compile=True)` makes it (exported), one with
+`enable_compile(ahead=False)`. Each round times one-row `LM.forward` decode calls on each, alternated, and prints
+the medians in us; the summary gives the medians over rounds, the speedup, the first call's seconds on each side
+(the export and compile, or the cached library's load), and the largest difference of their logits (the two
+compilers may order a reduction otherwise: docs/kernels.md "The engine's compiled step").
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,28 +23,11 @@ from typing import Any
 import torch
 
 import moelane
-from moelane.model.lm import LM
+from moelane.model.cache import Rows
+from moelane.model.exported import AheadOrCompiled
 
 sys.path.insert(0, str(Path(__file__).parent))
 import decode_bench  # (bench/: its precision settings)
-
-
-class Step(torch.nn.Module):
-    """`LM._decode_step` over one pool whose per-layer K/V tensors come in as arguments (export needs tensors)."""
-
-    def __init__(self, lm: Any, pool: Any) -> None:
-        super().__init__()
-        self.lm, self.pool, self.model = lm, pool, lm.model
-        self.layers = sorted(pool.k)
-
-    def forward(self, rows: torch.Tensor, keys: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> Any:
-        kept = dict(self.pool.k), dict(self.pool.v)
-        try:
-            for layer, k, v in zip(self.layers, ks, vs, strict=True):
-                self.pool.k[layer], self.pool.v[layer] = k, v
-            return LM._decode_step(self.lm, [(rows, self.pool, keys)])
-        finally:
-            self.pool.k, self.pool.v = kept
 
 
 def median_us(fn: Any, calls: int) -> float:
@@ -68,51 +49,36 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     s = decode_bench.SETTINGS[args.quant]
-    lm = moelane.load(Path(args.model), s.dtype, compile=True, default_tier=s.default_tier, quantize=s.quantize)
-    torch.set_grad_enabled(False)
-    cache = lm.cache_for(16, 200)
-    lm.forward([moelane.model.cache.Rows(cache, list(range(10, 26)), 0)])
-    pool = cache.pool
-    ks, vs = [pool.k[layer] for layer in sorted(pool.k)], [pool.v[layer] for layer in sorted(pool.v)]
-    keys = torch.arange(256)
-    n, reach = torch.export.Dim("rows", min=1, max=16), torch.export.Dim("reach", min=2, max=lm.max_context)
-    slots, capacity = torch.export.Dim("slots", min=1, max=4095), torch.export.Dim("capacity", min=2, max=4096)
-    kv_dims = [{0: slots, 2: capacity}] * len(ks)
-    dims = {"rows": {0: n}, "keys": {0: reach}, "ks": kv_dims, "vs": kv_dims}
-    example = torch.tensor([[11, 16, cache.slot], [12, 17, cache.slot]])
-    t = time.perf_counter()
-    program = torch.export.export(Step(lm, pool), (example, keys, ks, vs), dynamic_shapes=dims, strict=False)
-    exported_s = time.perf_counter() - t
-    with tempfile.TemporaryDirectory() as folder:
+    sides: dict[str, Any] = {}
+    first_s: dict[str, float] = {}
+    logits: dict[str, torch.Tensor] = {}
+    for name, ahead in (("exported", True), ("dynamo", False)):
+        lm = moelane.load(Path(args.model), s.dtype, default_tier=s.default_tier, quantize=s.quantize)
+        lm.enable_compile(ahead=ahead)
+        cache = lm.new_cache(256)
+        lm.forward([Rows(cache, list(range(10, 26)), 0)])
         t = time.perf_counter()
-        package = torch._inductor.aoti_compile_and_package(program, package_path=f"{folder}/step.pt2")
-        compiled_s = time.perf_counter() - t
-        package_mb = Path(package).stat().st_size / 1e6
-        runner = torch._inductor.aoti_load_package(package)
+        logits[name] = lm.forward([Rows(cache, [13], 16, decode=True)])[0]
+        first_s[name] = time.perf_counter() - t
+        if ahead and (not isinstance(lm._compiled, AheadOrCompiled) or lm._compiled.exported is None):
+            sys.exit("the exported step fell back to torch.compile (see the warning above)")
+        sides[name] = (lm, cache)
 
-    pool.mark_dynamic()
-    row = torch.tensor([[13, 16, cache.slot]])
-    torch._dynamo.decorators.mark_unbacked(row, 0)
-    torch._dynamo.decorators.mark_unbacked(keys, 0)
-    assert lm._compiled is not None
-    dynamo = lm._compiled([(row, pool, keys)]).clone()
-    exported = runner(row, keys, ks, vs).clone()
-    before = pool.k[0][cache.slot, :, 40].clone()
-    runner(torch.tensor([[14, 40, cache.slot]]), keys, ks, vs)
-    in_place = not torch.equal(before, pool.k[0][cache.slot, :, 40])
+    def call(name: str) -> None:
+        lm, cache = sides[name]
+        lm.forward([Rows(cache, [13], 16, decode=True)])
 
-    a, b = [], []
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
-        a.append(median_us(lambda: lm._compiled([(row, pool, keys)]), args.calls))  # type: ignore[misc]
-        b.append(median_us(lambda: runner(row, keys, ks, vs), args.calls))
-        print(json.dumps({"round": r, "dynamo_us": round(a[-1]), "exported_us": round(b[-1])}), flush=True)
+        for name in (("dynamo", "exported") if r % 2 else ("exported", "dynamo")):
+            times[name].append(median_us(lambda: call(name), args.calls))  # noqa: B023
+        print(json.dumps({"round": r, **{f"{k}_us": round(v[-1]) for k, v in times.items()}}), flush=True)
+    exported, dynamo = (statistics.median(times[k]) for k in ("exported", "dynamo"))
     print(json.dumps({
         "summary": True, "git": decode_bench.git_rev(), "model": args.model, "quant": args.quant,
-        "threads": args.threads,
-        "dynamo_us": round(statistics.median(a)), "exported_us": round(statistics.median(b)),
-        "speedup": round(statistics.median(a) / statistics.median(b), 3), "same_bits": torch.equal(dynamo, exported),
-        "kv_written_in_place": in_place, "export_s": round(exported_s, 1), "aoti_compile_s": round(compiled_s, 1),
-        "package_MB": round(package_mb, 1),
+        "threads": args.threads, "dynamo_us": round(dynamo), "exported_us": round(exported),
+        "speedup": round(dynamo / exported, 3), "first_call_s": {k: round(v, 1) for k, v in first_s.items()},
+        "max_logit_diff": float((logits["exported"] - logits["dynamo"]).abs().max()),
     }))  # fmt: skip
 
 
