@@ -25,6 +25,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -213,7 +214,9 @@ class ExportedStep:
         if not path.exists():
             log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as folder:
+            with tempfile.TemporaryDirectory(dir=path.parent) as folder, warnings.catch_warnings():
+                # (torch's own pytree code warns of its deprecated LeafSpec while packaging: nothing a user can act on)
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
                 made = torch._inductor.aoti_compile_and_package(
                     program, package_path=f"{folder}/step.pt2",
                     inductor_configs={"aot_inductor.package_constants_in_so": False},
