@@ -70,7 +70,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
-        for name in (("dynamo", "exported") if r % 2 else ("exported", "dynamo")):
+        for name in ("dynamo", "exported") if r % 2 else ("exported", "dynamo"):
             times[name].append(median_us(lambda: call(name), args.calls))  # noqa: B023
         print(json.dumps({"round": r, **{f"{k}_us": round(v[-1]) for k, v in times.items()}}), flush=True)
     exported, dynamo = (statistics.median(times[k]) for k in ("exported", "dynamo"))

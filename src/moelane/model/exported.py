@@ -11,7 +11,8 @@ of a ~1.7 ms step on the 115M model; the exported step is one C++ call (docs/ker
   a name the library keeps: tensors held outside modules' parameters (kernel pools, the expert provider's pools)
   are registered as buffers, and during the trace the objects that hold them are rebuilt around the buffers.
 - The library is cached under `~/.cache/moelane/steps/`, keyed by the exported graph, the buffers' shapes and
-  dtypes, torch's version, the CPU's vector ISA and the thread count: a second load of the same model skips the ~15 s compile.
+  dtypes, torch's version, the CPU's vector ISA and the thread count: a second load of the same model skips the
+  ~15 s compile.
 - Anything that fails (export, compile, a weight the library asks for and the LM does not hold) raises; `LM` then
   uses `torch.compile`.
 """
@@ -69,7 +70,7 @@ def _rebuilt(x: Any, alias: dict[int, torch.Tensor], depth: int = 0) -> Any:
     if depth > 6 or isinstance(x, str | bytes | int | float | bool | type(None) | nn.Module):
         return x
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
-        return type(x)._make(_rebuilt(v, alias, depth + 1) for v in x)
+        return type(x)._make(_rebuilt(v, alias, depth + 1) for v in x)  # type: ignore[attr-defined]
     if isinstance(x, tuple | list):
         return type(x)(_rebuilt(v, alias, depth + 1) for v in x)
     if isinstance(x, dict):
@@ -147,7 +148,8 @@ class _Step(nn.Module):
         alias = {i: getattr(self, name) for name, i in self.ids.items()}
         n = len(self.layers)
         pools = [_KV(dict(zip(self.layers, ks[p * n : (p + 1) * n], strict=True)),
-                     dict(zip(self.layers, vs[p * n : (p + 1) * n], strict=True))) for p in range(len(rows))]  # fmt: skip
+                     dict(zip(self.layers, vs[p * n : (p + 1) * n], strict=True)))
+                 for p in range(len(rows))]  # fmt: skip
         with _aliased(self.decoder, self.provider, alias) as provider:
             return self.step(self.decoder, provider, list(zip(rows, pools, keys, strict=True)))
 
