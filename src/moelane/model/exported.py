@@ -124,6 +124,19 @@ def _aliased(model: nn.Module, provider: Any, alias: dict[int, torch.Tensor]) ->
             m.__dict__.update(attributes)
 
 
+def compile_to(program: torch.export.ExportedProgram, path: Path) -> None:
+    """AOTInductor's library of `program`, without its weights, written to `path` whole or not at all (a reader never
+    sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as folder, warnings.catch_warnings():
+        # (torch's own pytree code warns of its deprecated LeafSpec while packaging: nothing a user can act on)
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        made = torch._inductor.aoti_compile_and_package(
+            program, package_path=f"{folder}/step.pt2", inductor_configs={"aot_inductor.package_constants_in_so": False}
+        )
+        os.replace(made, path)
+
+
 class _KV:
     """A pool's per-layer K and V as the step reads them (`pool.k[layer]`, `pool.v[layer]`), from inputs."""
 
@@ -179,10 +192,30 @@ class ExportedStep:
 
     def build(self, n_pools: int) -> Any:
         """The library for `n_pools` pools, loaded with the LM's weights (exported and compiled, or cached)."""
-        from moelane.model.cache import KVPool
-
         started = time.perf_counter()
         self.held = held_tensors(self.model, self.provider)  # (as the model holds them now: weights are prepared)
+        program = self._export(n_pools)
+        path = cache_folder() / f"{self._key(program)}.pt2"
+        if not path.exists():
+            log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
+            compile_to(program, path)
+        runner = torch._inductor.aoti_load_package(str(path))
+        own = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
+        weights = {**{f"decoder.{name}": t for name, t in own}, **self.held}
+        wanted = runner.get_constant_fqns()
+        missing = [name for name in wanted if name not in weights]
+        if missing:
+            raise RuntimeError(f"the compiled step asks for weights the model does not hold: {missing[:3]}")
+        runner.load_constants({name: weights[name].detach() for name in wanted}, check_full_update=True,
+                              user_managed=True)  # fmt: skip
+        log.debug("decode step for %d pool(s) ready in %.1f s (%s)", n_pools, time.perf_counter() - started, path)
+        self._runners[n_pools, torch.get_num_threads()] = runner.loader
+        return runner.loader
+
+    def _export(self, n_pools: int) -> torch.export.ExportedProgram:
+        """`_Step` over `n_pools` pools exported, every weight a parameter or buffer (else RuntimeError)."""
+        from moelane.model.cache import KVPool
+
         module = _Step(self.step, self.model, self.provider, self.layers, self.held)
         # Example inputs only set the symbols' places: two rows a pool (a size of 1 would be specialised), reaches
         # and capacities within the context that differ between pools and from each other.
@@ -212,30 +245,7 @@ class ExportedStep:
                 m._non_persistent_buffers_set.update(names)
         if program.constants:
             raise RuntimeError(f"the step reads {len(program.constants)} tensors it was not given as weights")
-        path = cache_folder() / f"{self._key(program)}.pt2"
-        if not path.exists():
-            log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as folder, warnings.catch_warnings():
-                # (torch's own pytree code warns of its deprecated LeafSpec while packaging: nothing a user can act on)
-                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-                made = torch._inductor.aoti_compile_and_package(
-                    program, package_path=f"{folder}/step.pt2",
-                    inductor_configs={"aot_inductor.package_constants_in_so": False},
-                )  # fmt: skip
-                os.replace(made, path)  # (whole or not at all: a reader never sees half a file)
-        runner = torch._inductor.aoti_load_package(str(path))
-        own = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
-        weights = {**{f"decoder.{name}": t for name, t in own}, **self.held}
-        wanted = runner.get_constant_fqns()
-        missing = [name for name in wanted if name not in weights]
-        if missing:
-            raise RuntimeError(f"the compiled step asks for weights the model does not hold: {missing[:3]}")
-        runner.load_constants({name: weights[name].detach() for name in wanted}, check_full_update=True,
-                              user_managed=True)  # fmt: skip
-        log.debug("decode step for %d pool(s) ready in %.1f s (%s)", n_pools, time.perf_counter() - started, path)
-        self._runners[n_pools, torch.get_num_threads()] = runner.loader
-        return runner.loader
+        return program
 
     def _key(self, program: torch.export.ExportedProgram) -> str:
         digest = hashlib.sha256()
