@@ -24,10 +24,10 @@ PROMPT = list(range(3, 30))
 FED = {0: [11, 12, 13, 15], 1: [14], 2: [16, 17, 18]}  # each stream's generated tokens (stream 2 in a larger pool)
 
 
-def shared(lm: moelane.LM) -> list[torch.Tensor]:
-    """Each stream's generated rows' logits through the step, stream 0 alone, then beside the others' rows (of its
-    pool and of another pool: one and two pools a call), drafts included."""
-    caches = [lm.new_cache(256), lm.new_cache(256), lm.new_cache(512)]
+def shared(lm: moelane.LM, pools: int = 1) -> list[torch.Tensor]:
+    """Each stream's generated rows' logits through the step, stream 0 alone, then beside the others' rows, drafts
+    included: of its own pool, and at `pools` 2 of another pool too (stream 2's, a call reading two pools)."""
+    caches = [lm.new_cache(256), lm.new_cache(256), lm.new_cache(512 if pools == 2 else 256)]
     for cache in caches:
         lm.forward([Rows(cache, PROMPT, 0)])
     n = len(PROMPT)
@@ -37,11 +37,11 @@ def shared(lm: moelane.LM) -> list[torch.Tensor]:
     return [torch.cat([a[0], b[0], c[0]]), b[1], c[1]]
 
 
-def solo(lm: moelane.LM) -> list[torch.Tensor]:
+def solo(lm: moelane.LM, pools: int = 1) -> list[torch.Tensor]:
     """The same streams decoded alone, one token a step."""
     out = []
     for stream, tokens in FED.items():
-        cache = lm.new_cache(512 if stream == 2 else 256)
+        cache = lm.new_cache(512 if stream == 2 and pools == 2 else 256)
         lm.forward([Rows(cache, PROMPT, 0)])
         out.append(torch.stack([lm.step(t, len(PROMPT) + i, cache) for i, t in enumerate(tokens)]))
     return out
@@ -56,8 +56,8 @@ def exported_of(lm: moelane.LM) -> ExportedStep | None:
     return lm._compiled.exported
 
 
-def eager_shared(folder: Path, quantize: str) -> list[torch.Tensor]:
-    return shared(moelane.load(folder, quantize=quantize))
+def eager_shared(folder: Path, quantize: str, pools: int = 1) -> list[torch.Tensor]:
+    return shared(moelane.load(folder, quantize=quantize), pools)
 
 
 def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -65,20 +65,24 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(a, b, strict=True))
 
 
-# (float32 and int8: in the slow set; the compiled rows' tests of test_core run the exported float32 step)
-@pytest.mark.parametrize("quantize", [pytest.param("none", marks=pytest.mark.slow),
-                                      pytest.param("int8", marks=pytest.mark.slow), "int4"])  # fmt: skip
-def test_exported_rows_do_not_depend_on_what_shares_the_call(folder: Path, quantize: str) -> None:
+# (each library takes ~10 s to compile: the fast set compiles one, int4 over one pool; the rest are slow)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("quantize", "pools"), [("int4", 1), pytest.param("int4", 2, marks=SLOW),
+                                                 pytest.param("none", 2, marks=SLOW),
+                                                 pytest.param("int8", 2, marks=SLOW)])  # fmt: skip
+def test_exported_rows_do_not_depend_on_what_shares_the_call(folder: Path, quantize: str, pools: int) -> None:
     """At float32 and with int8 / int4 weights, each stream's rows through the exported step are the bits of its
     one-token steps alone, among other streams' rows of one pool and of two, drafts included; they are the eager
     pass's logits within float32 rounding."""
     ahead = moelane.load(folder, quantize=quantize, compile=True)
-    got = shared(ahead)
+    got = shared(ahead, pools)
     exported = exported_of(ahead)
     assert exported is not None  # (no fallback)
-    assert sorted(n for n, _ in exported._runners) == [1, 2]
-    assert same_bits(got, solo(ahead))
-    assert close(got, eager_shared(folder, quantize))
+    assert sorted(n for n, _ in exported._runners) == list(range(1, pools + 1))
+    assert same_bits(got, solo(ahead, pools))
+    assert close(got, eager_shared(folder, quantize, pools))
 
 
 def test_the_library_reads_the_models_own_weights(folder: Path) -> None:
@@ -111,6 +115,7 @@ def test_a_second_load_reads_the_library_from_the_cache(folder: Path, monkeypatc
     assert same_bits(got, want)
 
 
+@pytest.mark.slow  # (a torch.compile of the step: ~18 s on a fresh machine)
 def test_where_export_fails_the_step_runs_through_torch_compile(
     folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -126,11 +131,11 @@ def test_where_export_fails_the_step_runs_through_torch_compile(
     step = lm._compiled.compiled
     lm._compiled.compiled = lambda parts: calls.append(len(parts)) or step(parts)
     with caplog.at_level(logging.WARNING, logger="moelane"):
-        got = shared(lm)
+        got = shared(lm, 2)
     assert exported_of(lm) is None and calls == [1, 1, 2]  # (pools a call read)
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert lines == ["compiling the decode step ahead of time failed (unsupported operator); using torch.compile"]
-    assert close(got, eager_shared(folder, "none"))
+    assert close(got, eager_shared(folder, "none", 2))
 
 
 def test_the_environment_can_choose_torch_compile(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
