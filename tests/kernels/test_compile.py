@@ -22,7 +22,7 @@ def moe_layer(x: torch.Tensor, slots: torch.Tensor, w13: kernels.Pool, w2: kerne
     return kernels.gather_linear(h, torch.arange(n_tokens * k), slots.flatten(), w2).view(n_tokens, k, -1)
 
 
-@pytest.mark.slow  # (Inductor compiles the layer; the fast set compiles the exported step: test_exported.py)
+@pytest.mark.slow  # (Inductor compiles the layer, ~10 s on a fresh machine)
 def test_fullgraph_compile_calls_the_op(impl: str) -> None:
     w13, w2 = random_pool("int4", 4, 64, 48, seed=1), random_pool("int4", 4, 48, 32, seed=2)
     head = kernels.Pool("bf16", torch.randn(1, 48, 48).bfloat16())

@@ -95,7 +95,7 @@ def test_replies_equal_solo_decode_at_every_precision(tiny_folder: Path, setting
         check_identity(lm, None, cases, 12, **config)
 
 
-@pytest.mark.slow  # (two more compiles; tests/model/test_exported.py's int4 rows stay in the fast set)
+@pytest.mark.slow  # (two more compiles, ~10 s each)
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_compiled_replies_equal_compiled_solo_decode_with_quantised_weights(tiny_folder: Path, quantize: str) -> None:
     """The decode step exported and compiled ahead of time (the default) over int8 / int4 experts and projections:
@@ -160,7 +160,7 @@ def test_a_model_of_one_kv_head_compiles_and_replies_as_its_compiled_solo_decode
     check_identity(lm, moelane.load(folder), cases, 12, drafter="model", max_streams=4, timed=False, guard=False)
 
 
-@pytest.mark.slow  # (compiles a draft model; the compiled target stays in the fast set)
+@pytest.mark.slow  # (compiles a draft model)
 def test_a_compiled_draft_model_changes_no_reply(tiny, tiny_cases) -> None:
     """The draft model the engine loads runs its generated rows (and short catch-ups) through its compiled decode
     step; drafts are held and every reply still equals the solo decode."""

@@ -425,7 +425,7 @@ def test_compiled_rows_do_not_depend_on_what_shares_the_call(folder: Path, threa
         torch.set_num_threads(before)
 
 
-@pytest.mark.slow  # (a compiled step of its own; test_exported.py's rows run the compiled step in the fast set)
+@pytest.mark.slow  # (a compiled step of its own, ~10 s: the compiled steps are all in the slow set)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_rows_do_not_depend_on_how_far_the_call_reads(long_folder: Path, threads: int) -> None:
     """A call's attention reads every row's cache as far as its furthest row reaches: a stream's compiled rows are

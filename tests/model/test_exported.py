@@ -14,6 +14,10 @@ from moelane.model.cache import Rows
 from moelane.model.exported import AheadOrCompiled, ExportedStep
 from tests.helpers import random_model
 
+# The whole file is in the slow set: a library takes ~10 s to compile, and a fresh machine's first ~20 s (Inductor
+# first probes the CPU's vector ISAs), more than the fast set's 3 minutes can hold.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -65,13 +69,7 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(a, b, strict=True))
 
 
-# (each library takes ~10 s to compile: the fast set compiles one, int4 over one pool; the rest are slow)
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize(("quantize", "pools"), [("int4", 1), pytest.param("int4", 2, marks=SLOW),
-                                                 pytest.param("none", 2, marks=SLOW),
-                                                 pytest.param("int8", 2, marks=SLOW)])  # fmt: skip
+@pytest.mark.parametrize(("quantize", "pools"), [("int4", 1), ("int4", 2), ("none", 2), ("int8", 2)])
 def test_exported_rows_do_not_depend_on_what_shares_the_call(folder: Path, quantize: str, pools: int) -> None:
     """At float32 and with int8 / int4 weights, each stream's rows through the exported step are the bits of its
     one-token steps alone, among other streams' rows of one pool and of two, drafts included; they are the eager
@@ -115,7 +113,6 @@ def test_a_second_load_reads_the_library_from_the_cache(folder: Path, monkeypatc
     assert same_bits(got, want)
 
 
-@pytest.mark.slow  # (a torch.compile of the step: ~18 s on a fresh machine)
 def test_where_export_fails_the_step_runs_through_torch_compile(
     folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
