@@ -101,7 +101,7 @@ def test_other_slots_and_keys_past_a_row_do_not_reach_it(impl: str) -> None:
     assert after[4:].isnan().all()
 
 
-@pytest.mark.slow  # (the compiled decode step's tests, tests/model/test_core.py, run the op compiled in the fast set)
+@pytest.mark.slow  # (the compiled decode step runs the op compiled: tests/model/test_exported.py, slow too)
 def test_compiled_it_is_one_call_with_eagers_bits(extension: kernels.Availability) -> None:
     c = case((8, 4, 64, 64), torch.bfloat16, sinks=True)
 
