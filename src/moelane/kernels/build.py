@@ -50,9 +50,14 @@ class BuildError(RuntimeError):
     """The extension could not be built or loaded (no compiler, no ninja, a compile error); one line."""
 
 
+def user_cache(name: str) -> Path:
+    """moelane's folder `name` in the user's cache: $XDG_CACHE_HOME/moelane/<name>, ~/.cache where it is unset (the
+    kernels here, and the model's compiled steps and tier files)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelane" / name
+
+
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moelane" / "kernels"
+    return user_cache("kernels")
 
 
 def _compiler() -> str:

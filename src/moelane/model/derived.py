@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moelane import kernels
+from moelane.kernels.build import user_cache
 from moelane.kernels.formats import QUANTIZER_VERSION
 from moelane.model.checkpoint import shard_files
 from moelane.model.gguf.file import is_gguf, model_name, split_parts
@@ -47,7 +48,7 @@ def cache_dir(model_folder: Path) -> Path:
     except OSError:
         pass
     digest = hashlib.sha1(str(model_folder.resolve()).encode()).hexdigest()[:16]
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelane" / "tiers" / digest
+    home = user_cache("tiers") / digest
     home.mkdir(parents=True, exist_ok=True)
     return home
 

@@ -35,15 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelane.kernels.build import user_cache
+
 log = logging.getLogger(__name__)
 
 # Module attributes that are nn.Module's own bookkeeping, not what a forward reads.
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
-
-
-def cache_folder() -> Path:
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return home / "moelane" / "steps"
 
 
 def _tensors(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -195,7 +192,7 @@ class ExportedStep:
         started = time.perf_counter()
         self.held = held_tensors(self.model, self.provider)  # (as the model holds them now: weights are prepared)
         program = self._export(n_pools)
-        path = cache_folder() / f"{self._key(program)}.pt2"
+        path = user_cache("steps") / f"{self._key(program)}.pt2"
         if not path.exists():
             log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
             compile_to(program, path)
