@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from moelane import kernels
+from moelane.kernels import hugepages
 
 SPAN_BYTES = 1.5e9
 MOST_CALLS = 400
@@ -57,19 +58,23 @@ def git_rev() -> str:
 
 
 def random_pool(kind: str, n_slots: int, n_out: int, n_in: int, g: torch.Generator) -> kernels.Pool:
-    """A pool of random values (floats) or random codes and scales (int8 / int4), built without quantising."""
+    """A pool of random values (floats) or random codes and scales (int8 / int4), built without quantising, in
+    huge-page memory as the engine's resident pools are (`moelane.kernels.hugepages`)."""
     if kind in ("f32", "bf16"):
-        return kernels.Pool(kind, (torch.randn(n_slots, n_out, n_in, generator=g) * 0.05).to(kernels.pool.DTYPES[kind]))
+        values = (torch.randn(n_slots, n_out, n_in, generator=g) * 0.05).to(kernels.pool.DTYPES[kind])
+        return kernels.Pool(kind, hugepages.place(values))
     fmt = kernels.pool.QUANT[kind]
     cols = kernels.pool.padded_cols(n_in, fmt)
     scales = (torch.rand(n_slots, n_out, fmt.n_groups(n_in), generator=g) * 0.01).half()
     if kind == "int8":
         return kernels.Pool(
-            kind, torch.randint(-127, 128, (n_slots, n_out, cols), generator=g, dtype=torch.int8), scales, n_in
-        )
+            kind, hugepages.place(torch.randint(-127, 128, (n_slots, n_out, cols), generator=g, dtype=torch.int8)),
+            scales, n_in,
+        )  # fmt: skip
     return kernels.Pool(
-        kind, torch.randint(0, 256, (n_slots, n_out, cols // 2), generator=g, dtype=torch.uint8), scales, n_in
-    )
+        kind, hugepages.place(torch.randint(0, 256, (n_slots, n_out, cols // 2), generator=g, dtype=torch.uint8)),
+        scales, n_in,
+    )  # fmt: skip
 
 
 def timed(call: Callable[[int], object], budget_s: float, least: int = 20, most: int = MOST_CALLS) -> float:
@@ -88,8 +93,8 @@ def timed(call: Callable[[int], object], budget_s: float, least: int = 20, most:
 
 
 def read_bandwidth() -> float:
-    """GB/s of `x.sum()` over a 1 GB float32 tensor at the current thread count."""
-    x = torch.ones(2**28)
+    """GB/s of `x.sum()` over a 1 GB float32 tensor at the current thread count, in huge-page memory as the pools."""
+    x = hugepages.empty((2**28,), torch.float32).fill_(1.0)
     return 2**30 / timed(lambda i: x.sum(), 0.0, least=7) / 1e9
 
 

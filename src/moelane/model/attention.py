@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelane import kernels
-from moelane.kernels import Pool
+from moelane.kernels import Pool, hugepages
 from moelane.model.cache import KVCache, KVPool
 from moelane.model.config import Config
 from moelane.model.layers import TILE, RMSNorm, linear, linear_parts, pad_rows
@@ -246,7 +246,7 @@ class Attention(nn.Module):
         shape = (first.kind, first.in_features, first.n_slots, first.data.shape[2], first.data.device)
         if any((p.kind, p.in_features, p.n_slots, p.data.shape[2], p.data.device) != shape for p in parts):
             return False
-        data = torch.cat([p.data for p in parts], dim=1)
+        data = hugepages.place(torch.cat([p.data for p in parts], dim=1))  # (streamed every pass: kernels/hugepages.py)
         scales = None if first.scales is None else torch.cat([cast(torch.Tensor, p.scales) for p in parts], dim=1)
         self.qkv = Pool(first.kind, data, scales, first.in_features)
         views, start = [], 0

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, cast
 import torch
 
 from moelane import kernels
-from moelane.kernels import Pool
+from moelane.kernels import Pool, hugepages
 from moelane.model.checkpoint import ExpertHandle, read_expert
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -150,9 +150,11 @@ class ResidentProvider:
                     w13s.append(w13)
                     w2s.append(w2)
                     bar.update(1)
-                w13, w2 = torch.stack(w13s), torch.stack(w2s)
-                if device is not None:
-                    w13, w2 = w13.to(device), w2.to(device)
+                if device is not None and device.type != "cpu":
+                    w13, w2 = torch.stack(w13s).to(device), torch.stack(w2s).to(device)
+                else:  # (in huge-page memory: every pass streams these bytes, kernels/hugepages.py)
+                    w13 = torch.stack(w13s, out=hugepages.empty((len(w13s), *w13s[0].shape), w13s[0].dtype))
+                    w2 = torch.stack(w2s, out=hugepages.empty((len(w2s), *w2s[0].shape), w2s[0].dtype))
                 pools[layer] = tier_pool(0, "native", (w13, None), (w2, None), (w2.shape[1], w2.shape[2]))
         return cls(pools)
 

@@ -28,6 +28,7 @@ from torch import nn
 from moelane import kernels
 from moelane.device import CPU
 from moelane.errors import ModelLoadError
+from moelane.kernels import hugepages
 from moelane.model.derived import DenseCache
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,10 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 def replace(module: nn.Linear, pool: kernels.Pool) -> None:
+    """`module` reads `pool` from now on, its bytes in huge-page memory (every pass streams them:
+    kernels/hugepages.py)."""
     del module.weight  # (the Parameter; a plain attribute takes its place)
-    module.weight = pool  # type: ignore[assignment]
+    module.weight = hugepages.place_pool(pool)  # type: ignore[assignment]
 
 
 def holds_file_codes(quantize: str, progress: bool = False, device: torch.device = CPU) -> bool:

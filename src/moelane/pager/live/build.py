@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from moelane.device import expert_room
+from moelane.kernels import hugepages
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.provider import ExpertProvider, ResidentProvider, TierPool, tier_pool
 from moelane.pager.live.ceiling import Ceiling, MemoryReport
@@ -118,7 +119,10 @@ def resident_at_tier(
         with tqdm(total=sum(len(hs) for hs in handles.values()), desc=desc, unit="expert", disable=not progress,
                   leave=False, delay=1.0) as bar:  # fmt: skip
             for li, (layer, experts) in enumerate(handles.items()):
-                t = [torch.empty(len(experts), *shape, dtype=part_dtype, device=where) for part_dtype, shape in parts]
+                # (on the CPU in huge-page memory: every pass streams these bytes, kernels/hugepages.py)
+                t = [hugepages.empty((len(experts), *shape), part_dtype) if where is None
+                     else torch.empty(len(experts), *shape, dtype=part_dtype, device=where)
+                     for part_dtype, shape in parts]  # fmt: skip
                 for e, handle in enumerate(experts):
                     fill = functools.partial(storage.load_into, handle, tier)
                     transfer.load(li * len(experts) + e, tuple(part[e] for part in t), fill)
