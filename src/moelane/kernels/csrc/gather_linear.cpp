@@ -30,6 +30,7 @@
 #endif
 #include "activations.h"
 #include "attention.h"
+#include "prefetch.h"
 
 namespace moelane {
 namespace {
@@ -40,13 +41,9 @@ enum class Kind { F32, BF16, INT8, INT4 };
 // would otherwise have under kItemsPerThread items a thread, never under kMinItemBytes; 512 KiB where 128 KiB was:
 // one inflated MoE layer streamed from memory, 2 threads, int8 / int4 / bf16 +3-6%: docs/kernels.md). A tile's 4 rows
 // are taken a quarter of the block apart, so each thread reads 4 sequential streams: with short rows (192 columns)
-// one stream of consecutive rows left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against 18-21, 2 threads). Rows of at
-// most kPrefetchRowBytes are also prefetched kPrefetchBytes ahead in each stream (int8 192-column rows: +15%); longer
-// rows lost up to 20% to it (a burst of prefetches per tile). 2 KiB ahead, where 4 KiB was: a streamed inflated layer
-// +3% at one row and +3-5% at four, 2 threads (1 KiB the same, 8 KiB -5%; docs/kernels.md).
+// one stream of consecutive rows left the hardware prefetcher behind (bf16: 16 against 24-26 GB/s; int8: 13 against
+// 18-21, 2 threads). Each stream is also prefetched ahead (prefetch.h).
 constexpr int64_t kMaxItemBytes = 512 * 1024, kMinItemBytes = 128 * 1024, kItemsPerThread = 8;
-constexpr int64_t kPrefetchBytes = 2048;
-constexpr int64_t kPrefetchRowBytes = 768;
 constexpr int64_t kItemScaleGroups = 16;  // see item_scales
 
 struct Weights {

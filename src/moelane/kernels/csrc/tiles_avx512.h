@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "activations.h"
+#include "prefetch.h"
 
 namespace moelane {
 namespace {  // internal linkage: calls are direct (no PLT), and may be inlined
@@ -79,7 +80,10 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
   for (int m = 0; m < NM; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t c = 0;
+  const bool ahead = n * static_cast<int64_t>(sizeof(W)) > kPrefetchRowBytes;  // (prefetch.h)
   for (; c + 16 <= n; c += 16) {
+    if (ahead && (c * sizeof(W)) % 64 == 0)
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c) + kPrefetchBytes, _MM_HINT_T0);
     __m512 wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c);
     for (int m = 0; m < NM; ++m) {
@@ -151,7 +155,10 @@ inline void rows_int8(__m512 (&acc)[NM][NR], const QRow* const* xs, const int8_t
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
   __m512i wu[NR];
+  const bool ahead = n > kPrefetchRowBytes;  // (prefetch.h)
   for (; 64 * k + 64 <= n; ++k) {
+    if (ahead)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(q[r] + 64 * k + kPrefetchBytes), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) wu[r] = _mm512_xor_si512(_mm512_loadu_si512(q[r] + 64 * k), flip);
     chunk_int8<NM, NR, G>(acc, xs, wu, sf, k, n / G);
   }
@@ -217,7 +224,10 @@ inline void rows_int4(__m512 (&acc)[NM][NR], const QRow* const* xs, const uint8_
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
   __m512i v[NR];
+  const bool ahead = n / 2 > kPrefetchRowBytes;  // (prefetch.h)
   for (; 128 * k + 128 <= n; ++k) {
+    if (ahead)
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(p[r] + 64 * k + kPrefetchBytes), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) v[r] = _mm512_loadu_si512(p[r] + 64 * k);
     chunk_int4<NM, NR, G>(acc, xs, v, sf, k, n / G);
   }
