@@ -3,9 +3,9 @@
 A product that streams weights from memory misses the TLB once per 4 KiB page it enters; on 2 MiB pages it misses
 512 times less. On this machine (Linux transparent huge pages in `madvise` mode, the default of most distributions)
 one inflated MoE layer streamed from such memory took 1-4% less time at int8 and bf16 (0-1.5% at int4) than from
-ordinary pages, alternated in one process (bench/pages_ab.py, docs/kernels.md "Huge pages"). So resident expert pools and
-dense weights are placed here; the expert store's slot pools are not (pager/live/pools.py: a 2 MiB page would
-commit memory that no slot holds).
+ordinary pages, alternated in one process (bench/pages_ab.py, docs/kernels.md "Huge pages"). So resident expert
+pools and dense weights are placed here; the expert store's slot pools are not (pager/live/pools.py: a 2 MiB page
+would commit memory that no slot holds).
 
 The memory is an anonymous mapping advised `MADV_HUGEPAGE` before anything touches it (pages are chosen at first
 touch), its tensor starting on a 2 MiB boundary. Where transparent huge pages are off (`never`), or the platform has no
