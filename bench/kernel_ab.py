@@ -12,6 +12,7 @@ are timed on the same weights in alternated rounds (A B, B A, ...), medians of t
 
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --threads 1,2
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --matrix
+    nice -n 19 python bench/kernel_ab.py main WORKTREE --variant generic   # the portable tiles (no AVX-512)
 
 Prints one JSON line per figure: each side's time and GB/s, B's speed over A's, the largest difference of the two
 outputs relative to the largest output (0 where the bits agree). On a shared machine compare the ratios, not the
@@ -61,18 +62,20 @@ def csrc_files(rev: str) -> dict[str, bytes]:
     return {n: s.stdout for n, s in zip(names, show, strict=True)}
 
 
-def build(rev: str) -> ModuleType:
-    """`rev`'s kernels as an extension named by their hash, built under the kernels' cache (once per source)."""
+def build(rev: str, variant: str = "native") -> ModuleType:
+    """`rev`'s kernels as an extension named by their hash, built under the kernels' cache (once per source and
+    variant: `kernels.build.FLAGS`, "generic" for the portable tiles an AVX2 machine runs)."""
     from moelane.kernels import build as kbuild
 
     files = csrc_files(rev)
     key = hashlib.sha256(b"".join(n.encode() + b"\0" + b + b"\0" for n, b in files.items())).hexdigest()[:16]
+    key = key if variant == "native" else f"{key}_{variant.replace('-', '_')}"
     folder = kbuild.cache_root() / "ab" / key
     folder.mkdir(parents=True, exist_ok=True)
     src = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     for name, data in files.items():
         (src / name).write_bytes(data)
-    return kbuild._compile(f"moelane_ab_{key}", folder, "native", src)
+    return kbuild._compile(f"moelane_ab_{key}", folder, variant, src)
 
 
 def layer_call(shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch.Generator) -> tuple[Call, float]:
@@ -152,9 +155,11 @@ def main() -> None:
     ap.add_argument("--span-gb", type=float, default=1.5)
     ap.add_argument("--matrix", action="store_true", help="single matrices from L2 at 1 thread instead of layers")
     ap.add_argument("--dense", metavar="OUTxIN", help="one dense projection of this shape at --rows instead of layers")
+    ap.add_argument("--variant", default="native", help="build flags of both sides (kernels.build.FLAGS): native, "
+                    "generic (the portable tiles, as on a CPU without AVX-512), no-vnni")  # fmt: skip
     args = ap.parse_args()
-    modules = {"a": build(args.a), "b": build(args.b)}
-    base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b}
+    modules = {"a": build(args.a, args.variant), "b": build(args.b, args.variant)}
+    base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b, "variant": args.variant}
     g = torch.Generator().manual_seed(0)
     jobs: list[tuple[dict[str, object], Callable[[], tuple[Call, float]]]] = []
     if args.dense:
