@@ -48,6 +48,8 @@ def test_a_large_tensor_is_advised_aligned_and_holds_its_values(dtype: torch.dty
     assert torch.equal(t, values)
     placed = hugepages.place(values)
     assert placed is not values and torch.equal(placed, values) and "hg" in vm_flags(placed.data_ptr())
+    joined = hugepages.cat([values, placed[:, :7]], dim=1)
+    assert torch.equal(joined, torch.cat([values, values[:, :7]], dim=1)) and "hg" in vm_flags(joined.data_ptr())
 
 
 def test_small_tensors_stay_where_they_are() -> None:
@@ -55,6 +57,7 @@ def test_small_tensors_stay_where_they_are() -> None:
     assert hugepages.place(small) is small
     t = hugepages.empty((4, 5), torch.float32)
     assert t.shape == (4, 5) and t.is_contiguous()
+    assert torch.equal(hugepages.cat([small, small[:, :3]], dim=1), torch.cat([small, small[:, :3]], dim=1))
 
 
 @advisable

@@ -53,6 +53,16 @@ def place(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`torch.cat(tensors, dim)`, written straight into `empty`'s memory where `place` would copy it there."""
+    first = tensors[0]
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    if first.device.type != "cpu" or math.prod(shape) * first.element_size() < HUGE_PAGE:
+        return torch.cat(tensors, dim)
+    return torch.cat(tensors, dim, out=empty(tuple(shape), first.dtype))
+
+
 def place_pool(pool: Pool) -> Pool:
     """`pool` with its codes or values `place`d (its scales, a few % of its bytes, as they are)."""
     data = place(pool.data)

@@ -246,7 +246,7 @@ class Attention(nn.Module):
         shape = (first.kind, first.in_features, first.n_slots, first.data.shape[2], first.data.device)
         if any((p.kind, p.in_features, p.n_slots, p.data.shape[2], p.data.device) != shape for p in parts):
             return False
-        data = hugepages.place(torch.cat([p.data for p in parts], dim=1))  # (streamed every pass: kernels/hugepages.py)
+        data = hugepages.cat([p.data for p in parts], dim=1)  # (streamed every pass: kernels/hugepages.py)
         scales = None if first.scales is None else torch.cat([cast(torch.Tensor, p.scales) for p in parts], dim=1)
         self.qkv = Pool(first.kind, data, scales, first.in_features)
         views, start = [], 0
