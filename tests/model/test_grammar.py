@@ -17,6 +17,7 @@ from moelane.lanes.config import EngineConfig
 from moelane.lanes.engine import Engine
 from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
 from moelane.model.sampling import SamplingParams
+from tests.helpers import slow_beyond
 
 PERSON = {
     "type": "object",
@@ -62,7 +63,7 @@ def meets_person(value: Any) -> bool:
     )
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", slow_beyond(PROMPTS, 2))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_finished_reply_meets_the_schema(lm: Any, prompt: str, temperature: float) -> None:
     params = SamplingParams(temperature, seed=7, grammar=grammar(lm))
