@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import moelane
+from moelane.model import exported
 from moelane.model.cache import Rows
 from moelane.model.exported import AheadOrCompiled, ExportedStep
 from tests.helpers import random_model
@@ -106,11 +107,14 @@ def test_a_second_load_reads_the_library_from_the_cache(folder: Path, monkeypatc
     def no_compile(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled again")
 
+    used: list[Path] = []
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compile)
+    monkeypatch.setattr(exported, "touch", used.append)
     second = moelane.load(folder, quantize="int4", compile=True)
     got = shared(second)
     assert exported_of(second) is not None
     assert same_bits(got, want)
+    assert used and all(p.parent.name == "steps" and p.is_file() for p in used)  # marked as used for `prune`
 
 
 def test_where_export_fails_the_step_runs_through_torch_compile(

@@ -12,13 +12,14 @@ of a ~1.7 ms step on the 115M model; the exported step is one C++ call (docs/ker
   are registered as buffers, and during the trace the objects that hold them are rebuilt around the buffers.
 - The library is cached under `~/.cache/moelane/steps/`, keyed by the exported graph, the buffers' shapes and
   dtypes, torch's version, the CPU's vector ISA and the thread count: a second load of the same model skips the
-  ~15 s compile.
+  ~15 s compile. It keeps the KEEP_STEPS most recently used libraries (`prune`).
 - Anything that fails (export, compile, a weight the library asks for and the LM does not hold) raises; `LM` then
   uses `torch.compile`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -38,6 +39,7 @@ from torch import nn
 from moelane.kernels.build import user_cache
 
 log = logging.getLogger(__name__)
+KEEP_STEPS = 32  # compiled libraries the step cache keeps (`prune`)
 
 # Module attributes that are nn.Module's own bookkeeping, not what a forward reads.
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
@@ -121,6 +123,29 @@ def _aliased(model: nn.Module, provider: Any, alias: dict[int, torch.Tensor]) ->
             m.__dict__.update(attributes)
 
 
+def touch(path: Path) -> None:
+    """Mark a cached library as just used (its mtime: `prune` keeps the most recently used)."""
+    with contextlib.suppress(OSError):  # (a read-only cache still serves)
+        os.utime(path)
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently used libraries in `folder` (oldest mtime first). Keys change with the
+    model, torch, the CPU's ISA and the thread count, so without this the cache only grows (~2-3 MB a library).
+    A library deleted under another process that was about to load it fails that load, which then compiles the
+    step with `torch.compile` (see the module docstring)."""
+    try:
+        found = [(p.stat().st_mtime_ns, p) for p in folder.glob("*.pt2")]
+    except OSError:
+        return
+    for _, p in sorted(found, reverse=True)[keep:]:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # (another user's cache, read-only: leave it)
+            return
+        log.debug("dropped the cached decode step %s (least recently used of %d)", p.name, len(found))
+
+
 def compile_to(program: torch.export.ExportedProgram, path: Path) -> None:
     """AOTInductor's library of `program`, without its weights, written to `path` whole or not at all (a reader never
     sees half a file)."""
@@ -193,9 +218,12 @@ class ExportedStep:
         self.held = held_tensors(self.model, self.provider)  # (as the model holds them now: weights are prepared)
         program = self._export(n_pools)
         path = user_cache("steps") / f"{self._key(program)}.pt2"
-        if not path.exists():
+        if path.exists():
+            touch(path)
+        else:
             log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
             compile_to(program, path)
+            prune(path.parent, KEEP_STEPS)
         runner = torch._inductor.aoti_load_package(str(path))
         own = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
         weights = {**{f"decoder.{name}": t for name, t in own}, **self.held}
