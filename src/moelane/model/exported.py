@@ -39,7 +39,8 @@ from torch import nn
 from moelane.kernels.build import user_cache
 
 log = logging.getLogger(__name__)
-KEEP_STEPS = 32  # compiled libraries the step cache keeps (`prune`)
+KEEP_STEPS = 32  # compiled libraries the step cache keeps whatever their age (`prune`)
+STEP_MAX_AGE_S = 7 * 24 * 3600  # ... and beyond those, any used within this long
 
 # Module attributes that are nn.Module's own bookkeeping, not what a forward reads.
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
@@ -129,16 +130,20 @@ def touch(path: Path) -> None:
         os.utime(path)
 
 
-def prune(folder: Path, keep: int) -> None:
-    """Delete all but the `keep` most recently used libraries in `folder` (oldest mtime first). Keys change with the
-    model, torch, the CPU's ISA and the thread count, so without this the cache only grows (~2-3 MB a library).
-    A library deleted under another process that was about to load it fails that load, which then compiles the
-    step with `torch.compile` (see the module docstring)."""
+def prune(folder: Path, keep: int, max_age_s: float) -> None:
+    """Delete the libraries in `folder` that are neither among the `keep` most recently used (mtime) nor used within
+    `max_age_s`. Keys change with the model, torch, the CPU's ISA and the thread count, so without this the cache only
+    grows (~2-3 MB a library); the age spares a run that compiles many at once (a test suite) its own. A library
+    deleted under another process that was about to load it fails that load, which then compiles the step with
+    `torch.compile` (see the module docstring)."""
+    oldest = time.time_ns() - int(max_age_s * 1e9)
     try:
         found = [(p.stat().st_mtime_ns, p) for p in folder.glob("*.pt2")]
     except OSError:
         return
-    for _, p in sorted(found, reverse=True)[keep:]:
+    for mtime, p in sorted(found, reverse=True)[keep:]:
+        if mtime >= oldest:
+            continue
         try:
             p.unlink(missing_ok=True)
         except OSError:  # (another user's cache, read-only: leave it)
@@ -223,7 +228,7 @@ class ExportedStep:
         else:
             log.info("compiling the decode step for %d pool(s) ahead of time (once per model and torch)", n_pools)
             compile_to(program, path)
-            prune(path.parent, KEEP_STEPS)
+            prune(path.parent, KEEP_STEPS, STEP_MAX_AGE_S)
         runner = torch._inductor.aoti_load_package(str(path))
         own = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
         weights = {**{f"decoder.{name}": t for name, t in own}, **self.held}
