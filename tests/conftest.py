@@ -1,7 +1,8 @@
 """The README's test loop (`pytest -m "not slow"`) is held to 3 minutes on a 2-core machine: the tests named here are
 marked `slow` at collection, besides those marked in their files, and `.ci/run` runs them with the rest of `-m slow`.
 
-A parametrized test keeps its first `SAMPLED` cases in the loop (family parity keeps each family's first config).
+A parametrized test keeps its first `SAMPLED` cases in the loop (those in `FEWER` fewer; family parity keeps each
+family's first config).
 Each of the others is a second case of what a fast test already asserts (another variant of a family, another tool
 syntax or bad request, a second stream count or drafter, a second path through the command line), or a
 multi-process test whose fast sibling stays.
@@ -22,8 +23,17 @@ TEST_DEVICE = os.environ.get("MOELANE_TEST_DEVICE")
 
 # nodeid prefixes (a test, a parametrized case, or a whole file)
 SLOW_IN_THE_FAST_LOOP = (
-    # distributed: identity, a killed rank and the refusals stay fast; the per-rank counters are slow
+    # distributed: the identity tests stay fast; the per-rank counters, a killed rank, a refused one, a lone run's
+    # imports and a placement rank 0 cannot make start processes of their own (seconds each) and are slow
     "tests/distributed/test_counters.py",
+    "tests/distributed/test_faults.py::test_a_rank_lost_mid_request_fails_it_within_the_timeout",
+    "tests/distributed/test_faults.py::test_a_rank_with_another_model_is_refused",
+    "tests/distributed/test_launch.py::test_a_lone_run_imports_nothing_distributed",
+    "tests/distributed/test_launch.py::test_a_placement_rank_0_cannot_make_stops_every_rank_with_its_line",
+    # a grammar's replies against one-token decoding (its replies meeting the schema stay fast), and a 499 counted
+    # after a streamed disconnect (the other disconnect tests stay fast)
+    "tests/model/test_grammar.py::test_engine_replies_under_a_grammar_equal_one_token_decoding",
+    "tests/server/test_clients.py::test_streamed_disconnect_is_counted_as_499",
     # a second stream or drafter case of the identity and prefix tests
     "tests/pager/test_store_concurrency.py::test_eight_streams_at_ten_percent[True-False]",
     "tests/model/test_gguf_codes.py::test_replies_equal_solo_decode_at_any_stream_count[paged-q8_0]",
@@ -63,6 +73,16 @@ FORCED_BY_NAME = "test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_
 
 # a parametrized test's first cases stay fast, the rest of its matrix runs with the slow set
 SAMPLED = 10
+FEWER = {  # tests that keep fewer first cases (in collection order)
+    "test_each_form_reads_back_what_its_template_writes": 3,  # hermes, qwen3_coder, glm45
+    FORCED_BY_NAME: 6,  # the same three forms ("required"; by name is slow anyway)
+    "test_harmony_calls_come_back_as_tool_calls": 6,  # three replies, both stream splits
+    "test_each_call_of_a_block_comes_back_with_its_id": 4,
+    "test_a_marker_block_that_is_not_a_call_reads_as_without_tools": 4,
+    "test_a_finished_reply_meets_the_schema": 4,  # two prompts, greedy and sampled
+    "test_greedy_tokens_identical_at_every_budget": 2,  # 20% with staged misses, 50%
+    "test_a_conversation_reuses_its_history_and_replies_as_alone": 4,  # no drafter and the draft model
+}
 # matrices of cheap cases that stay whole: every family's config errors, the kernels' reference, the fake engine
 WHOLE = ("tests/model/test_config.py", "tests/kernels/", "tests/lanes/test_engine_fake.py",
          "tests/model/test_families.py::test_bad_configs_raise_model_load_error")  # fmt: skip
@@ -79,7 +99,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             and not item.nodeid.startswith(WHOLE)
         ):
             seen[item.nodeid.partition("[")[0]] = n = seen.get(item.nodeid.partition("[")[0], 0) + 1
-            if n > SAMPLED:
+            if n > FEWER.get(item.originalname, SAMPLED):
                 item.add_marker(pytest.mark.slow)
         named = item.nodeid.startswith(SLOW_IN_THE_FAST_LOOP) or getattr(item, "originalname", "") == BF16_GREEDY
         if named or a_later_config(item, first) or forced_by_name(item):

@@ -18,15 +18,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def slow_beyond(values: Any, fast: int) -> list[Any]:
-    """`values` for `pytest.mark.parametrize`, the ones after the first `fast` in the slow set (`pytest -m slow`):
-    the README's test command keeps a few cases of a long matrix, CI runs all of them."""
-    import pytest
-
-    return [v if i < fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
-            for i, v in enumerate(values)]  # fmt: skip
-
-
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """A byte-level BPE of exactly `vocab_size` ids (the last one is the EOS token)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -27,7 +27,6 @@ def lone_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
 
 
-@pytest.mark.slow  # (a whole CLI run in a subprocess)
 def test_a_lone_run_imports_nothing_distributed(tiny: Path) -> None:
     args = ["run", "hello", "--model", str(tiny), "--max-tokens", "2", "--threads", "1"]
     out = subprocess.run([sys.executable, "-c", LONE, *args], capture_output=True, text=True, env=lone_env(),
@@ -49,7 +48,6 @@ def test_torchrun_run_prints_what_one_process_prints(tiny: Path) -> None:
     assert "experts over 2 ranks (rank 0 [0, 5), rank 1 [5, 10) of 10 a layer)" in two.stderr
 
 
-@pytest.mark.slow  # (two ranks started)
 def test_a_placement_rank_0_cannot_make_stops_every_rank_with_its_line(tiny: Path, tmp_path: Path) -> None:
     missing = tmp_path / "none.trc"
     got = launch(tiny, Logits([[1, 2]]), [Rank({"placement_trace": missing}), Rank()])

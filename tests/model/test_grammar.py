@@ -17,7 +17,6 @@ from moelane.lanes.config import EngineConfig
 from moelane.lanes.engine import Engine
 from moelane.model.grammar import Grammar, grammar_tokenizer, json_grammar
 from moelane.model.sampling import SamplingParams
-from tests.helpers import slow_beyond
 
 PERSON = {
     "type": "object",
@@ -63,8 +62,8 @@ def meets_person(value: Any) -> bool:
     )
 
 
-@pytest.mark.parametrize("prompt", slow_beyond(PROMPTS, 2))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_a_finished_reply_meets_the_schema(lm: Any, prompt: str, temperature: float) -> None:
     params = SamplingParams(temperature, seed=7, grammar=grammar(lm))
     ids = list(lm.generate_ids(lm.tokenizer.encode(prompt), 200, params))
@@ -167,8 +166,7 @@ def test_end_ids_past_the_tokenizer_are_left_to_the_rest(lm: Any) -> None:
     assert held.allowed(finished).nonzero().flatten().tolist() == [tok.vocab_size - 1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["none", "copy"])
+@pytest.mark.parametrize("drafter", [pytest.param("none", marks=pytest.mark.slow), "copy"])  # (drafts: the hard case)
 def test_engine_replies_under_a_grammar_equal_one_token_decoding(lm: Any, drafter: str) -> None:
     """Drafts (copy-heavy prompts make the copy drafter propose JSON) are checked against the mask of their own
     row, so the replies are the one-token replies, greedy and seeded."""

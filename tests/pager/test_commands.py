@@ -186,9 +186,7 @@ sys.exit(main(["trace", "synth", "--out", sys.argv[1], "--requests", "400", "--d
 """
 
 
-@pytest.mark.parametrize(
-    ("signal_number", "code"), [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize(("signal_number", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_sigterm_stops_a_trace_command_as_ctrl_c_does(tmp_path: Path, signal_number: int, code: int) -> None:
     """Either signal: the segments written so far stay, readable, and one line says how many."""
     out = tmp_path / "s.trc"

@@ -137,7 +137,6 @@ def test_empty_body_gets_a_clear_400(url: str) -> None:
     assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"], r.text
 
 
-@pytest.mark.slow  # (waits for the server to notice the disconnect)
 def test_streamed_disconnect_is_counted_as_499(serve: Any) -> None:
     url, engine = serve(delay=0.05)
     body = {**GOOD, "max_tokens": 400, "stream": True}

@@ -189,7 +189,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("to", [pytest.param("process", marks=pytest.mark.slow), "another thread"])
+@pytest.mark.parametrize("to", ["process", "another thread"])
 def test_ctrl_c_while_loading_interrupts_at_once(to: str) -> None:
     """A Ctrl-C ends the wait for the model at once, not when the load is done (a compile takes up to a minute):
     sent to the process, it reaches the main thread, as the loading thread blocks it; taken by another thread (the

@@ -16,7 +16,6 @@ import pytest
 
 from moelane.server.calls import read_call_list, read_deepseek_calls, read_kimi_calls, read_named_args
 from moelane.server.tools import FORMS, ToolUse, split_reply, tool_support
-from tests.helpers import slow_beyond
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine
 from tests.server.test_tools import HISTORY, TRIP_TOOLS, TemplateOnly, app_over, both_ways, client, form, shown
@@ -58,7 +57,7 @@ CALLS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("syntax", "reply", "content", "calls"), slow_beyond(CALLS, 4))
+@pytest.mark.parametrize(("syntax", "reply", "content", "calls"), CALLS)
 def test_each_call_of_a_block_comes_back_with_its_id(
     tmp_path: Path, syntax: str, reply: str, content: str | None, calls: list[tuple[str | None, str, str]]
 ) -> None:
@@ -94,7 +93,7 @@ NOT_CALLS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("syntax", "reply"), slow_beyond(NOT_CALLS, 4))
+@pytest.mark.parametrize(("syntax", "reply"), NOT_CALLS)
 def test_a_marker_block_that_is_not_a_call_reads_as_without_tools(tmp_path: Path, syntax: str, reply: str) -> None:
     tok, _ = form(tmp_path, syntax)
     ids = tok.encode(reply)

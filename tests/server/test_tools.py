@@ -20,7 +20,7 @@ from moelane.server.app import create_app
 from moelane.server.calls import read_function_call, read_invokes, read_keyed_call
 from moelane.server.chat_request import ChatCompletionRequest, ChatMessage
 from moelane.server.tools import ToolCallReader, ToolUse, call_opening, split_reply, tool_support
-from tests.helpers import slow_beyond, write_harmony_tokenizer, write_tokenizer
+from tests.helpers import write_harmony_tokenizer, write_tokenizer
 from tests.server.conftest import running
 from tests.server.fake_engine import FakeEngine, FakeLM
 
@@ -295,29 +295,29 @@ WEATHER = (
 TIME = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
 
 
-HARMONY_CALLS = [
-    # the engine ends the reply at <|call|>, an end-of-sequence token of gpt-oss's: the call is not followed by it
-    (THOUGHT + WEATHER, [("get_weather", {"city": "Paris"})], None),
-    # the recipient before the channel, a call ended by <|call|> itself, then an answer
-    (THOUGHT + TIME + "<|start|>assistant<|channel|>final<|message|>Noon.<|return|>", [("get_time", {})], "Noon."),
-    (THOUGHT + TIME + WEATHER, [("get_time", {}), ("get_weather", {"city": "Paris"})], None),
-    # a call without arguments (its body empty), and the recipient after <|constrain|>
-    (
-        THOUGHT + "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>",
-        [("get_time", {})],
-        None,
-    ),
-    (
-        THOUGHT + "<|start|>assistant<|channel|>commentary <|constrain|>json to=functions.get_weather<|message|>"
-        '{"city": "Paris"}',
-        [("get_weather", {"city": "Paris"})],
-        None,
-    ),
-]
-
-
 @pytest.mark.parametrize("per_round", [1, 4])
-@pytest.mark.parametrize(("reply", "calls", "content"), slow_beyond(HARMONY_CALLS, 3))
+@pytest.mark.parametrize(
+    ("reply", "calls", "content"),
+    [
+        # the engine ends the reply at <|call|>, an end-of-sequence token of gpt-oss's: the call is not followed by it
+        (THOUGHT + WEATHER, [("get_weather", {"city": "Paris"})], None),
+        # the recipient before the channel, a call ended by <|call|> itself, then an answer
+        (THOUGHT + TIME + "<|start|>assistant<|channel|>final<|message|>Noon.<|return|>", [("get_time", {})], "Noon."),
+        (THOUGHT + TIME + WEATHER, [("get_time", {}), ("get_weather", {"city": "Paris"})], None),
+        # a call without arguments (its body empty), and the recipient after <|constrain|>
+        (
+            THOUGHT + "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>",
+            [("get_time", {})],
+            None,
+        ),
+        (
+            THOUGHT + "<|start|>assistant<|channel|>commentary <|constrain|>json to=functions.get_weather<|message|>"
+            '{"city": "Paris"}',
+            [("get_weather", {"city": "Paris"})],
+            None,
+        ),
+    ],
+)
 def test_harmony_calls_come_back_as_tool_calls(
     harmony: Tokenizer, reply: str, calls: list[tuple[str, Any]], content: str | None, per_round: int
 ) -> None:
@@ -483,7 +483,7 @@ def shown(tok: Tokenizer, ids: list[int]) -> str:
     return tok.decode(ids, frozenset(range(tok.vocab_size)))
 
 
-@pytest.mark.parametrize("syntax", slow_beyond(list(CALL_IN_HISTORY), 3))
+@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
 def test_each_form_reads_back_what_its_template_writes(tmp_path: Path, syntax: str) -> None:
     tok, written = form(tmp_path, syntax)
     messages, tools = history(syntax), PLAN
@@ -631,7 +631,7 @@ def test_harmony_messagesgives_each_call_a_message_of_its_own() -> None:
 
 
 @pytest.mark.parametrize("named", [False, True])
-@pytest.mark.parametrize("syntax", slow_beyond(list(CALL_IN_HISTORY), 3))
+@pytest.mark.parametrize("syntax", list(CALL_IN_HISTORY))
 def test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with(
     tmp_path: Path, syntax: str, named: bool
 ) -> None:
