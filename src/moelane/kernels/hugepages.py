@@ -54,12 +54,12 @@ def place(t: torch.Tensor) -> torch.Tensor:
 
 
 def cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """`torch.cat(tensors, dim)`, written straight into `empty`'s memory where `place` would copy it there."""
+    """`torch.cat(tensors, dim)` written straight into `empty`'s memory (torch.empty's under one huge page)."""
     first = tensors[0]
+    if first.device.type != "cpu":
+        return torch.cat(tensors, dim)
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    if first.device.type != "cpu" or math.prod(shape) * first.element_size() < HUGE_PAGE:
-        return torch.cat(tensors, dim)
     return torch.cat(tensors, dim, out=empty(tuple(shape), first.dtype))
 
 
