@@ -12,7 +12,8 @@ of a ~1.7 ms step on the 115M model; the exported step is one C++ call (docs/ker
   are registered as buffers, and during the trace the objects that hold them are rebuilt around the buffers.
 - The library is cached under `~/.cache/moelane/steps/`, keyed by the exported graph, the buffers' shapes and
   dtypes, torch's version, the CPU's vector ISA and the thread count: a second load of the same model skips the
-  ~15 s compile. It keeps the KEEP_STEPS most recently used libraries (`prune`).
+  ~15 s compile. It keeps the KEEP_STEPS most recently used libraries and any used within STEP_MAX_AGE_S
+  (`prune`).
 - Anything that fails (export, compile, a weight the library asks for and the LM does not hold) raises; `LM` then
   uses `torch.compile`.
 """
