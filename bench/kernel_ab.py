@@ -1,5 +1,6 @@
 """A/B of two revisions of gather_linear's C++ kernels in one process: each revision's `kernels/csrc/` is compiled as
-its own extension (a git revision, `WORKTREE` for the files as they are, or a folder of .cpp / .h files), and both
+its own extension (a git revision, `WORKTREE` for the files as they are, or a folder of .cpp / .h files; revisions
+that register torch.ops.<name>, as kernels/build.py loads them, i.e. from the commit that dropped pybind11), and both
 are timed on the same weights in alternated rounds (A B, B A, ...), medians of the rounds. Two measurements:
 
 - layer: one MoE layer per call (the w13 product of every (token, expert) pair, SwiGLU, the w2 product, as

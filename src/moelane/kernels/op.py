@@ -6,8 +6,8 @@
         CUDA: a Triton kernel (cuda.py), imported at the first product on a CUDA tensor
         fake: y's shape [P, Out], so torch.compile(fullgraph=True) traces through it without a graph break
 
-Eager calls from `gather_linear` / `linear` go straight to the extension when it serves (no dispatcher hop); traced
-code (torch.compile) and the fallback go through the op. The extension is built on first use, not at import. Which
+Every call, eager or traced, goes through the op: once the extension serves, the dispatcher calls its C++ kernel
+directly. The extension is built on first use (the Python kernel's first call at the latest), not at import. Which
 implementation runs is decided once per process (the first call, `available()` or `ensure_built()`); a build failure
 is logged once as a WARNING and the fallback serves from then on. Tests may force the fallback with
 `use_fallback(True)`; nothing else chooses (no environment variable).
@@ -111,13 +111,13 @@ def _gather_linear_cpu(
     module = _backend.extension()
     if module is None:
         return fallback.gather_linear(x, rows, slots, data, scales)
-    y = module.gather_linear(x, rows, slots, data, scales)
+    y = module.gather_linear.default(x, rows, slots, data, scales)
     assert isinstance(y, torch.Tensor)
     return y
 
 
-# (registered by a call, not as a decorator, which would leave the name None: eager calls use the function itself.
-# While the extension serves, its C++ kernels stand in front of this one in the dispatcher: `_Backend.sync`.)
+# (registered by a call, not as a decorator, which would leave the name None. The first call comes here; while the
+# extension serves, its C++ kernels stand in front of this one in the dispatcher: `_Backend.sync`.)
 torch.library.impl("moelane::gather_linear", "cpu")(_gather_linear_cpu)
 
 
@@ -175,7 +175,7 @@ def _attend_cache_cpu(
     module = _backend.extension()
     if module is None:
         return fallback.attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale)
-    y = module.attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale)
+    y = module.attend_cache.default(q, k_pool, v_pool, slots, mask, sinks, scale)
     assert isinstance(y, torch.Tensor)
     return y
 
@@ -217,8 +217,6 @@ def attend_cache(
 
     Each row's result is the same bits whatever N, the other rows, L past its last visible key and the thread count.
     CPU only (`serves`)."""
-    if not torch.compiler.is_compiling() and q.device.type == "cpu":  # (no dispatcher hop: see `_call`)
-        return _attend_cache_cpu(q, k_pool, v_pool, slots, mask, sinks, scale)
     out: torch.Tensor = torch.ops.moelane.attend_cache.default(q, k_pool, v_pool, slots, mask, sinks, scale)
     return out
 
@@ -242,11 +240,9 @@ def linear(x: torch.Tensor, pool: Pool) -> torch.Tensor:
 
 
 def _call(x: torch.Tensor, rows: torch.Tensor | None, slots: torch.Tensor | None, pool: Pool) -> torch.Tensor:
-    """The op; in eager mode straight to its CPU kernel (the extension, or the fallback where it cannot serve): the
-    dispatcher's hop to a Python kernel costs ~2 us a call (measured: 3.0 against 0.8 us for a [4, 64] product),
-    ~0.7 ms a token at 300 products."""
-    if not torch.compiler.is_compiling() and x.device.type == "cpu":
-        return _gather_linear_cpu(x, rows, slots, pool.data, pool.scales)
+    """The op, eager or traced: on the CPU the extension's C++ kernel once it serves (`_Backend.sync`), else the
+    Python kernel above, whose first call loads the extension (~3.4 us a call from Python either way, for a [4, 64]
+    product: docs/kernels.md "Building")."""
     y: torch.Tensor = torch.ops.moelane.gather_linear.default(x, rows, slots, pool.data, pool.scales)
     return y
 

@@ -53,7 +53,7 @@ def prepare_weights(
     device: torch.device = CPU,
 ) -> int:
     """Turn the model's projections into kernel pools as the module docstring says -> how many were turned. With
-    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~30 s), and a bar
+    `progress`, a line on stderr says so when the kernels must be compiled first (once per machine, ~10 s), and a bar
     counts the projections while they are quantised. "auto" is "none" here: a GGUF's block-quantised projections are
     already pools (`load.fill_dense`), and pools are left as they are. Quantised pools are taken from `cache` where
     it holds them, and written to it where it did not (`derived.DenseCache`). `device`: where the model will compute

@@ -16,6 +16,7 @@
 #include "attention.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -195,7 +196,7 @@ void attend_item(const Call& c, const T* k_pool, const T* v_pool, T* out, int64_
 }
 
 template <typename T>
-void attend_all(const Call& c, const torch::Tensor& k_pool, const torch::Tensor& v_pool, torch::Tensor& out,
+void attend_all(const Call& c, const at::Tensor& k_pool, const at::Tensor& v_pool, at::Tensor& out,
                 int64_t n_items) {
   const T* k = k_pool.data_ptr<T>();
   const T* v = v_pool.data_ptr<T>();
@@ -209,9 +210,9 @@ void attend_all(const Call& c, const torch::Tensor& k_pool, const torch::Tensor&
 
 }  // namespace
 
-torch::Tensor attend_cache(const torch::Tensor& q_in, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& slots_in, const torch::Tensor& mask_in,
-                           const std::optional<torch::Tensor>& sinks_in, double scale) {
+at::Tensor attend_cache(const at::Tensor& q_in, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& slots_in, const at::Tensor& mask_in,
+                        const std::optional<at::Tensor>& sinks_in, double scale) {
   TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 4 && v_pool.dim() == 4, "attend_cache: q [N, Hq, D], pools 4-d");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "attend_cache: K and V pools of one dtype");
   TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "attend_cache: pools contiguous in their last dim");
@@ -222,12 +223,12 @@ torch::Tensor attend_cache(const torch::Tensor& q_in, const torch::Tensor& k_poo
                   mask_in.size(1) <= v_pool.size(2),
               "attend_cache: mask [N, L], L within the capacity");
   TORCH_CHECK(slots_in.dim() == 1 && slots_in.size(0) == n, "attend_cache: slots [N]");
-  auto q = q_in.to(torch::kFloat32).contiguous();
-  auto slots = slots_in.to(torch::kInt64).contiguous();
-  auto mask = mask_in.to(torch::kBool).contiguous();
-  torch::Tensor sinks;
+  auto q = q_in.to(at::kFloat).contiguous();
+  auto slots = slots_in.to(at::kLong).contiguous();
+  auto mask = mask_in.to(at::kBool).contiguous();
+  at::Tensor sinks;
   if (sinks_in.has_value()) {
-    sinks = sinks_in->to(torch::kFloat32).contiguous();
+    sinks = sinks_in->to(at::kFloat).contiguous();
     TORCH_CHECK(sinks.numel() == n_heads, "attend_cache: one sink a query head");
   }
   const int64_t n_slots = std::min(k_pool.size(0), v_pool.size(0));
@@ -246,12 +247,12 @@ torch::Tensor attend_cache(const torch::Tensor& q_in, const torch::Tensor& k_poo
          mask.data_ptr<bool>(),
          sinks.defined() ? sinks.data_ptr<float>() : nullptr,
          static_cast<float>(scale)};
-  auto out = torch::empty({n, n_heads, c.d_v}, k_pool.options());
+  auto out = at::empty({n, n_heads, c.d_v}, k_pool.options());
   const int64_t n_items = n * n_kv;
   switch (k_pool.scalar_type()) {
-    case torch::kFloat32: attend_all<float>(c, k_pool, v_pool, out, n_items); break;
-    case torch::kBFloat16: attend_all<at::BFloat16>(c, k_pool, v_pool, out, n_items); break;
-    case torch::kFloat16: attend_all<at::Half>(c, k_pool, v_pool, out, n_items); break;
+    case at::kFloat: attend_all<float>(c, k_pool, v_pool, out, n_items); break;
+    case at::kBFloat16: attend_all<at::BFloat16>(c, k_pool, v_pool, out, n_items); break;
+    case at::kHalf: attend_all<at::Half>(c, k_pool, v_pool, out, n_items); break;
     default: TORCH_CHECK(false, "attend_cache: pools must be float32, bfloat16 or float16");
   }
   return out;

@@ -10,8 +10,12 @@
 // final tree are per row), and every dot product uses the same chunks, accumulators and tree, fixed by In. Threads
 // split work items (slot, block of output rows), never a dot product; so y[p] is the same bits whatever P, the other
 // pairs or the thread count.
+// Only the headers used (not <torch/extension.h>, which takes ~20 s to compile: docs/kernels.md "Building").
+#include <Python.h>  // (first, as Python asks) for the GIL only: the library is loaded into a Python process
+//
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -57,19 +61,19 @@ struct Weights {
   const uint16_t* scale_row(int64_t slot, int64_t r) const { return scales + (slot * out + r) * n_groups; }
 };
 
-Kind kind_of(const torch::Tensor& data) {
+Kind kind_of(const at::Tensor& data) {
   switch (data.scalar_type()) {
-    case torch::kFloat32: return Kind::F32;
-    case torch::kBFloat16: return Kind::BF16;
-    case torch::kInt8: return Kind::INT8;
-    case torch::kUInt8: return Kind::INT4;
+    case at::kFloat: return Kind::F32;
+    case at::kBFloat16: return Kind::BF16;
+    case at::kChar: return Kind::INT8;
+    case at::kByte: return Kind::INT4;
     default: break;
   }
   TORCH_CHECK(false, "gather_linear: weights must be float32, bfloat16, int8 or uint8 (int4), got ",
               data.scalar_type());
 }
 
-Weights weights_of(const torch::Tensor& data, const std::optional<torch::Tensor>& scales, int64_t in) {
+Weights weights_of(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t in) {
   TORCH_CHECK(data.dim() == 3 && data.is_contiguous(), "gather_linear: weights must be a contiguous [S, Out, In]");
   Weights w{kind_of(data), data.size(1), data.size(2), 0, data.size(2) * data.element_size(), 0,
             static_cast<const uint8_t*>(data.data_ptr()), nullptr};
@@ -80,7 +84,7 @@ Weights weights_of(const torch::Tensor& data, const std::optional<torch::Tensor>
   if (w.kind == Kind::INT4) w.cols *= 2;
   TORCH_CHECK(scales.has_value(), "gather_linear: int8 / int4 weights need scales");
   const auto& s = *scales;
-  TORCH_CHECK(s.scalar_type() == torch::kFloat16 && s.dim() == 3 && s.is_contiguous() && s.size(0) == data.size(0) &&
+  TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 3 && s.is_contiguous() && s.size(0) == data.size(0) &&
                   s.size(1) == w.out && s.size(2) > 0 && w.cols % s.size(2) == 0,
               "gather_linear: scales must be a contiguous float16 [S, Out, groups] dividing the row");
   w.n_groups = s.size(2);
@@ -236,13 +240,13 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
   }
 }
 
-std::vector<int64_t> indices(const std::optional<torch::Tensor>& t, int64_t n, int64_t fill_arange, int64_t bound,
+std::vector<int64_t> indices(const std::optional<at::Tensor>& t, int64_t n, int64_t fill_arange, int64_t bound,
                              const char* what) {
   std::vector<int64_t> out(n);
   if (!t.has_value()) {
     for (int64_t i = 0; i < n; ++i) out[i] = fill_arange ? i : 0;
   } else {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->numel() == n,
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->numel() == n,
                 "gather_linear: ", what, " must be int64 [P]");
     auto c = t->contiguous();
     const int64_t* p = c.data_ptr<int64_t>();
@@ -254,17 +258,17 @@ std::vector<int64_t> indices(const std::optional<torch::Tensor>& t, int64_t n, i
 
 }  // namespace
 
-torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch::Tensor>& rows_in,
-                            const std::optional<torch::Tensor>& slots_in, const torch::Tensor& data,
-                            const std::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "gather_linear: x must be float32 [R, In]");
+at::Tensor gather_linear(const at::Tensor& x_in, const std::optional<at::Tensor>& rows_in,
+                         const std::optional<at::Tensor>& slots_in, const at::Tensor& data,
+                         const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "gather_linear: x must be float32 [R, In]");
   auto x = x_in.contiguous();
   const int64_t n_rows = x.size(0), in = x.size(1);
   const Weights w = weights_of(data, scales, in);
   const int64_t n_pairs = rows_in.has_value() ? rows_in->numel() : n_rows;
   auto rows = indices(rows_in, n_pairs, 1, n_rows, "rows");
   const auto slots = indices(slots_in, n_pairs, 0, data.size(0), "slots");
-  auto y = torch::empty({n_pairs, w.out}, x.options());
+  auto y = at::empty({n_pairs, w.out}, x.options());
   if (n_pairs == 0 || w.out == 0) return y;
 
   Plan plan{std::vector<int64_t>(n_pairs), std::move(rows), {}, nullptr, 0, {}, y.data_ptr<float>()};
@@ -315,15 +319,15 @@ torch::Tensor gather_linear(const torch::Tensor& x_in, const std::optional<torch
 
 // x [R, In] f32 as the integer tiles read it -> (codes int8 [R, C], scales f32 [R, C / 32]), C = In padded to whole
 // chunks, the codes in int8's layout or (nibbles) int4's: for the tests, against formats.quantize_activations.
-std::tuple<torch::Tensor, torch::Tensor> quantise_rows(const torch::Tensor& x_in, bool nibbles) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "quantise_rows: x must be float32 [R, In]");
+std::tuple<at::Tensor, at::Tensor> quantise_rows(const at::Tensor& x_in, bool nibbles) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "quantise_rows: x must be float32 [R, In]");
   auto x = x_in.contiguous();
   const Layout layout = nibbles ? Layout::Nibbles : Layout::Bytes;
   const int64_t n_rows = x.size(0), in = x.size(1), width = chunk_columns(layout);
   const int64_t cols = (in + width - 1) / width * width;
   const QuantisedRows xq(x.data_ptr<float>(), n_rows, in, cols, layout);
-  auto codes = torch::empty({n_rows, cols}, torch::kInt8);
-  auto scales = torch::empty({n_rows, cols / kBlock}, torch::kFloat32);
+  auto codes = at::empty({n_rows, cols}, at::kChar);
+  auto scales = at::empty({n_rows, cols / kBlock}, at::kFloat);
   std::copy(xq.codes().begin(), xq.codes().end(), codes.data_ptr<int8_t>());
   const auto d = xq.block_scales();
   std::copy(d.begin(), d.end(), scales.data_ptr<float>());
@@ -333,8 +337,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantise_rows(const torch::Tensor& x_in
 // The ops' CPU kernels registered with the dispatcher from C++ (register_cpu): compiled code's op calls then go
 // from the dispatcher straight to C++, not through a Python kernel (~2 us a call; the 115M model's int4 decode
 // +4%, docs/kernels.md). They override op.py's Python kernel while registered, and dropping the registration
-// restores it (the fallback for tests). Each releases the GIL when its caller holds it, as the Python bindings
-// below do: other Python threads run while a product streams weights.
+// restores it (the fallback for tests). Each releases the GIL when its caller holds it: other Python threads (the
+// store's readers, the server) run while a product streams weights.
 namespace {
 
 // Overriding op.py's kernel is the design, not a mistake to warn the user about.
@@ -342,25 +346,32 @@ struct Quiet : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 
-template <class F>
-torch::Tensor without_gil(F f) {
-  if (PyGILState_Check()) {
-    py::gil_scoped_release no_gil;
-    return f();
+// The GIL released for its lifetime where this thread held it (a compiled step's wrapper calls ops holding it).
+class WithoutGil {
+ public:
+  WithoutGil() : saved_(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~WithoutGil() {
+    if (saved_) PyEval_RestoreThread(saved_);
   }
-  return f();
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* saved_;
+};
+
+at::Tensor gather_linear_kernel(const at::Tensor& x, const std::optional<at::Tensor>& rows,
+                                const std::optional<at::Tensor>& slots, const at::Tensor& data,
+                                const std::optional<at::Tensor>& scales) {
+  WithoutGil no_gil;
+  return gather_linear(x, rows, slots, data, scales);
 }
 
-torch::Tensor gather_linear_kernel(const torch::Tensor& x, const std::optional<torch::Tensor>& rows,
-                                   const std::optional<torch::Tensor>& slots, const torch::Tensor& data,
-                                   const std::optional<torch::Tensor>& scales) {
-  return without_gil([&] { return gather_linear(x, rows, slots, data, scales); });
-}
-
-torch::Tensor attend_cache_kernel(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                  const torch::Tensor& slots, const torch::Tensor& mask,
-                                  const std::optional<torch::Tensor>& sinks, double scale) {
-  return without_gil([&] { return attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale); });
+at::Tensor attend_cache_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                               const at::Tensor& slots, const at::Tensor& mask,
+                               const std::optional<at::Tensor>& sinks, double scale) {
+  WithoutGil no_gil;
+  return attend_cache(q, k_pool, v_pool, slots, mask, sinks, scale);
 }
 
 // Registered while it exists (a Library unregisters what it holds when deleted). Never deleted at exit: the
@@ -381,18 +392,23 @@ void register_cpu(bool on) {
   cpu_kernels->impl("attend_cache", TORCH_FN(attend_cache_kernel));
 }
 
+std::string isa() { return kIsa; }
+
 }  // namespace
 
 }  // namespace moelane
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // without the GIL: other Python threads (the store's readers, the server) run while a product streams weights
-  m.def("gather_linear", &moelane::gather_linear, "y[p] = x[rows[p]] @ W[slots[p]].T (see gather_linear.cpp)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("quantise_rows", &moelane::quantise_rows, "int8 activation codes and scales (activations.h), for tests",
-        py::arg("x"), py::arg("nibbles") = false);
-  m.def("attend_cache", &moelane::attend_cache, "the decode step's attention over a KV pool (see attention.cpp)",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("register_cpu", &moelane::register_cpu, "register (or, false, unregister) the ops' C++ CPU kernels");
-  m.def("isa", [] { return std::string(moelane::kIsa); }, "which tiles were compiled: avx512 or generic");
+// Python reaches this library through its own operator namespace, torch.ops.<TORCH_EXTENSION_NAME> (one per build:
+// two builds, as bench/kernel_ab.py loads, never collide), loaded by torch.ops.load_library (kernels/build.py).
+// (LIBRARY expands the name before TORCH_LIBRARY pastes it.)
+#define LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+LIBRARY(TORCH_EXTENSION_NAME, m) {
+  m.def("gather_linear(Tensor x, Tensor? rows, Tensor? slots, Tensor data, Tensor? scales) -> Tensor",
+        &moelane::gather_linear_kernel);
+  m.def("attend_cache(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor mask, Tensor? sinks, "
+        "float scale) -> Tensor",
+        &moelane::attend_cache_kernel);
+  m.def("quantise_rows(Tensor x, bool nibbles=False) -> (Tensor, Tensor)", &moelane::quantise_rows);
+  m.def("register_cpu(bool on) -> ()", &moelane::register_cpu);
+  m.def("isa() -> str", &moelane::isa);
 }
