@@ -13,7 +13,7 @@ are timed on the same weights in alternated rounds (A B, B A, ...), medians of t
 
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --threads 1,2
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --matrix
-    nice -n 19 python bench/kernel_ab.py main WORKTREE --variant generic   # the portable tiles (no AVX-512)
+    nice -n 19 python bench/kernel_ab.py main WORKTREE --variant avx2   # the AVX2 tiles (no AVX-512)
 
 Prints one JSON line per figure: each side's time and GB/s, B's speed over A's, the largest difference of the two
 outputs relative to the largest output (0 where the bits agree). On a shared machine compare the ratios, not the
@@ -65,7 +65,7 @@ def csrc_files(rev: str) -> dict[str, bytes]:
 
 def build(rev: str, variant: str = "native") -> ModuleType:
     """`rev`'s kernels as an extension named by their hash, built under the kernels' cache (once per source and
-    variant: `kernels.build.FLAGS`, "generic" for the portable tiles an AVX2 machine runs)."""
+    variant: `kernels.build.FLAGS`, "avx2" for the tiles an AVX2 machine runs)."""
     from moelane.kernels import build as kbuild
 
     files = csrc_files(rev)
@@ -157,7 +157,8 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true", help="single matrices from L2 at 1 thread instead of layers")
     ap.add_argument("--dense", metavar="OUTxIN", help="one dense projection of this shape at --rows instead of layers")
     ap.add_argument("--variant", default="native", help="build flags of both sides (kernels.build.FLAGS): native, "
-                    "generic (the portable tiles, as on a CPU without AVX-512), no-vnni")  # fmt: skip
+                    "avx2 (the AVX2 tiles, as on a CPU without AVX-512), generic (plain C++, no AVX2), "
+                    "no-vnni")  # fmt: skip
     args = ap.parse_args()
     modules = {"a": build(args.a, args.variant), "b": build(args.b, args.variant)}
     base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b, "variant": args.variant}

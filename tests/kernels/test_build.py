@@ -124,7 +124,7 @@ GENERIC = """
     module = build.load(sys.argv[2])
     out = {"isa": module.isa()}
     for kind in ("f32", "bf16", "int8", "int4"):
-        for n_in in (192, 96, 48, 36):
+        for n_in in (192, 96, 48, 36, 1056):
             pool = random_pool(kind, 3, 9, n_in, seed=n_in)
             g = torch.Generator().manual_seed(n_in)
             x = torch.randn(6, n_in, generator=g)
@@ -138,11 +138,12 @@ GENERIC = """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("variant", "isa"), [("generic", "generic"), ("no-vnni", "avx512")])
+@pytest.mark.parametrize(("variant", "isa"), [("generic", "generic"), ("avx2", "avx2"), ("no-vnni", "avx512")])
 def test_portable_tiles(extension: kernels.Availability, tmp_path: Path, variant: str, isa: str) -> None:
-    """The tiles for CPUs without AVX-512 (built here with -mno-avx512f), and the AVX-512 tiles without VNNI (int8's
-    integer dot products by pmaddwd): batch-invariant, within the bound of the float64 reference, and (this CPU
-    having FMA) the same bits as the tiles of this CPU."""
+    """The tiles for CPUs without AVX-512 (the AVX2 tiles, built here with -mno-avx512f, and the plain C++ ones,
+    with -mno-avx2 too), and the AVX-512 tiles without VNNI (int8's integer dot products by pmaddwd):
+    batch-invariant, within the bound of the float64 reference, and (this CPU having FMA) the same bits as the tiles
+    of this CPU."""
     proc = run_python(GENERIC, None, str(tmp_path / "out.pt"), variant)
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log

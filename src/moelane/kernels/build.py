@@ -39,7 +39,8 @@ COMPILE_MESSAGE = "compiling moelane's CPU kernels (once, ~10 s)"
 # -ffp-contract=off: no multiply-add fused behind our back (the tiles spell out every FMA); no -ffast-math.
 FLAGS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-    "generic": ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp"],  # tests: the portable tiles
+    "avx2": ["-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fopenmp"],  # tests: the AVX2 tiles
+    "generic": ["-O3", "-march=native", "-mno-avx512f", "-mno-avx2", "-ffp-contract=off", "-fopenmp"],  # portable
     "no-vnni": ["-O3", "-march=native", "-mno-avx512vnni", "-ffp-contract=off", "-fopenmp"],  # tests: int8 by pmaddwd
 }
 _lock = threading.Lock()

@@ -41,7 +41,7 @@ torch.library.define(
 
 @dataclass(frozen=True, slots=True)
 class Availability:
-    """Which implementation serves `gather_linear`: "avx512" or "generic" (the extension's tiles) or "fallback";
+    """Which implementation serves `gather_linear`: "avx512", "avx2" or "generic" (the extension's tiles) or "fallback";
     `error` is the build failure in one line when the extension could not be used."""
 
     backend: str

@@ -29,6 +29,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "tiles_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "tiles_avx2.h"
 #else
 #include "tiles_generic.h"
 #endif

@@ -138,21 +138,7 @@ inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* c
   finish<NM>(acc, out);
 }
 
-// tiles_avx512.h's 8-row int4 tile at one activation row: two 4-row tiles, the same arithmetic per row.
-template <int G>
-inline void tile_int4_rows8(const QRow* x, const uint8_t* const* p, const float* const* s, int64_t n, float* out) {
-  const QRow* xs[1] = {x};
-  tile_int4<1, G>(xs, p, s, n, out);
-  tile_int4<1, G>(xs, p + 4, s + 4, n, out + 4);
-}
-
-// tiles_avx512.h's 8-row int8 tile at one activation row: two 4-row tiles, the same arithmetic per row.
-template <int G>
-inline void tile_int8_rows8(const QRow* x, const int8_t* const* q, const float* const* s, int64_t n, float* out) {
-  const QRow* xs[1] = {x};
-  tile_int8<1, G>(xs, q, s, n, out);
-  tile_int8<1, G>(xs, q + 4, s + 4, n, out + 4);
-}
-
 }  // namespace
 }  // namespace moelane
+
+#include "tiles_rows8.h"

@@ -1,0 +1,228 @@
+// AVX2 tiles (CPUs with AVX2, FMA and F16C but no AVX-512: Intel client parts, AMD before Zen 4): the arithmetic of
+// tiles_avx512.h lane for lane, so the same bits. Each of its 16 fp32 lanes is kept here as two 8-lane halves
+// (lanes 0-7, 8-15); a lane's sums run in the same chunk order, and `reduce16` is reduce4's tree: s[l] = v[l] +
+// v[l+8], t[l] = s[l] + s[l+4], (t0+t2) + (t1+t3).
+//
+// int8 and int4 take the exact int32 sum of a lane's code products by another route than vpdpbusd, the same value:
+// int8 by vpmaddubsw on |w| and x with w's sign (a pair sums to at most 2 x 128 x 127, no saturation), int4 by
+// vpmaddubsw on the stored nibbles (0..15) plus the rows' correction for their bias of 8 (activations.h).
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "activations.h"
+#include "prefetch.h"
+
+namespace moelane {
+namespace {
+
+constexpr const char* kIsa = "avx2";
+constexpr int64_t kMaxGroups = 1024;  // as tiles_avx512.h: above it, gather_linear.cpp widens scales per work item
+
+// fp16 scales as fp32 (exact). out needs room for n.
+inline void widen_scales(const uint16_t* s, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(s[i]);
+}
+inline float scale_of(uint16_t h) { return _cvtsh_ss(h); }
+inline float scale_of(float s) { return s; }
+
+// One lane set of 16 as two halves.
+struct V16 {
+  __m256 h[2];
+};
+
+inline float reduce16(const V16& v) {
+  const __m256 s = _mm256_add_ps(v.h[0], v.h[1]);
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));  // (t0 + t2, t1 + t3)
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+template <int NM>
+inline void finish(const V16 (&acc)[NM][4], float* out) {
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) out[4 * m + r] = reduce16(acc[m][r]);
+}
+
+template <int NM>
+inline void zero(V16 (&acc)[NM][4]) {
+  for (int m = 0; m < NM; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r].h[0] = acc[m][r].h[1] = _mm256_setzero_ps();
+}
+
+inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_w(const uint16_t* p) {  // bf16 bits -> fp32
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// f32 or bf16 rows of n columns: chunk c of 16 columns into lane c % 16 by FMA; the last chunk zero-padded.
+template <int NM, class W>
+inline void tile_float(const float* const* xs, const W* const* w, int64_t n, float* out) {
+  V16 acc[NM][4];
+  zero<NM>(acc);
+  const bool ahead = n * static_cast<int64_t>(sizeof(W)) > kPrefetchRowBytes;  // (prefetch.h)
+  for (int64_t c = 0; c < n; c += 16) {
+    const int64_t len = std::min<int64_t>(16, n - c);
+    alignas(32) W wt[4][16];
+    alignas(32) float xt[NM][16];
+    const W* wp[4];
+    const float* xp[NM];
+    for (int r = 0; r < 4; ++r) wp[r] = w[r] + c;
+    for (int m = 0; m < NM; ++m) xp[m] = xs[m] + c;
+    if (len < 16) {  // the row's tail, zero-padded (a zero weight meets a zero x)
+      for (int r = 0; r < 4; ++r) {
+        std::memset(wt[r], 0, sizeof(wt[r]));
+        std::memcpy(wt[r], wp[r], len * sizeof(W));
+        wp[r] = wt[r];
+      }
+      for (int m = 0; m < NM; ++m) {
+        std::memset(xt[m], 0, sizeof(xt[m]));
+        std::memcpy(xt[m], xp[m], len * sizeof(float));
+        xp[m] = xt[m];
+      }
+    } else if (ahead && (c * sizeof(W)) % 64 == 0) {
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp[r]) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 wv[4];
+      for (int r = 0; r < 4; ++r) wv[r] = load_w(wp[r] + 8 * h);
+      for (int m = 0; m < NM; ++m) {
+        const __m256 xv = _mm256_loadu_ps(xp[m] + 8 * h);
+        for (int r = 0; r < 4; ++r) acc[m][r].h[h] = _mm256_fmadd_ps(xv, wv[r], acc[m][r].h[h]);
+      }
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+// Per lane l of 8: the exact sum of w[4l+j] * x[4l+j] (w any int8, x in [-127, 127]).
+inline __m256i dot_int8(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// Per lane l of 8: the exact sum of u[4l+j] * x[4l+j] (u in 0..15, x in [-127, 127]).
+inline __m256i dot_nibbles(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+// The scales of a half chunk's 8 lanes, which cover `span` columns from `first` (32 for int8, 64 for int4) in equal
+// shares of one to four groups; 0 past the row's n_groups.
+template <int G, int span, class S>
+inline __m256 half_scales(const S* s, int64_t first, int64_t n_groups) {
+  constexpr int per = span / G < 1 ? 1 : span / G;
+  static_assert(per == 1 || per == 2 || per == 4, "a half chunk holds 1, 2 or 4 groups");
+  float g[per];
+  for (int i = 0; i < per; ++i) {
+    const int64_t index = first / G + i;
+    g[i] = index < n_groups ? scale_of(s[index]) : 0.0f;
+  }
+  if constexpr (per == 1) return _mm256_set1_ps(g[0]);
+  else if constexpr (per == 2) return _mm256_setr_m128(_mm_set1_ps(g[0]), _mm_set1_ps(g[1]));
+  else return _mm256_setr_ps(g[0], g[0], g[1], g[1], g[2], g[2], g[3], g[3]);
+}
+
+// Chunk `at` (64 bytes) of 4 rows as `out`: in place, prefetched ahead where `ahead`, or where only `len` < 64 bytes
+// are left in the row, copied into a zeroed `tail` (AVX2 has no byte-masked loads; a zero code meets a zero one).
+template <class T>
+inline void chunk_rows(const T* const* rows, int64_t at, int64_t len, bool ahead, T (&tail)[4][64],
+                       const T* (&out)[4]) {
+  for (int r = 0; r < 4; ++r) out[r] = rows[r] + at;
+  if (len < 64) {
+    for (int r = 0; r < 4; ++r) {
+      std::memset(tail[r], 0, 64);
+      std::memcpy(tail[r], out[r], len);
+      out[r] = tail[r];
+    }
+  } else if (ahead) {
+    for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(out[r]) + kPrefetchBytes, _MM_HINT_T0);
+  }
+}
+
+// int8 weights against int8 activations (activations.h, Layout::Bytes): per 64-column chunk k and lane l (columns
+// 64k + 4l .. + 3) the exact int32 sum, converted and weighed by the lane's activation scale x weight scale, into acc
+// by FMA, as tiles_avx512.h's tile_int8. A last chunk of n % 64 columns is zero-padded.
+template <int NM, int G, class S>
+inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
+  V16 acc[NM][4];
+  zero<NM>(acc);
+  const int64_t n_groups = n / G;
+  const bool ahead = n > kPrefetchRowBytes;  // (prefetch.h)
+  for (int64_t k = 0; 64 * k < n; ++k) {
+    const int64_t len = std::min<int64_t>(64, n - 64 * k);
+    alignas(32) int8_t tail[4][64];
+    const int8_t* wp[4];
+    chunk_rows(q, 64 * k, len, ahead, tail, wp);
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[4];
+      __m256 sv[4];
+      for (int r = 0; r < 4; ++r) {
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[r] + 32 * h));
+        sv[r] = half_scales<G, 32>(s[r], 64 * k + 32 * h, n_groups);
+      }
+      for (int m = 0; m < NM; ++m) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m]->q + 64 * k + 32 * h));
+        const __m256 dv = _mm256_loadu_ps(xs[m]->d + 16 * k + 8 * h);
+        for (int r = 0; r < 4; ++r) {
+          const __m256 sum = _mm256_cvtepi32_ps(dot_int8(wv[r], xq));
+          acc[m][r].h[h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, sv[r]), acc[m][r].h[h]);
+        }
+      }
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+// int4 (tiers' layout, stored + 8) against activations in the Nibbles layout (activations.h): per 128-column chunk
+// k, 64 bytes whose low nibbles meet the chunk's even codes and whose high nibbles its odd ones, lane l (bytes 4l ..
+// + 3, columns 128k + 8l .. + 7) summing both plus its correction in int32, as tiles_avx512.h's tile_int4. A last
+// chunk of n % 128 columns is zero-padded (zero nibbles meet zero codes).
+template <int NM, int G, class S>
+inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
+  V16 acc[NM][4];
+  zero<NM>(acc);
+  const int64_t n_groups = n / G;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const bool ahead = n / 2 > kPrefetchRowBytes;  // (prefetch.h)
+  for (int64_t k = 0; 128 * k < n; ++k) {
+    const int64_t len = std::min<int64_t>(64, (n - 128 * k) / 2);
+    alignas(32) uint8_t tail[4][64];
+    const uint8_t* bp[4];
+    chunk_rows(p, 64 * k, len, ahead, tail, bp);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo[4], hi[4];
+      __m256 sv[4];
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp[r] + 32 * h));
+        lo[r] = _mm256_and_si256(v, low4);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        sv[r] = half_scales<G, 64>(s[r], 128 * k + 64 * h, n_groups);
+      }
+      for (int m = 0; m < NM; ++m) {
+        const int8_t* x = xs[m]->q + 128 * k + 32 * h;
+        const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
+        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m]->corr + 16 * k + 8 * h));
+        const __m256 dv = _mm256_loadu_ps(xs[m]->d + 16 * k + 8 * h);
+        for (int r = 0; r < 4; ++r) {
+          const __m256i both = _mm256_add_epi32(dot_nibbles(lo[r], even), dot_nibbles(hi[r], odd));
+          const __m256i sum = _mm256_add_epi32(corr, both);
+          acc[m][r].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, sv[r]), acc[m][r].h[h]);
+        }
+      }
+    }
+  }
+  finish<NM>(acc, out);
+}
+
+}  // namespace
+}  // namespace moelane
+
+#include "tiles_rows8.h"
