@@ -62,6 +62,16 @@ inline __m256 load_w(const uint16_t* p) {  // bf16 bits -> fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
+// p, or where only `len` < N elements are left in its row, a copy into the zeroed `buf` (AVX2 has no byte-masked
+// loads; past the row a zero weight meets a zero activation).
+template <class T, int N>
+inline const T* padded(const T* p, int64_t len, T (&buf)[N]) {
+  if (len >= N) return p;
+  std::memset(buf, 0, sizeof(buf));
+  std::memcpy(buf, p, len * sizeof(T));
+  return buf;
+}
+
 // f32 or bf16 rows of n columns: chunk c of 16 columns into lane c % 16 by FMA; the last chunk zero-padded.
 template <int NM, class W>
 inline void tile_float(const float* const* xs, const W* const* w, int64_t n, float* out) {
@@ -74,22 +84,10 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
     alignas(32) float xt[NM][16];
     const W* wp[4];
     const float* xp[NM];
-    for (int r = 0; r < 4; ++r) wp[r] = w[r] + c;
-    for (int m = 0; m < NM; ++m) xp[m] = xs[m] + c;
-    if (len < 16) {  // the row's tail, zero-padded (a zero weight meets a zero x)
-      for (int r = 0; r < 4; ++r) {
-        std::memset(wt[r], 0, sizeof(wt[r]));
-        std::memcpy(wt[r], wp[r], len * sizeof(W));
-        wp[r] = wt[r];
-      }
-      for (int m = 0; m < NM; ++m) {
-        std::memset(xt[m], 0, sizeof(xt[m]));
-        std::memcpy(xt[m], xp[m], len * sizeof(float));
-        xp[m] = xt[m];
-      }
-    } else if (ahead && (c * sizeof(W)) % 64 == 0) {
+    for (int r = 0; r < 4; ++r) wp[r] = padded(w[r] + c, len, wt[r]);
+    for (int m = 0; m < NM; ++m) xp[m] = padded(xs[m] + c, len, xt[m]);
+    if (len == 16 && ahead && (c * sizeof(W)) % 64 == 0)
       for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp[r]) + kPrefetchBytes, _MM_HINT_T0);
-    }
     for (int h = 0; h < 2; ++h) {
       __m256 wv[4];
       for (int r = 0; r < 4; ++r) wv[r] = load_w(wp[r] + 8 * h);
@@ -129,23 +127,6 @@ inline __m256 half_scales(const S* s, int64_t first, int64_t n_groups) {
   else return _mm256_setr_ps(g[0], g[0], g[1], g[1], g[2], g[2], g[3], g[3]);
 }
 
-// Chunk `at` (64 bytes) of 4 rows as `out`: in place, prefetched ahead where `ahead`, or where only `len` < 64 bytes
-// are left in the row, copied into a zeroed `tail` (AVX2 has no byte-masked loads; a zero code meets a zero one).
-template <class T>
-inline void chunk_rows(const T* const* rows, int64_t at, int64_t len, bool ahead, T (&tail)[4][64],
-                       const T* (&out)[4]) {
-  for (int r = 0; r < 4; ++r) out[r] = rows[r] + at;
-  if (len < 64) {
-    for (int r = 0; r < 4; ++r) {
-      std::memset(tail[r], 0, 64);
-      std::memcpy(tail[r], out[r], len);
-      out[r] = tail[r];
-    }
-  } else if (ahead) {
-    for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(out[r]) + kPrefetchBytes, _MM_HINT_T0);
-  }
-}
-
 // int8 weights against int8 activations (activations.h, Layout::Bytes): per 64-column chunk k and lane l (columns
 // 64k + 4l .. + 3) the exact int32 sum, converted and weighed by the lane's activation scale x weight scale, into acc
 // by FMA, as tiles_avx512.h's tile_int8. A last chunk of n % 64 columns is zero-padded.
@@ -159,7 +140,9 @@ inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* co
     const int64_t len = std::min<int64_t>(64, n - 64 * k);
     alignas(32) int8_t tail[4][64];
     const int8_t* wp[4];
-    chunk_rows(q, 64 * k, len, ahead, tail, wp);
+    for (int r = 0; r < 4; ++r) wp[r] = padded(q[r] + 64 * k, len, tail[r]);
+    if (len == 64 && ahead)
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp[r]) + kPrefetchBytes, _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i wv[4];
       __m256 sv[4];
@@ -195,7 +178,9 @@ inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* c
     const int64_t len = std::min<int64_t>(64, (n - 128 * k) / 2);
     alignas(32) uint8_t tail[4][64];
     const uint8_t* bp[4];
-    chunk_rows(p, 64 * k, len, ahead, tail, bp);
+    for (int r = 0; r < 4; ++r) bp[r] = padded(p[r] + 64 * k, len, tail[r]);
+    if (len == 64 && ahead)
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(bp[r]) + kPrefetchBytes, _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i lo[4], hi[4];
       __m256 sv[4];
