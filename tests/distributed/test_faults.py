@@ -15,7 +15,7 @@ from tests.helpers import random_model
 TIMEOUT_S = 4.0
 
 
-@pytest.mark.parametrize("how", ["die", pytest.param("hang", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["die", "hang"])
 def test_a_rank_lost_mid_request_fails_it_within_the_timeout(tiny: Path, how: str) -> None:
     # (the tiny model has 2 MoE layers: rank 1 fails at its 5th call, in the 3rd pass, after the prompt's)
     got = launch(tiny, FailingGenerate([1, 5, 9, 13, 2], 12), [Rank(), Rank({"provider": Faulty(5, how)})], TIMEOUT_S)
@@ -30,7 +30,7 @@ def test_a_rank_lost_mid_request_fails_it_within_the_timeout(tiny: Path, how: st
     ("change", "named"),
     [
         ({"num_experts": 12}, "config.n_experts is 12 there, 10 on rank 0"),
-        pytest.param({"seed": 1}, "first expert is", marks=pytest.mark.slow),
+        ({"seed": 1}, "first expert is"),
     ],
 )
 def test_a_rank_with_another_model_is_refused(tiny: Path, change: dict[str, int], named: str) -> None:

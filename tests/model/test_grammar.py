@@ -166,7 +166,7 @@ def test_end_ids_past_the_tokenizer_are_left_to_the_rest(lm: Any) -> None:
     assert held.allowed(finished).nonzero().flatten().tolist() == [tok.vocab_size - 1]
 
 
-@pytest.mark.parametrize("drafter", [pytest.param("none", marks=pytest.mark.slow), "copy"])  # (drafts: the hard case)
+@pytest.mark.parametrize("drafter", ["none", "copy"])
 def test_engine_replies_under_a_grammar_equal_one_token_decoding(lm: Any, drafter: str) -> None:
     """Drafts (copy-heavy prompts make the copy drafter propose JSON) are checked against the mask of their own
     row, so the replies are the one-token replies, greedy and seeded."""
