@@ -11,9 +11,14 @@ are timed on the same weights in alternated rounds (A B, B A, ...), medians of t
 - dense (--dense OUTxIN): one dense projection (`linear`: every row against one matrix, as attention and LM heads
   are) at each of --rows, the matrix streamed from memory (a copy per call in --span-gb, taken round-robin).
 
+With --interleave b, side B computes int8 pools interleaved (the same codes 16 rows a block, as the CPU's expert
+pools hold them: kernels/pool.py), A row-major: give the same revision twice to compare the layouts. With
+--interleave ab both sides compute interleaved pools.
+
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --threads 1,2
     nice -n 19 python bench/kernel_ab.py main WORKTREE --kinds int4,int8 --matrix
     nice -n 19 python bench/kernel_ab.py main WORKTREE --variant avx2   # the AVX2 tiles (no AVX-512)
+    nice -n 19 python bench/kernel_ab.py WORKTREE WORKTREE --kinds int8 --interleave b --rows 1,4,16 --threads 2
 
 Prints one JSON line per figure: each side's time and GB/s, B's speed over A's, the largest difference of the two
 outputs relative to the largest output (0 where the bits agree). On a shared machine compare the ratios, not the
@@ -44,8 +49,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import kernel_bench as kb  # noqa: E402
 
+from moelane import kernels  # noqa: E402
+from moelane.kernels import hugepages  # noqa: E402
+from moelane.kernels.pool import interleaved_pool  # noqa: E402
+
 CSRC = "src/moelane/kernels/csrc"
-Call = Callable[[ModuleType, int], torch.Tensor]
+Call = Callable[[ModuleType, int, str], torch.Tensor]  # (module, call index, side "a" / "b")
+
+
+class Sides:
+    """The pools of each side: as made, or interleaved for the sides in `interleave` (int8 only)."""
+
+    def __init__(self, interleave: str) -> None:
+        self.interleave = interleave
+
+    def pools(self, pool: kernels.Pool) -> dict[str, kernels.Pool]:
+        inter = interleaved_pool(pool)
+        if inter is not pool:  # (in huge pages, as the pool)
+            inter = kernels.Pool(inter.kind, hugepages.place(inter.data), inter.scales, inter.in_features)
+        return {side: inter if side in self.interleave else pool for side in "ab"}
 
 
 def csrc_files(rev: str) -> dict[str, bytes]:
@@ -79,15 +101,17 @@ def build(rev: str, variant: str = "native") -> ModuleType:
     return kbuild._compile(f"moelane_ab_{key}", folder, variant, src)
 
 
-def layer_call(shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch.Generator) -> tuple[Call, float]:
-    """-> (call(module, i): one MoE layer, the distinct experts' bytes per call on average)."""
+def layer_call(
+    shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch.Generator, sides: Sides
+) -> tuple[Call, float]:
+    """-> (call(module, i, side): one MoE layer, the distinct experts' bytes per call on average)."""
     one = kb.random_pool(kind, 1, 2 * shape.width, shape.hidden, g).nbytes
     expert_bytes = one + kb.random_pool(kind, 1, shape.hidden, shape.width, g).nbytes
     n_layers = max(1, math.ceil(span_gb * 1e9 / (expert_bytes * shape.n_experts)))
     layers = [
         (
-            kb.random_pool(kind, shape.n_experts, 2 * shape.width, shape.hidden, g),
-            kb.random_pool(kind, shape.n_experts, shape.hidden, shape.width, g),
+            sides.pools(kb.random_pool(kind, shape.n_experts, 2 * shape.width, shape.hidden, g)),
+            sides.pools(kb.random_pool(kind, shape.n_experts, shape.hidden, shape.width, g)),
         )
         for _ in range(n_layers)
     ]
@@ -96,9 +120,9 @@ def layer_call(shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch
     rows = torch.arange(n_rows).repeat_interleave(shape.top_k)
     pairs = torch.arange(n_rows * shape.top_k)
 
-    def call(module: ModuleType, i: int) -> torch.Tensor:
+    def call(module: ModuleType, i: int, side: str) -> torch.Tensor:
         layer, slots, _ = plan[i % len(plan)]
-        a, b = layers[layer]
+        a, b = layers[layer][0][side], layers[layer][1][side]
         gate_up = module.gather_linear(x, rows, slots, a.data, a.scales)
         h = F.silu(gate_up[:, : shape.width]) * gate_up[:, shape.width :]
         return module.gather_linear(h, pairs, slots, b.data, b.scales)
@@ -106,22 +130,29 @@ def layer_call(shape: kb.Shape, kind: str, n_rows: int, span_gb: float, g: torch
     return call, statistics.mean(n for _, _, n in plan) * expert_bytes
 
 
-def matrix_call(kind: str, n_out: int, n_in: int, g: torch.Generator) -> tuple[Call, float]:
-    """-> (call(module, i): one slot's [n_out, n_in] product for one row, the slot's bytes)."""
-    pool = kb.random_pool(kind, 1, n_out, n_in, g)
+def matrix_call(kind: str, n_out: int, n_in: int, g: torch.Generator, sides: Sides) -> tuple[Call, float]:
+    """-> (call(module, i, side): one slot's [n_out, n_in] product for one row, the slot's bytes)."""
+    pools = sides.pools(kb.random_pool(kind, 1, n_out, n_in, g))
     x = torch.randn(1, n_in, generator=g)
     zero = torch.zeros(1, dtype=torch.int64)
-    return lambda module, i: module.gather_linear(x, zero, zero, pool.data, pool.scales), pool.nbytes
+
+    def call(module: ModuleType, i: int, side: str) -> torch.Tensor:
+        return module.gather_linear(x, zero, zero, pools[side].data, pools[side].scales)
+
+    return call, pools["a"].nbytes
 
 
-def dense_call(kind: str, n_out: int, n_in: int, n_rows: int, span_gb: float, g: torch.Generator) -> tuple[Call, float]:
-    """-> (call(module, i): a dense product of n_rows rows, the matrix's bytes)."""
+def dense_call(
+    kind: str, n_out: int, n_in: int, n_rows: int, span_gb: float, g: torch.Generator, sides: Sides
+) -> tuple[Call, float]:
+    """-> (call(module, i, side): a dense product of n_rows rows, the matrix's bytes)."""
     one = kb.random_pool(kind, 1, n_out, n_in, g)
-    copies = [one] + [kb.random_pool(kind, 1, n_out, n_in, g) for _ in range(max(0, int(span_gb * 1e9 / one.nbytes)))]
+    n_copies = max(0, int(span_gb * 1e9 / one.nbytes))
+    copies = [sides.pools(p) for p in [one] + [kb.random_pool(kind, 1, n_out, n_in, g) for _ in range(n_copies)]]
     x = torch.randn(n_rows, n_in, generator=g)
 
-    def call(module: ModuleType, i: int) -> torch.Tensor:
-        pool = copies[i % len(copies)] if i else one
+    def call(module: ModuleType, i: int, side: str) -> torch.Tensor:
+        pool = copies[i % len(copies) if i else 0][side]
         return module.gather_linear(x, None, None, pool.data, pool.scales)
 
     return call, one.nbytes
@@ -136,7 +167,7 @@ def ab(modules: dict[str, ModuleType], call: Call, rounds: int, calls: int, best
             times = []
             for _ in range(calls):
                 t = time.perf_counter()
-                call(modules[side], i)
+                call(modules[side], i, side)
                 times.append(time.perf_counter() - t)
                 i += 1
             per_round[side].append(min(times) if best else statistics.median(times))
@@ -159,9 +190,13 @@ def main() -> None:
     ap.add_argument("--variant", default="native", help="build flags of both sides (kernels.build.FLAGS): native, "
                     "avx2 (the AVX2 tiles, as on a CPU without AVX-512), generic (plain C++, no AVX2), "
                     "no-vnni")  # fmt: skip
+    ap.add_argument("--interleave", default="", choices=["", "b", "ab"],
+                    help="the sides computing int8 pools interleaved (module docstring)")  # fmt: skip
     args = ap.parse_args()
+    sides = Sides(args.interleave)
     modules = {"a": build(args.a, args.variant), "b": build(args.b, args.variant)}
-    base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b, "variant": args.variant}
+    base = {"bench": "kernel_ab", "git": kb.git_rev(), "a": args.a, "b": args.b, "variant": args.variant,
+            "interleave": args.interleave}  # fmt: skip
     g = torch.Generator().manual_seed(0)
     jobs: list[tuple[dict[str, object], Callable[[], tuple[Call, float]]]] = []
     if args.dense:
@@ -170,7 +205,8 @@ def main() -> None:
             for n_threads in (int(t) for t in args.threads.split(",")):
                 for n_rows in (int(r) for r in args.rows.split(",")):
                     conf = {"what": f"dense {args.dense}", "kind": kind, "rows": n_rows, "threads": n_threads}
-                    jobs.append((conf, functools.partial(dense_call, kind, n_out, n_in, n_rows, args.span_gb, g)))
+                    make = functools.partial(dense_call, kind, n_out, n_in, n_rows, args.span_gb, g, sides)
+                    jobs.append((conf, make))
     for name in [] if args.dense else args.shapes.split(","):
         shape = kb.SHAPES[name]
         for kind in args.kinds.split(","):
@@ -180,16 +216,16 @@ def main() -> None:
                     ("w2", (shape.hidden, shape.width)),
                 ):
                     conf = {"what": what, "shape": name, "kind": kind, "rows": 1, "threads": 1}
-                    jobs.append((conf, lambda k=kind, o=n_out, i=n_in: matrix_call(k, o, i, g)))
+                    jobs.append((conf, lambda k=kind, o=n_out, i=n_in: matrix_call(k, o, i, g, sides)))
                 continue
             for n_threads in (int(t) for t in args.threads.split(",")):
                 for n_rows in (int(r) for r in args.rows.split(",")):
                     conf = {"what": "layer", "shape": name, "kind": kind, "rows": n_rows, "threads": n_threads}
-                    jobs.append((conf, lambda s=shape, k=kind, n=n_rows: layer_call(s, k, n, args.span_gb, g)))
+                    jobs.append((conf, lambda s=shape, k=kind, n=n_rows: layer_call(s, k, n, args.span_gb, g, sides)))
     for conf, make in jobs:
         torch.set_num_threads(int(str(conf["threads"])))
         call, nbytes = make()
-        ya, yb = call(modules["a"], 0), call(modules["b"], 0)
+        ya, yb = call(modules["a"], 0, "a"), call(modules["b"], 0, "b")
         t = ab(modules, call, args.rounds, args.calls, best=args.matrix)
         rec = {
             **base,

@@ -7,6 +7,7 @@ import torch
 
 from moelane import kernels
 from moelane.kernels import formats
+from moelane.kernels.pool import interleaved_pool
 from moelane.model import layers
 from moelane.model.weights import replace
 
@@ -14,10 +15,15 @@ INTEGER_KINDS = ("int8", "int4")  # pools whose products meet the activations' i
 
 
 def random_pool(kind: str, n_slots: int, n_out: int, n_in: int, seed: int) -> kernels.Pool:
-    """S random matrices [Out, In] (one all-zero half row: a zero group) quantised to `kind`."""
+    """S random matrices [Out, In] (one all-zero half row: a zero group) quantised to `kind`, or to int8 and
+    interleaved for "int8-interleaved" (Out a multiple of 16)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n_slots, n_out, n_in, generator=g) * 0.05
     w[0, 0, : n_in // 2] = 0.0
+    if kind == "int8-interleaved":
+        pool = interleaved_pool(kernels.quantize(w, "int8"))
+        assert pool.interleaved
+        return pool
     return kernels.quantize(w, kind)
 
 

@@ -24,6 +24,7 @@ import moelane
 from moelane import kernels
 from moelane.errors import ModelLoadError
 from moelane.kernels.formats import QuantFormat
+from moelane.kernels.pool import interleave
 from moelane.model.gguf.codes import block_codes
 from moelane.model.provider import ResidentProvider, TierPool, tier_pool
 from moelane.pager.live.store import ExpertStore
@@ -69,7 +70,10 @@ def reference_pools(path: Path, layers: list[int]) -> dict[int, TierPool]:
         kind = KIND[tensors[f"blk.{layer}.ffn_down_exps.weight"].tensor_type.name]
         w13 = tuple(torch.cat([g, u], dim=1).contiguous() for g, u in zip(parts["gate"], parts["up"], strict=True))
         hidden, width = parts["down"][1].shape[1], parts["gate"][1].shape[1]
-        pools[layer] = tier_pool(0, kind, (w13[0], w13[1]), parts["down"], (hidden, width))
+        down = parts["down"]
+        if kind == "int8":  # as the CPU's pools hold int8 (kernels/pool.py "interleaved")
+            w13, down = interleave(w13[0], w13[1]), interleave(down[0], down[1])
+        pools[layer] = tier_pool(0, kind, (w13[0], w13[1]), down, (hidden, width))
     return pools
 
 

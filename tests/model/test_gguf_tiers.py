@@ -19,6 +19,7 @@ import torch
 import moelane
 from moelane.errors import ModelLoadError
 from moelane.kernels.formats import FORMATS, quantize
+from moelane.kernels.pool import interleave
 from moelane.model.checkpoint import ExpertHandle, TensorRef
 from moelane.model.gguf.blocks import byte_shape
 from moelane.model.provider import ResidentProvider, TierPool, tier_pool
@@ -47,7 +48,8 @@ def reference_pools(path: Path, layers: list[int], tier: int) -> dict[int, TierP
         for matrices in ([torch.cat([g, u]) for g, u in zip(gate, up, strict=True)], list(down)):
             codes, scales = zip(*(quantize(w, fmt) for w in matrices), strict=True)
             rows = matrices[0].shape[0]
-            parts.append((torch.stack([c.view(rows, -1) for c in codes]).view(code_dtype), torch.stack(scales)))
+            data, stacked = torch.stack([c.view(rows, -1) for c in codes]).view(code_dtype), torch.stack(scales)
+            parts.append(interleave(data, stacked) if tier == 1 else (data, stacked))  # (the CPU's int8: pool.py)
         dims = (gate.shape[2], gate.shape[1])  # (H, I)
         pools[layer] = tier_pool(0, TIER_NAMES[tier], parts[0], parts[1], dims)
     return pools

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelane.kernels.pool import rows_major
+
 BLOCK_OUT = 32  # output rows a program computes
 BLOCK_IN = 64  # input columns a chunk: a multiple of every quantised group (16, 32, 64)
 KIND_IDS = {torch.float32: 0, torch.bfloat16: 0, torch.int8: 1, torch.uint8: 2}  # float, int8, int4
@@ -88,6 +90,8 @@ def gather_linear(
     """x [R, In] f32, rows / slots [P] int64 (None: arange(R) / all slot 0), data / scales a pool's -> y [P, Out]
     f32. No host synchronisation: indices are trusted in range (the callers' `kernels.gather_linear` checks shapes;
     the CPU implementations check values)."""
+    if data.dim() == 4 and scales is not None:  # interleaved int8 (the CPU's layout, pool.py): row-major here
+        data, scales = rows_major(data, scales)
     if x.dtype != torch.float32 or x.dim() != 2 or data.dim() != 3 or data.dtype not in KIND_IDS:
         raise RuntimeError("gather_linear: x must be float32 [R, In] and data a pool's [S, Out, In]")
     x = x.contiguous()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moelane.kernels.formats import quantize_activations
+from moelane.kernels.pool import rows_major
 
 LANES = 64
 BLOCK_ELEMENTS = 1 << 20  # n * B * L per step
@@ -32,6 +33,8 @@ def gather_linear(
     scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [R, I] f32, rows / slots [P] int64 (None: arange(R) / all slot 0), data / scales a pool's -> y [P, O]."""
+    if data.dim() == 4 and scales is not None:  # interleaved int8 (pool.py): the same codes, row-major
+        data, scales = rows_major(data, scales)
     n_pairs = x.shape[0] if rows is None else rows.numel()
     rows = torch.arange(n_pairs) if rows is None else rows
     slots = torch.zeros(n_pairs, dtype=torch.int64) if slots is None else slots

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from moelane.kernels import build, fallback
-from moelane.kernels.pool import Pool
+from moelane.kernels.pool import BLOCK_ROWS, Pool
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ def _gather_linear_fake(
     scales: torch.Tensor | None,
 ) -> torch.Tensor:
     n_pairs = x.shape[0] if rows is None else rows.shape[0]
-    return x.new_empty((n_pairs, data.shape[1]))
+    n_out = data.shape[1] * (BLOCK_ROWS if data.dim() == 4 else 1)  # (4-D: interleaved int8, pool.py)
+    return x.new_empty((n_pairs, n_out))
 
 
 def _attend_cache_cpu(

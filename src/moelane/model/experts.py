@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 from moelane import kernels
+from moelane.kernels.pool import rows_major
 from moelane.model.layers import TILE, linear, silu_mul
 from moelane.model.provider import ExpertProvider, TierPool
 
@@ -442,7 +443,7 @@ def dispatch_tiers(
     (`pair_weights`) and meet its row in `pair_products`' fixed-order reductions, with nothing data-dependent, so the
     step compiles whole. A pair's result depends only on its row and its slot's weights: each weight's value is
     code * scale in fp32 (exact), rounded once to the compute dtype, whichever other slots share the call."""
-    n_in = (x.shape[-1], pools[0].w13[0].shape[1] // 2)  # (H, I): the input widths of w13 and w2
+    n_in = (x.shape[-1], pools[0].width)  # (H, I): the input widths of w13 and w2
     if torch.compiler.is_compiling():
         w13, w2 = pair_weights(pools, slots, x.dtype, n_in)
         y = pair_products(x, w13, w2, act, bias)
@@ -460,7 +461,7 @@ def tier_pairs(
     bias: PairBias | None = None,
 ) -> torch.Tensor:
     """The reference path's pair outputs [P, H] (eager): the used slots dequantised, then `grouped`."""
-    n_in = (rows.shape[-1], pools[0].w13[0].shape[1] // 2)  # (H, I)
+    n_in = (rows.shape[-1], pools[0].width)  # (H, I)
     used, local = torch.unique(flat, return_inverse=True)  # used slots ascending; each pair's index
     w13, w2 = dequantized_slots(pools, used, rows.dtype, n_in)
     return grouped(rows, rows_of, local, w13, w2, act, bias)
@@ -476,12 +477,14 @@ def dequantized(
     if kind == "native":
         return data[index]
     assert scales is not None, f"a {kind} pool without scales"
-    codes = data[index]  # [..., Out, In_p] int8, or [..., Out, In_p / 2] uint8
+    codes, s = data[index], scales[index]  # [..., Out, In_p] int8, or [..., Out, In_p / 2] uint8; [..., Out, G]
+    if kind == "int8" and data.dim() == 4:  # interleaved (kernels/pool.py)
+        codes, s = rows_major(codes, s)
     if kind == "int8":
         values = codes.float()
     else:
         values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).float() - 8.0
-    s = scales[index].float()  # [..., Out, G]
+    s = s.float()
     w = (values.view(*values.shape[:-1], s.shape[-1], -1) * s[..., None]).flatten(-2)
     out: torch.Tensor = w[..., :n_in].to(dtype)
     return out

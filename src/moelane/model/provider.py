@@ -23,7 +23,9 @@ slot numbers are global, pool p holding slots `p.first ..< p.first + S_p`, and e
 exactly one pool. Each pool stacks S experts' matrices (I expert width, H hidden; per matrix [Out, In]: w13 is
 [2I, H], gate rows then up rows as `F.linear` weights, w2 is [H, I], the down projection) in its tier's format:
     native  data [S, Out, In] in the compute dtype; no scales
-    int8    codes int8 [S, Out, In_p], scales float16 [S, Out, G]: weight = code * scale of its group
+    int8    codes int8 [S, Out, In_p], scales float16 [S, Out, G]: weight = code * scale of its group; on the CPU,
+            where Out is a multiple of 16, interleaved: codes [S, Out / 16, In_p / 4, 64], scales [S, Out / 16, G, 16]
+            (the same values, 16 rows a block: `moelane.kernels.pool`)
     int4    codes uint8 [S, Out, In_p / 2] (two a byte, low nibble first, each stored + 8), scales float16 [S, Out, G]
 where a group is `In_p / G` weights of a row and In_p is In zero-padded to whole groups: exactly what
 `moelane.pager.live.tiers.quantize` writes for each matrix (docs/pager.md, "Precision tiers").
@@ -39,6 +41,7 @@ import torch
 
 from moelane import kernels
 from moelane.kernels import Pool, hugepages
+from moelane.kernels.pool import BLOCK_ROWS
 from moelane.model.checkpoint import ExpertHandle, read_expert
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -69,6 +72,12 @@ class TierPool(NamedTuple):
     @property
     def n_slots(self) -> int:
         return int(self.w13[0].shape[0])
+
+    @property
+    def width(self) -> int:
+        """I, the experts' width: half w13's rows (held in blocks of 16 where int8 is interleaved, kernels/pool.py)."""
+        data = self.w13[0]
+        return int(data.shape[1] * (BLOCK_ROWS if data.dim() == 4 else 1)) // 2
 
 
 def tier_pool(

@@ -41,6 +41,15 @@ struct QRow {
   const int32_t* corr;
 };
 
+// One quantised activation row as the interleaved int8 tiles read it (`tile_int8_rows16`): its codes in column
+// order (the Bytes layout), and per unit of U columns (U = min(G, 32): the columns under one weight scale and one
+// activation scale) the block's scale d and -128 x the sum of the unit's codes (corr).
+struct QUnits {
+  const int8_t* q;
+  const float* d;
+  const int32_t* corr;
+};
+
 // Rows [R, in] quantised over `cols` columns (a multiple of 16, >= in; zero past in), padded to whole chunks.
 class QuantisedRows {
  public:
@@ -59,6 +68,19 @@ class QuantisedRows {
 
   QRow row(int64_t i) const {
     return {q_.data() + i * chunks_ * width_, d_.data() + i * chunks_ * 16, corr_.data() + i * chunks_ * 16};
+  }
+
+  // Row i's scale and correction per unit of `unit` columns (16 or 32, Bytes layout), into d and corr
+  // [chunks x 64 / unit] each: the lanes' (4 columns a lane) scale and their corrections summed.
+  void units(int64_t i, int64_t unit, float* d, int32_t* corr) const {
+    const QRow r = row(i);
+    const int64_t lanes = unit / 4;
+    for (int64_t u = 0; u < chunks_ * width_ / unit; ++u) {
+      d[u] = r.d[u * lanes];
+      int32_t sum = 0;
+      for (int64_t l = 0; l < lanes; ++l) sum += r.corr[u * lanes + l];
+      corr[u] = sum;
+    }
   }
 
   // codes [R, chunks x width] (in the layout's order) and scales [R, chunks x width / 32], for the tests'

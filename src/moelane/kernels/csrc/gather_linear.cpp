@@ -7,7 +7,8 @@
 // Batch invariance: y[p, o] is computed by one tile call (tiles_*.h) whose arithmetic for that (pair, output row)
 // depends only on x[rows[p]] and the weight row: the pairs of a slot go through in blocks of up to 4 (a block's rows
 // never mix), output rows in groups of 4 (which rows share a tile changes no row's arithmetic: accumulators and the
-// final tree are per row), and every dot product uses the same chunks, accumulators and tree, fixed by In. Threads
+// final tree are per row; interleaved int8: pairs in blocks of up to 8, rows in blocks of 16, each row in its own
+// lane), and every dot product uses the same chunks, accumulators and tree, fixed by In and the layout. Threads
 // split work items (slot, block of output rows), never a dot product; so y[p] is the same bits whatever P, the other
 // pairs or the thread count.
 // Only the headers used (not <torch/extension.h>, which takes ~20 s to compile: docs/kernels.md "Building").
@@ -58,10 +59,22 @@ struct Weights {
   int64_t row_bytes, n_groups;  // bytes of codes per row; scales per row
   const uint8_t* data;
   const uint16_t* scales;
+  bool interleaved = false;  // int8 in blocks of kBlockRows rows (below)
 
   const uint8_t* row(int64_t slot, int64_t r) const { return data + (slot * out + r) * row_bytes; }
   const uint16_t* scale_row(int64_t slot, int64_t r) const { return scales + (slot * out + r) * n_groups; }
+  // Interleaved: row r's block (r a multiple of kBlockRows), its codes and its scales.
+  const int8_t* block(int64_t slot, int64_t r) const { return reinterpret_cast<const int8_t*>(row(slot, r)); }
+  const uint16_t* block_scales(int64_t slot, int64_t r) const { return scale_row(slot, r); }
 };
+
+// Interleaved int8 (pool.py): data [S, Out / 16, C / 4, 64], byte 4l + t of [s, b, j] the code of row 16b + l, column
+// 4j + t; scales [S, Out / 16, G, 16], [s, b, g, l] row 16b + l's of group g. A block of 16 rows is one contiguous
+// stream, and each vector of it holds 4 columns of all 16 rows, so the tile (`tile_int8_rows16`) computes 16 rows'
+// dot products in 16 lanes, never reduced across lanes: fewer uops per weight and activation row than the 4-row
+// tiles, whose compute bounds a round of many streams (docs/kernels.md "Interleaved int8"). Other bits than the
+// row-major int8 pool's (units of G or 32 columns, not lanes of 4), the same whatever the call holds.
+constexpr int64_t kBlockRows = 16;
 
 Kind kind_of(const at::Tensor& data) {
   switch (data.scalar_type()) {
@@ -75,7 +88,29 @@ Kind kind_of(const at::Tensor& data) {
               data.scalar_type());
 }
 
+Weights interleaved_of(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t in) {
+  TORCH_CHECK(data.scalar_type() == at::kChar && data.is_contiguous() && data.size(3) == 4 * kBlockRows,
+              "gather_linear: interleaved weights must be a contiguous int8 [S, Out / 16, C / 4, 64]");
+  Weights w{Kind::INT8, kBlockRows * data.size(1), 4 * data.size(2), 0, 4 * data.size(2), 0,
+            static_cast<const uint8_t*>(data.data_ptr()), nullptr, true};
+  TORCH_CHECK(scales.has_value(), "gather_linear: int8 weights need scales");
+  const auto& s = *scales;
+  TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 4 && s.is_contiguous() && s.size(0) == data.size(0) &&
+                  s.size(1) == data.size(1) && s.size(3) == kBlockRows && s.size(2) > 0 && w.cols % s.size(2) == 0,
+              "gather_linear: interleaved scales must be a contiguous float16 [S, Out / 16, groups, 16] dividing "
+              "the row");
+  w.n_groups = s.size(2);
+  w.group = w.cols / w.n_groups;
+  TORCH_CHECK(w.group == 16 || w.group == 32 || w.group == 64, "gather_linear: unsupported group of ", w.group,
+              " columns");
+  TORCH_CHECK(in <= w.cols && w.cols - in < w.group, "gather_linear: x has ", in, " columns, the weights ", w.cols,
+              " (padded to groups of ", w.group, ")");
+  w.scales = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  return w;
+}
+
 Weights weights_of(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t in) {
+  if (data.dim() == 4) return interleaved_of(data, scales, in);
   TORCH_CHECK(data.dim() == 3 && data.is_contiguous(), "gather_linear: weights must be a contiguous [S, Out, In]");
   Weights w{kind_of(data), data.size(1), data.size(2), 0, data.size(2) * data.element_size(), 0,
             static_cast<const uint8_t*>(data.data_ptr()), nullptr};
@@ -190,6 +225,9 @@ struct Plan {
   int64_t ldx;
   std::vector<QRow> q;  // activation rows as the integer tiles read them (int8 and int4 weights only)
   float* y;  // [P, Out]
+  std::vector<QUnits> units;  // activation rows as the interleaved tiles read them (interleaved int8 only)
+  std::vector<float> unit_d;
+  std::vector<int32_t> unit_corr;
 };
 
 // Output rows r0 .. r1 of one slot for all its pairs: the rows' scales widened to fp32 at once into sf (a buffer the
@@ -242,6 +280,44 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
   }
 }
 
+template <int G>
+void run_tile16(int nm, const QUnits* const* xs, const int8_t* w, const uint16_t* s, int64_t n_units,
+                float* const* out) {
+  switch (nm) {
+    case 1: return tile_int8_rows16<1, G>(xs, w, s, n_units, out);
+    case 2: return tile_int8_rows16<2, G>(xs, w, s, n_units, out);
+    case 3: return tile_int8_rows16<3, G>(xs, w, s, n_units, out);
+    case 4: return tile_int8_rows16<4, G>(xs, w, s, n_units, out);
+    case 5: return tile_int8_rows16<5, G>(xs, w, s, n_units, out);
+    case 6: return tile_int8_rows16<6, G>(xs, w, s, n_units, out);
+    case 7: return tile_int8_rows16<7, G>(xs, w, s, n_units, out);
+    default: return tile_int8_rows16<8, G>(xs, w, s, n_units, out);
+  }
+}
+
+// Output rows r0 .. r1 (whole blocks) of one slot of interleaved int8 for all its pairs: block by block, the pairs
+// in groups of up to 8 (a group's rows never mix: each lane's arithmetic is its own row's).
+void run_blocks(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0, int64_t r1) {
+  const int64_t unit = std::min<int64_t>(w.group, 32), n_units = w.cols / unit;
+  const QUnits* xs[8];
+  float* outs[8];
+  for (int64_t r = r0; r < r1; r += kBlockRows) {
+    const int8_t* block = w.block(g.slot, r);
+    const uint16_t* scales = w.block_scales(g.slot, r);
+    for (int64_t m0 = 0; m0 < g.count; m0 += 8) {
+      const int nm = static_cast<int>(std::min<int64_t>(8, g.count - m0));
+      for (int m = 0; m < nm; ++m) {
+        const int64_t pair = plan.order[g.first + m0 + m];
+        xs[m] = &plan.units[plan.rows[pair]];
+        outs[m] = plan.y + pair * w.out + r;
+      }
+      if (w.group == 64) run_tile16<64>(nm, xs, block, scales, n_units, outs);
+      else if (w.group == 32) run_tile16<32>(nm, xs, block, scales, n_units, outs);
+      else run_tile16<16>(nm, xs, block, scales, n_units, outs);
+    }
+  }
+}
+
 std::vector<int64_t> indices(const std::optional<at::Tensor>& t, int64_t n, int64_t fill_arange, int64_t bound,
                              const char* what) {
   std::vector<int64_t> out(n);
@@ -288,12 +364,22 @@ at::Tensor gather_linear(const at::Tensor& x_in, const std::optional<at::Tensor>
     xq.emplace(x.data_ptr<float>(), n_rows, in, w.cols, w.kind == Kind::INT4 ? Layout::Nibbles : Layout::Bytes);
     for (int64_t i = 0; i < n_rows; ++i) plan.q.push_back(xq->row(i));
   }
+  if (w.interleaved) {
+    const int64_t unit = std::min<int64_t>(w.group, 32), per_row = (w.cols + 63) / 64 * 64 / unit;
+    plan.unit_d.resize(n_rows * per_row);
+    plan.unit_corr.resize(n_rows * per_row);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      xq->units(i, unit, plan.unit_d.data() + i * per_row, plan.unit_corr.data() + i * per_row);
+      plan.units.push_back({plan.q[i].q, plan.unit_d.data() + i * per_row, plan.unit_corr.data() + i * per_row});
+    }
+  }
 
   const int64_t row_bytes = std::max<int64_t>(1, w.row_bytes);
   const int64_t call_bytes = static_cast<int64_t>(plan.groups.size()) * w.out * row_bytes;
   const int64_t item_bytes =
       std::clamp(call_bytes / (kItemsPerThread * at::get_num_threads()), kMinItemBytes, kMaxItemBytes);
-  const int64_t per_item = std::max<int64_t>(4, item_bytes / row_bytes / 4 * 4);
+  const int64_t tile_rows = w.interleaved ? kBlockRows : 4;  // an item holds whole tiles (whole blocks)
+  const int64_t per_item = std::max<int64_t>(tile_rows, item_bytes / row_bytes / tile_rows * tile_rows);
   const int64_t n_blocks = (w.out + per_item - 1) / per_item;
   // Each thread takes the items of its own contiguous share in order (sequential weight streams, as a fixed split
   // reads them), and when its share is done takes the items left in the others' shares. So a thread whose core is
@@ -311,7 +397,8 @@ at::Tensor gather_linear(const at::Tensor& x_in, const std::optional<at::Tensor>
         const int64_t t = (own + k) % n_shares, stop = (t + 1) * n_items / n_shares;
         for (int64_t item; (item = next[t].fetch_add(1, std::memory_order_relaxed)) < stop;) {
           const int64_t r0 = (item % n_blocks) * per_item;
-          run_item(w, plan, plan.groups[item / n_blocks], r0, std::min(w.out, r0 + per_item), sf);
+          if (w.interleaved) run_blocks(w, plan, plan.groups[item / n_blocks], r0, std::min(w.out, r0 + per_item));
+          else run_item(w, plan, plan.groups[item / n_blocks], r0, std::min(w.out, r0 + per_item), sf);
         }
       }
     }

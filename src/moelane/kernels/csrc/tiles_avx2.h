@@ -207,6 +207,41 @@ inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* c
   finish<NM>(acc, out);
 }
 
+// Interleaved int8 (tiles_avx512.h's tile_int8_rows16): a block's 16 rows as two halves of 8 lanes (rows 0-7: bytes
+// 0-31 of each 64, rows 8-15: bytes 32-63), each lane's unit sums exact (`dot_int8` with the 4 activation codes
+// broadcast), then as tile_int8_rows16 there: the same bits.
+template <int NM, int G>
+inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uint16_t* s, int64_t n_units,
+                             float* const* out) {
+  constexpr int U = G < 32 ? G : 32, J = U / 4, per_group = G / U;
+  V16 acc[NM];
+  for (int m = 0; m < NM; ++m) acc[m].h[0] = acc[m].h[1] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < n_units; ++u, w += 64 * J) {
+    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kPrefetchBytes, _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[J];
+      for (int j = 0; j < J; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));
+      const __m256 sv =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (u / per_group) * 16 + 8 * h)));
+      for (int m = 0; m < NM; ++m) {
+        const int8_t* xq = xs[m]->q + U * u;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < J; ++j) {
+          int32_t x4;
+          std::memcpy(&x4, xq + 4 * j, 4);
+          sum = _mm256_add_epi32(sum, dot_int8(wv[j], _mm256_set1_epi32(x4)));
+        }
+        acc[m].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sv, _mm256_set1_ps(xs[m]->d[u])),
+                                      acc[m].h[h]);
+      }
+    }
+  }
+  for (int m = 0; m < NM; ++m) {
+    _mm256_storeu_ps(out[m], acc[m].h[0]);
+    _mm256_storeu_ps(out[m] + 8, acc[m].h[1]);
+  }
+}
+
 }  // namespace
 }  // namespace moelane
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "activations.h"
 #include "prefetch.h"
@@ -267,6 +268,41 @@ inline void tile_int8_rows8(const QRow* x, const int8_t* const* q, const float* 
   rows_int8<1, 8, G>(acc, xs, q, s, n);
   reduce4(acc[0][0], acc[0][1], acc[0][2], acc[0][3], out);
   reduce4(acc[0][4], acc[0][5], acc[0][6], acc[0][7], out + 4);
+}
+
+// Interleaved int8 (gather_linear.cpp, "Interleaved int8"): a block of 16 weight rows stored as, per 4 columns, the
+// 16 rows' 4 codes (64 bytes: lane l is row l), and per group the 16 rows' fp16 scales. Each lane is one row's dot
+// product: per unit of U = min(G, 32) columns, the exact int32 sum of its U / 4 `dot4`s (the activations' 4 codes
+// broadcast to every lane), converted and weighed by the unit's activation scale x the row's weight scale, into acc
+// by FMA, unit by unit. Per 64 weights and activation row: one dot; per unit: a conversion, a multiply and an FMA;
+// no reduction across lanes (the 4-row tiles: 4 uops per 64 weights and row, then a tree).
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int NM, int G>
+inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uint16_t* s, int64_t n_units,
+                             float* const* out) {
+  constexpr int U = G < 32 ? G : 32, J = U / 4, per_group = G / U;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NM];
+  for (int m = 0; m < NM; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < n_units; ++u, w += 64 * J) {
+    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kPrefetchBytes, _MM_HINT_T0);
+    __m512i wu[J];
+    for (int j = 0; j < J; ++j) wu[j] = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * j), flip);
+    const __m512 sv =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (u / per_group) * 16)));
+    for (int m = 0; m < NM; ++m) {
+      const int8_t* xq = xs[m]->q + U * u;
+      __m512i sum = _mm512_set1_epi32(xs[m]->corr[u]);
+      for (int j = 0; j < J; ++j) sum = dot4(sum, wu[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m]->d[u])), acc[m]);
+    }
+  }
+  for (int m = 0; m < NM; ++m) _mm512_storeu_ps(out[m], acc[m]);
 }
 
 }  // namespace

@@ -138,6 +138,26 @@ inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* c
   finish<NM>(acc, out);
 }
 
+// Interleaved int8 (tiles_avx512.h's tile_int8_rows16): 16 weight rows in a block, per 4 columns j their codes at
+// w[64j + 4r .. + 3] (row r); per unit u of U = min(G, 32) columns, row r's exact int32 sum of code products, then
+// acc[r] = fma(float(sum), sw * d, acc[r]), unit by unit (sw: row r's group scale, d: the unit's activation scale).
+template <int NM, int G>
+inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uint16_t* s, int64_t n_units,
+                             float* const* out) {
+  constexpr int U = G < 32 ? G : 32, per_group = G / U;
+  float acc[NM][16] = {};
+  for (int64_t u = 0; u < n_units; ++u)
+    for (int r = 0; r < 16; ++r) {
+      const float sw = half_to_float(s[(u / per_group) * 16 + r]);
+      for (int m = 0; m < NM; ++m) {
+        int32_t sum = 0;
+        for (int c = 0; c < U; ++c) sum += w[(u * U + c) / 4 * 64 + 4 * r + c % 4] * xs[m]->q[u * U + c];
+        acc[m][r] = fma_lane(static_cast<float>(sum), sw * xs[m]->d[u], acc[m][r]);
+      }
+    }
+  for (int m = 0; m < NM; ++m) std::copy(acc[m], acc[m] + 16, out[m]);
+}
+
 }  // namespace
 }  // namespace moelane
 

@@ -108,8 +108,8 @@ def resident_at_tier(
     from tqdm import tqdm
 
     fmt = tier_format(tier, handles) if tier else None
-    parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype, fmt)
     where = on_device(device)
+    parts = slot_parts(tier, *next(iter(handles.values()))[0].dims, dtype, fmt, interleave=where is None)
     transfer = make_transfer(where, expert_slot_bytes(tier, handles, dtype), 2)
     storage = Storage(handles, 0, check_finite=tier > 0, progress=progress)
     pools: dict[int, TierPool] = {}

@@ -22,6 +22,7 @@ and slot numbering are the host pool's.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -44,14 +45,13 @@ class PagedPool:
         self, tier: int, dims: tuple[int, int], dtype: torch.dtype, n_slots: int, first: int,
         fmt: QuantFormat | None = None, device: torch.device | None = None,
     ) -> None:  # fmt: skip
-        parts = slot_parts(tier, *dims, dtype, fmt)
+        parts = slot_parts(tier, *dims, dtype, fmt, interleave=device is None)
         self.tier, self.first, self.n_slots, self.device = tier, first, n_slots, device
-        self.slot_bytes = [dtype.itemsize * rows * cols for dtype, (rows, cols) in parts]
+        self.slot_bytes = [dtype.itemsize * math.prod(shape) for dtype, shape in parts]
         self.offsets, size = [], 0
         if device is not None:
             self._map: mmap.mmap | None = None
-            self.tensors = tuple(torch.empty((n_slots, rows, cols), dtype=dtype, device=device)
-                                 for dtype, (rows, cols) in parts)  # fmt: skip
+            self.tensors = tuple(torch.empty((n_slots, *shape), dtype=dtype, device=device) for dtype, shape in parts)
         else:
             for per_slot in self.slot_bytes:
                 self.offsets.append(size)
@@ -61,8 +61,8 @@ class PagedPool:
                 self._map.madvise(mmap.MADV_NOHUGEPAGE)
             raw = torch.frombuffer(self._map, dtype=torch.uint8)
             self.tensors = tuple(
-                raw[offset : offset + per_slot * n_slots].view(dtype).view(n_slots, rows, cols)
-                for offset, per_slot, (dtype, (rows, cols)) in zip(self.offsets, self.slot_bytes, parts, strict=True)
+                raw[offset : offset + per_slot * n_slots].view(dtype).view(n_slots, *shape)
+                for offset, per_slot, (dtype, shape) in zip(self.offsets, self.slot_bytes, parts, strict=True)
             )
         t = self.tensors
         w13, w2 = ((t[0], None), (t[1], None)) if tier == 0 else ((t[0], t[1]), (t[2], t[3]))

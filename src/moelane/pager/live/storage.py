@@ -43,7 +43,7 @@ from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view,
 from moelane.model.derived import cache_dir, file_fingerprint
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
 from moelane.model.gguf.file import is_gguf, model_name
-from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, row_blocks
+from moelane.pager.live.tiers import TIER_NAMES, ExpertCodec, fill_part, row_blocks, rows_major_part
 from moelane.pager.live.transfer import Transfer
 from moelane.pager.live.uncached import Bounce, UncachedFile
 
@@ -390,19 +390,23 @@ class Storage:
         assert source is not None
         cache_key = (handle.layer, handle.expert, tier)
         buf, level = self.host.get(cache_key), "host"
+        in_place = all(part.dim() == 2 for part in parts)  # else interleaved parts (tiers.slot_parts): via a buffer
         if buf is None and self.host.budget == 0:
             level = "disk"
-            source.read_into(handle, parts)
-        else:
-            if buf is None:
-                level = "disk"
-                buf = source.read(handle, self.transfer.host_buffer(source.codec.nbytes))
-                self.host.put(cache_key, buf)
-            blob, pos = byte_view(buf), 0
+            if in_place:
+                source.read_into(handle, parts)
+            else:
+                buf = source.read(handle, self._scratch(source.codec.nbytes)[: source.codec.nbytes])
+        elif buf is None:
+            level = "disk"
+            buf = source.read(handle, self.transfer.host_buffer(source.codec.nbytes))
+            self.host.put(cache_key, buf)
+        if buf is not None:
+            pos = 0
             for part in parts:
-                view = byte_view(part)
-                view[:] = blob[pos : pos + len(view)]
-                pos += len(view)
+                n = part.numel() * part.element_size()
+                fill_part(part, buf[pos : pos + n])
+                pos += n
         if self.check_finite and not all(all_finite(scales) for scales in parts[1::2]):
             raise ExpertReadError(f"{expert_name(handle)}: non-finite scales read from {source.path} (corrupt file?)")
         return level, source.codec.nbytes
@@ -437,7 +441,14 @@ class Storage:
             buf = read_native(self.files, handle, into)
             if cached:
                 self.host.put(cache_key, buf)
-        expert_codes_into(handle, split_native(handle, buf), parts)
+        if all(part.dim() == 2 for part in parts):
+            expert_codes_into(handle, split_native(handle, buf), parts)
+        else:  # interleaved parts (tiers.slot_parts): the codes row-major first
+            rows = tuple(rows_major_part(part) for part in parts)
+            expert_codes_into(handle, split_native(handle, buf), rows)
+            for part, row_part in zip(parts, rows, strict=True):
+                if row_part is not part:
+                    fill_part(part, row_part.view(-1).view(torch.uint8))
         if self.check_finite and not all(all_finite(scales) for scales in parts[1::2]):
             raise ExpertReadError(f"{expert_name(handle)}: non-finite scales read from {handle.path} (corrupt file?)")
         return level, handle.nbytes

@@ -17,8 +17,8 @@ other block types (K-quants, ...), the tier nearest most of its experts' weights
 file is built once from the values the `gguf` package decodes; native otherwise.
 
 An expert's stored form at tier > 0 (from a tier file) is one flat uint8 blob: q13 | s13 | q2 | s2 (w13 [2I, H], w2 [H,
-I]), exactly the bytes of its four slot parts back to back; its size is fixed by the shapes, so a cache file holds
-experts at fixed offsets.
+I]), exactly the bytes of its four slot parts back to back (interleaved on the CPU where `slot_parts` says: the same
+bytes in another order); its size is fixed by the shapes, so a cache file holds experts at fixed offsets.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moelane.kernels.formats import FORMATS, QuantFormat, dequantize, quantize
+from moelane.kernels.pool import BLOCK_ROWS, interleave_into, interleaved_shape, interleaves
 from moelane.model.checkpoint import ExpertHandle
 from moelane.model.gguf.blocks import NEAREST_TIER
 from moelane.model.gguf.codes import codes_tier
@@ -153,28 +154,53 @@ class ExpertCodec:
         dequantize_into(w2_out, q2, s2h, self.width, f)
 
 
-Part = tuple[torch.dtype, tuple[int, int]]  # one tensor of a pool slot: its dtype and shape
+Part = tuple[torch.dtype, tuple[int, ...]]  # one tensor of a pool slot: its dtype and shape
 
 
 def slot_parts(
-    tier: int, hidden: int, width: int, dtype: torch.dtype, fmt: QuantFormat | None = None
+    tier: int, hidden: int, width: int, dtype: torch.dtype, fmt: QuantFormat | None = None, interleave: bool = False
 ) -> tuple[Part, ...]:
     """The tensors of one expert's pool slot at `tier`: native (w13 [2I, H], w2 [H, I]) in the compute `dtype`;
     quantised (codes13, scales13, codes2, scales2) in `fmt` (default `FORMATS[tier]`; see `tier_format`), in the
-    order and with the bytes of its blob (`ExpertCodec`)."""
+    order and with the bytes of its blob (`ExpertCodec`). With `interleave` (the CPU's pools), int8 matrices whose rows
+    come in whole blocks have their codes and scales interleaved (`kernels.pool`: 3-D parts; `fill_part`)."""
     if tier == 0:
         return (dtype, (2 * width, hidden)), (dtype, (hidden, width))
-    fmt, parts = FORMATS[tier] if fmt is None else fmt, []
+    fmt = FORMATS[tier] if fmt is None else fmt
+    parts: list[Part] = []
     code_dtype = torch.int8 if fmt.bits == 8 else torch.uint8
     for rows, cols in ((2 * width, hidden), (hidden, width)):
         padded = fmt.n_groups(cols) * fmt.group_for(cols)
-        parts += [(code_dtype, (rows, padded * fmt.bits // 8)), (torch.float16, (rows, fmt.n_groups(cols)))]
+        widths = ((code_dtype, padded * fmt.bits // 8), (torch.float16, fmt.n_groups(cols)))
+        if interleave and interleaves("int8" if fmt.bits == 8 else "int4", rows):
+            parts += [(dt, interleaved_shape(rows, n, dt)) for dt, n in widths]
+        else:
+            parts += [(dt, (rows, n)) for dt, n in widths]
     return tuple(parts)
+
+
+def fill_part(part: torch.Tensor, stored: torch.Tensor) -> None:
+    """A slot part (`slot_parts`) from its bytes in an expert's stored blob (uint8, row-major as the blob holds it):
+    copied, or interleaved where the part is (3-D)."""
+    if part.dim() == 3:
+        rows = part.shape[0] * BLOCK_ROWS
+        interleave_into(part, stored.view(part.dtype).view(rows, -1))
+    else:
+        part.view(-1).view(torch.uint8).copy_(stored)
+
+
+def rows_major_part(part: torch.Tensor) -> torch.Tensor:
+    """An empty row-major tensor for a slot part's values: `part` itself where it is row-major (2-D), else a new
+    [rows, cols] tensor (its contents are not copied)."""
+    if part.dim() == 2:
+        return part
+    cols = part.shape[1] * (4 if part.dtype == torch.int8 else 1)
+    return torch.empty(part.shape[0] * BLOCK_ROWS, cols, dtype=part.dtype)
 
 
 def slot_bytes(tier: int, hidden: int, width: int, dtype: torch.dtype, fmt: QuantFormat | None = None) -> int:
     """The bytes of one expert's pool slot at `tier` in `fmt` (quantised: its blob's size)."""
-    return sum(dt.itemsize * rows * cols for dt, (rows, cols) in slot_parts(tier, hidden, width, dtype, fmt))
+    return sum(dt.itemsize * math.prod(shape) for dt, shape in slot_parts(tier, hidden, width, dtype, fmt))
 
 
 def expert_slot_bytes(tier: int, handles: dict[int, list[ExpertHandle]], dtype: torch.dtype) -> int:
