@@ -37,13 +37,8 @@ SLOW_IN_THE_FAST_LOOP = (
     # a second stream or drafter case of the identity and prefix tests
     "tests/pager/test_store_concurrency.py::test_eight_streams_at_ten_percent[True-False]",
     "tests/model/test_gguf_codes.py::test_replies_equal_solo_decode_at_any_stream_count[paged-q8_0]",
-    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[none-sampled]",
-    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[copy-sampled]",
     "tests/lanes/test_prefix.py::test_many_streams_sharing_prefixes_in_waves_reply_as_alone[recall]",
-    "tests/model/test_core.py::test_cli_run_with_a_drafter_prints_the_very_same_reply[model]",
     # second paths through the command line
-    "tests/server/test_commands.py::test_ctrl_c_while_loading_interrupts_at_once[another thread]",
-    "tests/pager/test_commands.py::test_sigterm_stops_a_trace_command_as_ctrl_c_does[2-130]",
     "tests/test_cli_inputs.py::test_run_drafts_by_default_and_replies_the_same",
     "tests/server/test_load.py::test_disconnect_mid_stream_frees_the_stream",
     "tests/pager/test_store.py::test_an_engine_fits_its_rounds_to_a_small_pool",
@@ -53,7 +48,6 @@ SLOW_IN_THE_FAST_LOOP = (
     "tests/model/test_core.py::test_compiled_rows_do_not_depend_on_what_shares_the_call[1]",
     # a second engine case: two ranks under the default placement, the copy drafter greedy
     "tests/distributed/test_identity.py::test_two_ranks_reply_as_one_process_under_a_balanced_placement",
-    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns[none-greedy]",
     # the shipped fixtures and the inflated model's claim, read again by the benchmarks' own runs
     "tests/pager/test_fixtures.py::test_default_model_fixture_reads_and_replays",
     "tests/test_inflate.py::test_same_greedy_replies",
@@ -62,6 +56,40 @@ SLOW_IN_THE_FAST_LOOP = (
     "tests/test_device.py::test_a_cpu_run_never_touches_cuda",
     "tests/pager/test_store_device.py::test_a_cpu_store_does_not_initialise_cuda",
     "tests/test_device.py::test_the_compiled_step_on_another_device_makes_nothing_on_the_cpu",
+    # On a slower 2-core machine (a 2.45 GHz EPYC, AVX2: the loop took 233 s where a Xeon took 130) these keep it
+    # under 3 minutes. Processes that load a model to check one line or one exit (1.3-5.5 s each), whose library
+    # paths fast tests cover: the commands' own arguments and messages stay in test_cli_inputs.py's fast tests
+    "tests/pager/test_ceiling.py::test_below_the_minimum_it_refuses_in_one_line_naming_it",
+    "tests/pager/test_limits.py::test_a_real_cgroup_limit_is_found_by_a_process_inside_it",
+    "tests/pager/test_fitting.py::test_run_pages_what_does_not_fit_and_says_so",
+    "tests/pager/test_commands.py::test_sigterm_stops_a_trace_command_as_ctrl_c_does",
+    "tests/pager/test_commands.py::test_plot_needs_matplotlib_or_writes_a_png",
+    "tests/server/test_commands.py::test_ctrl_c_while_loading_interrupts_at_once",
+    "tests/test_cli_inputs.py::test_run_holds_the_reply_to_a_json_schema",
+    "tests/test_cli_inputs.py::test_run_says_when_the_context_cuts_the_reply",
+    "tests/test_cli_inputs.py::test_replay_pool_sizes_as_run_takes_them",
+    "tests/test_cli_inputs.py::test_analyze_leaves_out_a_predictor_too_big_for_memory",
+    "tests/test_cli_inputs.py::test_replay_shows_the_pool_in_slots_and_bytes_however_it_was_given",
+    "tests/test_cli_inputs.py::test_a_decode_step_that_cannot_compile_runs_eagerly",
+    "tests/model/test_core.py::test_cli_run_with_a_drafter_prints_the_very_same_reply",
+    "tests/model/test_core.py::test_a_character_cut_off_by_max_tokens_ends_the_text_as_run_prints_it",
+    # ... and second cases of what fast tests assert: a conversation across turns and families' own caches (each
+    # family's engine identity stays fast), the OpenAI client on a strict schema (the schema tests stay fast), a
+    # model's large pools advised (a placed pool's bits stay), the default model's routing (its parity stays), one
+    # cache bound
+    "tests/lanes/test_prefix.py::test_the_shipped_model_replies_as_alone_across_turns",
+    "tests/lanes/test_prefix.py::test_families_whose_cache_is_not_plain_kv_reuse_it[deepseek",
+    "tests/lanes/test_prefix.py::test_families_whose_cache_is_not_plain_kv_reuse_it[lfm2",
+    "tests/lanes/test_prefix_bounds.py::test_a_cache_that_cannot_be_allocated_beside_kept_ones_drops_them",
+    "tests/server/test_json.py::test_the_openai_client_parses_a_strict_schema_reply",
+    "tests/kernels/test_hugepages.py::test_a_model_with_large_pools_holds_them_advised_and_computes_the_same",
+    "tests/model/test_default_model.py::test_routing_is_not_degenerate",
+    # paged and threaded prefix reuse (the plain reuse tests stay), the analyze page (the trace views stay), a 429
+    # (the other load tests stay)
+    "tests/lanes/test_prefix.py::test_a_paged_target_reuses_caches",
+    "tests/lanes/test_prefix.py::test_a_threaded_engine_with_overlap_reuses_caches",
+    "tests/pager/test_report.py::test_analyze_writes_one_self_contained_page",
+    "tests/server/test_load.py::test_overload_gets_429_and_the_queued_complete",
 )
 # every family's first config stays fast (fp32 parity, bf16 prefill bit for bit); other configs' parity and the bf16
 # greedy replies run with the slow set
@@ -72,20 +100,26 @@ FORCED_BY_NAME = "test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_
 
 
 # a parametrized test's first cases stay fast, the rest of its matrix runs with the slow set
-SAMPLED = 10
+SAMPLED = 6
 FEWER = {  # tests that keep fewer first cases (in collection order)
     "test_each_form_reads_back_what_its_template_writes": 3,  # hermes, qwen3_coder, glm45
     FORCED_BY_NAME: 6,  # the same three forms ("required"; by name is slow anyway)
-    "test_harmony_calls_come_back_as_tool_calls": 6,  # three replies, both stream splits
+    "test_harmony_calls_come_back_as_tool_calls": 3,  # three replies, one stream split
     "test_each_call_of_a_block_comes_back_with_its_id": 4,
     "test_a_marker_block_that_is_not_a_call_reads_as_without_tools": 4,
-    "test_a_finished_reply_meets_the_schema": 4,  # two prompts, greedy and sampled
-    "test_greedy_tokens_identical_at_every_budget": 2,  # 20% with staged misses, 50%
-    "test_a_conversation_reuses_its_history_and_replies_as_alone": 4,  # no drafter and the draft model
+    "test_a_finished_reply_meets_the_schema": 2,  # one prompt, greedy and sampled
+    "test_greedy_tokens_identical_at_every_budget": 1,  # 20% with staged misses
+    "test_a_conversation_reuses_its_history_and_replies_as_alone": 2,  # no drafter, greedy and sampled
+    "test_bad_tools_get_400": 5,
+    "test_a_forced_call_is_held_to_the_tools_schema": 1,  # "required" (a named choice is the same grammar)
+    "test_a_store_on_a_simulated_device_computes_what_the_cpu_store_does": 2,
 }
-# matrices of cheap cases that stay whole: every family's config errors, the kernels' reference, the fake engine
-WHOLE = ("tests/model/test_config.py", "tests/kernels/", "tests/lanes/test_engine_fake.py",
-         "tests/model/test_families.py::test_bad_configs_raise_model_load_error")  # fmt: skip
+# matrices of cheap cases that stay whole: every family's config errors, the kernels' reference
+WHOLE = (
+    "tests/model/test_config.py",
+    "tests/kernels/",
+    "tests/model/test_families.py::test_bad_configs_raise_model_load_error",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
