@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("gather_linear.cpp", "attention.cpp")
-COMPILE_MESSAGE = "compiling moelane's CPU kernels (once, ~10 s)"
+COMPILE_MESSAGE = "compiling moelane's CPU kernels (once, 10-20 s)"
 # -ffp-contract=off: no multiply-add fused behind our back (the tiles spell out every FMA); no -ffast-math.
 FLAGS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
