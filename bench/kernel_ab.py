@@ -64,6 +64,8 @@ class Sides:
         self.interleave = interleave
 
     def pools(self, pool: kernels.Pool) -> dict[str, kernels.Pool]:
+        if not self.interleave:
+            return {"a": pool, "b": pool}
         inter = interleaved_pool(pool)
         if inter is not pool:  # (in huge pages, as the pool)
             inter = kernels.Pool(inter.kind, hugepages.place(inter.data), inter.scales, inter.in_features)

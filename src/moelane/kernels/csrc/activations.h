@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -49,6 +50,13 @@ struct QUnits {
   const float* d;
   const int32_t* corr;
 };
+
+// The 4 codes at p as one int32 word (the interleaved tiles broadcast it to every lane).
+inline int32_t codes4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 // Rows [R, in] quantised over `cols` columns (a multiple of 16, >= in; zero past in), padded to whole chunks.
 class QuantisedRows {

@@ -88,6 +88,20 @@ Kind kind_of(const at::Tensor& data) {
               data.scalar_type());
 }
 
+// w with the scales s, whose shape the caller has checked (groups: s.size(2), dividing w.cols): the group they give
+// checked against the kind's and x's `in` columns against the padded row.
+Weights with_scales(Weights w, const at::Tensor& s, int64_t in) {
+  w.n_groups = s.size(2);
+  w.group = w.cols / w.n_groups;
+  const bool ok = w.kind == Kind::INT8 ? (w.group == 16 || w.group == 32 || w.group == 64)
+                                       : (w.group == 16 || w.group == 32);
+  TORCH_CHECK(ok, "gather_linear: unsupported group of ", w.group, " columns");
+  TORCH_CHECK(in <= w.cols && w.cols - in < w.group, "gather_linear: x has ", in, " columns, the weights ", w.cols,
+              " (padded to groups of ", w.group, ")");
+  w.scales = reinterpret_cast<const uint16_t*>(s.data_ptr());
+  return w;
+}
+
 Weights interleaved_of(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t in) {
   TORCH_CHECK(data.scalar_type() == at::kChar && data.is_contiguous() && data.size(3) == 4 * kBlockRows,
               "gather_linear: interleaved weights must be a contiguous int8 [S, Out / 16, C / 4, 64]");
@@ -99,14 +113,7 @@ Weights interleaved_of(const at::Tensor& data, const std::optional<at::Tensor>& 
                   s.size(1) == data.size(1) && s.size(3) == kBlockRows && s.size(2) > 0 && w.cols % s.size(2) == 0,
               "gather_linear: interleaved scales must be a contiguous float16 [S, Out / 16, groups, 16] dividing "
               "the row");
-  w.n_groups = s.size(2);
-  w.group = w.cols / w.n_groups;
-  TORCH_CHECK(w.group == 16 || w.group == 32 || w.group == 64, "gather_linear: unsupported group of ", w.group,
-              " columns");
-  TORCH_CHECK(in <= w.cols && w.cols - in < w.group, "gather_linear: x has ", in, " columns, the weights ", w.cols,
-              " (padded to groups of ", w.group, ")");
-  w.scales = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  return w;
+  return with_scales(w, s, in);
 }
 
 Weights weights_of(const at::Tensor& data, const std::optional<at::Tensor>& scales, int64_t in) {
@@ -124,15 +131,7 @@ Weights weights_of(const at::Tensor& data, const std::optional<at::Tensor>& scal
   TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 3 && s.is_contiguous() && s.size(0) == data.size(0) &&
                   s.size(1) == w.out && s.size(2) > 0 && w.cols % s.size(2) == 0,
               "gather_linear: scales must be a contiguous float16 [S, Out, groups] dividing the row");
-  w.n_groups = s.size(2);
-  w.group = w.cols / w.n_groups;
-  const bool ok = w.kind == Kind::INT8 ? (w.group == 16 || w.group == 32 || w.group == 64)
-                                       : (w.group == 16 || w.group == 32);
-  TORCH_CHECK(ok, "gather_linear: unsupported group of ", w.group, " columns");
-  TORCH_CHECK(in <= w.cols && w.cols - in < w.group, "gather_linear: x has ", in, " columns, the weights ", w.cols,
-              " (padded to groups of ", w.group, ")");
-  w.scales = reinterpret_cast<const uint16_t*>(s.data_ptr());
-  return w;
+  return with_scales(w, s, in);
 }
 
 // xs: the activation rows as floats (f32, bf16); qs: as int8 codes (int8, int4).

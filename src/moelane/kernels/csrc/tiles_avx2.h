@@ -226,11 +226,8 @@ inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uin
       for (int m = 0; m < NM; ++m) {
         const int8_t* xq = xs[m]->q + U * u;
         __m256i sum = _mm256_setzero_si256();
-        for (int j = 0; j < J; ++j) {
-          int32_t x4;
-          std::memcpy(&x4, xq + 4 * j, 4);
-          sum = _mm256_add_epi32(sum, dot_int8(wv[j], _mm256_set1_epi32(x4)));
-        }
+        for (int j = 0; j < J; ++j)
+          sum = _mm256_add_epi32(sum, dot_int8(wv[j], _mm256_set1_epi32(codes4(xq + 4 * j))));
         acc[m].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sv, _mm256_set1_ps(xs[m]->d[u])),
                                       acc[m].h[h]);
       }

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "activations.h"
 #include "prefetch.h"
@@ -276,12 +275,6 @@ inline void tile_int8_rows8(const QRow* x, const int8_t* const* q, const float* 
 // broadcast to every lane), converted and weighed by the unit's activation scale x the row's weight scale, into acc
 // by FMA, unit by unit. Per 64 weights and activation row: one dot; per unit: a conversion, a multiply and an FMA;
 // no reduction across lanes (the 4-row tiles: 4 uops per 64 weights and row, then a tree).
-inline int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 template <int NM, int G>
 inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uint16_t* s, int64_t n_units,
                              float* const* out) {
@@ -298,7 +291,7 @@ inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uin
     for (int m = 0; m < NM; ++m) {
       const int8_t* xq = xs[m]->q + U * u;
       __m512i sum = _mm512_set1_epi32(xs[m]->corr[u]);
-      for (int j = 0; j < J; ++j) sum = dot4(sum, wu[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+      for (int j = 0; j < J; ++j) sum = dot4(sum, wu[j], _mm512_set1_epi32(codes4(xq + 4 * j)));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sv, _mm512_set1_ps(xs[m]->d[u])), acc[m]);
     }
   }

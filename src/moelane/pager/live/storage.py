@@ -39,6 +39,7 @@ import torch
 
 from moelane.errors import ModelLoadError, MoelaneError
 from moelane.kernels.formats import QUANTIZER_VERSION
+from moelane.kernels.pool import interleave_into
 from moelane.model.checkpoint import DTYPES, ExpertHandle, TensorRef, byte_view, expert_tensors, fits_in_place
 from moelane.model.derived import cache_dir, file_fingerprint
 from moelane.model.gguf.codes import codes_tier, expert_codes_into
@@ -448,7 +449,7 @@ class Storage:
             expert_codes_into(handle, split_native(handle, buf), rows)
             for part, row_part in zip(parts, rows, strict=True):
                 if row_part is not part:
-                    fill_part(part, row_part.view(-1).view(torch.uint8))
+                    interleave_into(part, row_part)
         if self.check_finite and not all(all_finite(scales) for scales in parts[1::2]):
             raise ExpertReadError(f"{expert_name(handle)}: non-finite scales read from {handle.path} (corrupt file?)")
         return level, handle.nbytes
