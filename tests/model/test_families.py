@@ -753,17 +753,6 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 
-# Open bug, found on a 2-core AVX2 EPYC (2026-12-07; the same at git 7d0b84e, before the interleaved int8 pools): for
-# these families the step compiled for rows of two cache pools gives a row other bits (~1e-7 of the logits) than the
-# step compiled for one pool, where an AVX-512 Xeon gave the same; eager calls agree. The two are separate Inductor
-# compilations (one library per pool count, model/exported.py): presumably a kernel fused differently in one of them
-# rounds otherwise on AVX2 (not found yet).
-TWO_POOLS_DIFFER_ON_AVX2 = (
-    "lfm2_moe-attention-first-kernel4-bias-tied",
-    "dots1-window-groups-bias-tied-yarn-noshared-allmoe",
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "family", "overrides"), COMPILED, ids=[c[0] for c in COMPILED])
 def test_compiled_decode_matches_eager(
@@ -785,7 +774,4 @@ def test_compiled_decode_matches_eager(
     rows = [Rows(caches[0], [5], len(prompt), decode=True), Rows(caches[1], [6, 7], len(prompt), decode=True)]
     together = lm.forward(rows)
     alone = [lm.forward([row])[0] for row in rows]
-    same = all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
-    if not same and case in TWO_POOLS_DIFFER_ON_AVX2 and torch.backends.cpu.get_cpu_capability() == "AVX2":
-        pytest.xfail("open bug: on an AVX2 CPU the two-pool and one-pool steps of this family differ by ~1e-7")
-    assert same
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))

@@ -2,7 +2,10 @@
 dynamic), and the rotations of queries and keys in Llama's halves layout or over interleaved pairs.
 
 `Rope.cos_sin(positions)` gives each row its own angles from its absolute position, so a row's numbers do not depend on
-the other rows of the pass, nor on how its sequence was split into passes (LongRoPE included).
+the other rows of the pass, nor on how its sequence was split into passes (LongRoPE included). It computes no cosine or
+sine: a compiled graph's vectorised `sin` and its scalar one differ in the last bit, and which of the two a row takes
+depends on the kernel that holds it (docs/batch-invariance.md). Each position's turns come from two tables made once,
+by the angle-sum rule, with exact multiplies and adds only (`Turns`).
 
 Shape alphabet: N rows, D rotary dims.
 """
@@ -44,6 +47,9 @@ class Rope:
     long_inv_freq: torch.Tensor | None = None  # [D/2]
     long_attention_factor: float = 1.0
     long_from: int = 0
+    # [sets, FINE + coarse rows, 2, D/2]: per frequency set (LongRoPE's long set second) the cos and sin of positions
+    # 0 .. FINE - 1, then of multiples of FINE up to the context (`turn_tables`); made by `build`.
+    tables: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: dict[str, Any], dim: int, max_positions: int) -> Rope:
@@ -60,26 +66,46 @@ class Rope:
         elif kind == "llama3":
             inv = llama3(inv, params, max_positions)
         elif kind == "longrope":
-            return cls(*longrope(params, dim, base, max_positions))
+            short, factor, long, long_factor, long_from = longrope(params, dim, base, max_positions)
+            tables = torch.stack([turn_tables(short, max_positions), turn_tables(long, max_positions)])
+            return cls(short, factor, long, long_factor, long_from, tables)
         elif kind not in ("default", "dynamic"):  # (dynamic NTK changes nothing within `max_positions`, the context)
             raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, yarn, llama3, "
                                  "longrope, dynamic)")  # fmt: skip
-        return cls(inv, factor)
+        return cls(inv, factor, tables=turn_tables(inv, max_positions)[None])
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = turns(positions, self.inv_freq, self.attention_factor)
-        if self.long_inv_freq is not None:  # LongRoPE: each position its own set (a tensor choice: compiles whole)
-            long = (positions >= self.long_from)[:, None]
-            long_cos, long_sin = turns(positions, self.long_inv_freq, self.long_attention_factor)
-            cos, sin = torch.where(long, long_cos, cos), torch.where(long, long_sin, sin)
-        return cos.to(dtype), sin.to(dtype)
+        """cos and sin [N, D] of positions [N] (each frequency twice: halves layout), times the attention factor."""
+        assert self.tables is not None, "a Rope is made by Rope.build"
+        fine, coarse = positions % FINE, FINE + positions // FINE
+        scale: float | torch.Tensor
+        if self.long_inv_freq is None:
+            near, far, scale = self.tables[0, fine], self.tables[0, coarse], self.attention_factor  # [N, 2, D/2]
+        else:  # LongRoPE: each position its own set (a tensor choice: compiles whole)
+            long = positions >= self.long_from
+            near, far = self.tables[long.long(), fine], self.tables[long.long(), coarse]
+            scale = torch.where(long, self.long_attention_factor, self.attention_factor)[:, None]
+        # cos(a + b) = cos a cos b - sin a sin b, sin(a + b) = sin a cos b + cos a sin b: exact below FINE, where the
+        # far turn is (1, 0); multiplies and adds round the same on every path (Inductor does not contract them).
+        cos = far[:, 0] * near[:, 0] - far[:, 1] * near[:, 1]
+        sin = far[:, 1] * near[:, 0] + far[:, 0] * near[:, 1]
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return (cos * scale).to(dtype), (sin * scale).to(dtype)
 
 
-def turns(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin [N, D] of positions [N] at frequencies [D/2] (each twice: halves layout), times `scale`."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [N, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos() * scale, emb.sin() * scale
+# Positions below FINE read their turn from the table as it is; beyond, a coarse turn (a multiple of FINE) and a fine
+# one combine. Tables of (FINE + context / FINE) rows: 1,064 rows at a 40,960 context, 11,264 at 10M.
+FINE = 1024
+
+
+def turn_tables(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[FINE + ceil(max_positions / FINE), 2, D/2]: the fp32 cos and sin of positions 0 .. FINE - 1 at `inv_freq`, as
+    the references compute them (the angle rounded to fp32 first), then of positions 0, FINE, 2 FINE, ... up to
+    `max_positions`, computed in float64 (angles in the thousands of radians keep their precision)."""
+    fine = torch.arange(FINE).float()[:, None] * inv_freq.float()[None, :]
+    coarse = torch.arange(0, max_positions + FINE, FINE, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    rows = [torch.stack([fine.cos(), fine.sin()], dim=1), torch.stack([coarse.cos(), coarse.sin()], dim=1).float()]
+    return torch.cat(rows)
 
 
 def longrope(
