@@ -73,29 +73,72 @@ inline const T* padded(const T* p, int64_t len, T (&buf)[N]) {
 }
 
 // f32 or bf16 rows of n columns: chunk c of 16 columns into lane c % 16 by FMA; the last chunk zero-padded.
+// The float tile's register blocking: a tile's 4 x NM x 2 half-lane accumulators would take 8 NM of AVX2's 16 ymm
+// registers, so from 2 activation rows on the tile runs in passes of 2 rows and one half (8 accumulators, 4 weight
+// vectors), a last single row both halves at once, over spans of kFloatSpan columns (their weights stay in L1 between
+// the passes); each accumulator waits in memory between its passes. Branches for the zero-padded last chunk stay out
+// of the passes' loops (inside, they cost GCC its registers: every FMA loaded and stored its accumulator). A lane
+// still sums its chunks in order by the same FMAs: the bits of one loop over the row.
+constexpr int64_t kFloatSpan = 512;
+
+// Chunks c0 .. c1 (whole chunks of 16 columns) into acc[m][r].h[h0 .. h0 + NH) for P activation rows; `prefetch`:
+// the pass that runs the weight streams ahead (prefetch.h).
+template <int P, int NH, class W>
+inline void float_pass(const float* const* xs, const W* const* w, int64_t c0, int64_t c1, int h0, bool prefetch,
+                       V16 (*acc)[4]) {
+  __m256 a[P][4][NH];
+  for (int m = 0; m < P; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < NH; ++h) a[m][r][h] = acc[m][r].h[h0 + h];
+  for (int64_t c = c0; c < c1; c += 16) {
+    if (prefetch && (c * sizeof(W)) % 64 == 0)
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c) + kPrefetchBytes, _MM_HINT_T0);
+    for (int h = 0; h < NH; ++h) {
+      __m256 wv[4];
+      for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c + 8 * (h0 + h));
+      for (int m = 0; m < P; ++m) {
+        const __m256 xv = _mm256_loadu_ps(xs[m] + c + 8 * (h0 + h));
+        for (int r = 0; r < 4; ++r) a[m][r][h] = _mm256_fmadd_ps(xv, wv[r], a[m][r][h]);
+      }
+    }
+  }
+  for (int m = 0; m < P; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < NH; ++h) acc[m][r].h[h0 + h] = a[m][r][h];
+}
+
+// The passes of chunks c0 .. c1 for activation rows 0 .. P (P <= 4): pairs of rows a half at a time, a last single
+// row both halves at once.
+template <int P, class W>
+inline void float_span(const float* const* xs, const W* const* w, int64_t c0, int64_t c1, bool ahead,
+                       V16 (*acc)[4]) {
+  if constexpr (P == 1) {
+    float_pass<1, 2>(xs, w, c0, c1, 0, ahead, acc);
+  } else {
+    float_pass<2, 1>(xs, w, c0, c1, 0, ahead, acc);
+    float_pass<2, 1>(xs, w, c0, c1, 1, false, acc);
+    if constexpr (P > 2) float_span<P - 2>(xs + 2, w, c0, c1, false, acc + 2);
+  }
+}
+
+// f32 or bf16 rows of n columns: chunk c of 16 columns into lane c % 16 by FMA; the last chunk zero-padded.
 template <int NM, class W>
 inline void tile_float(const float* const* xs, const W* const* w, int64_t n, float* out) {
+  static_assert(NM >= 1 && NM <= 4, "a tile holds 1 to 4 activation rows");
   V16 acc[NM][4];
   zero<NM>(acc);
   const bool ahead = n * static_cast<int64_t>(sizeof(W)) > kPrefetchRowBytes;  // (prefetch.h)
-  for (int64_t c = 0; c < n; c += 16) {
-    const int64_t len = std::min<int64_t>(16, n - c);
+  const int64_t whole = n / 16 * 16;
+  for (int64_t c0 = 0; c0 < whole; c0 += kFloatSpan)
+    float_span<NM>(xs, w, c0, std::min(whole, c0 + kFloatSpan), ahead, acc);
+  if (whole < n) {
     alignas(32) W wt[4][16];
     alignas(32) float xt[NM][16];
     const W* wp[4];
     const float* xp[NM];
-    for (int r = 0; r < 4; ++r) wp[r] = padded(w[r] + c, len, wt[r]);
-    for (int m = 0; m < NM; ++m) xp[m] = padded(xs[m] + c, len, xt[m]);
-    if (len == 16 && ahead && (c * sizeof(W)) % 64 == 0)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp[r]) + kPrefetchBytes, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256 wv[4];
-      for (int r = 0; r < 4; ++r) wv[r] = load_w(wp[r] + 8 * h);
-      for (int m = 0; m < NM; ++m) {
-        const __m256 xv = _mm256_loadu_ps(xp[m] + 8 * h);
-        for (int r = 0; r < 4; ++r) acc[m][r].h[h] = _mm256_fmadd_ps(xv, wv[r], acc[m][r].h[h]);
-      }
-    }
+    for (int r = 0; r < 4; ++r) wp[r] = padded(w[r] + whole, n - whole, wt[r]);
+    for (int m = 0; m < NM; ++m) xp[m] = padded(xs[m] + whole, n - whole, xt[m]);
+    float_span<NM>(xp, wp, 0, 16, false, acc);
   }
   finish<NM>(acc, out);
 }
