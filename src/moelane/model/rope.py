@@ -5,7 +5,7 @@ dynamic), and the rotations of queries and keys in Llama's halves layout or over
 the other rows of the pass, nor on how its sequence was split into passes (LongRoPE included). It computes no cosine or
 sine: a compiled graph's vectorised `sin` and its scalar one differ in the last bit, and which of the two a row takes
 depends on the kernel that holds it (docs/batch-invariance.md). Each position's turns come from two tables made once,
-by the angle-sum rule, with exact multiplies and adds only (`Turns`).
+by the angle-sum rule, with exact multiplies and adds only (`turn_tables`).
 
 Shape alphabet: N rows, D rotary dims.
 """
@@ -94,12 +94,12 @@ class Rope:
 
 
 # Positions below FINE read their turn from the table as it is; beyond, a coarse turn (a multiple of FINE) and a fine
-# one combine. Tables of (FINE + context / FINE) rows: 1,064 rows at a 40,960 context, 11,264 at 10M.
+# one combine. Tables of FINE + context // FINE + 1 rows: 1,065 at a 40,960 context, 11,265 at 10M.
 FINE = 1024
 
 
 def turn_tables(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-    """[FINE + ceil(max_positions / FINE), 2, D/2]: the fp32 cos and sin of positions 0 .. FINE - 1 at `inv_freq`, as
+    """[FINE + max_positions // FINE + 1, 2, D/2]: the fp32 cos and sin of positions 0 .. FINE - 1 at `inv_freq`, as
     the references compute them (the angle rounded to fp32 first), then of positions 0, FINE, 2 FINE, ... up to
     `max_positions`, computed in float64 (angles in the thousands of radians keep their precision)."""
     fine = torch.arange(FINE).float()[:, None] * inv_freq.float()[None, :]
