@@ -96,10 +96,11 @@ def test_extension_reads_bf16_as_its_dequantised_f32(extension: kernels.Availabi
         assert torch.equal(kernels.gather_linear(x, rows, slots, pool), kernels.gather_linear(x, rows, slots, as_f32))
 
 
-@pytest.mark.parametrize("n_in", [192, 100, 36, 2048])
+@pytest.mark.parametrize("n_in", [192, 100, 36, 2048, 7, 45, 95])
 def test_extension_codes_activations_as_formats_does(extension: kernels.Availability, n_in: int) -> None:
     """The integer kernels' activation codes and scales (csrc/activations.h) are formats.quantize_activations' bit for
-    bit: rows of ties (k + 0.5 steps), an all-zero block, a padded tail, tiny and huge magnitudes."""
+    bit: rows of ties (k + 0.5 steps), an all-zero block, a padded tail (short blocks of 7, 4, 13 and 31 columns),
+    tiny and huge magnitudes."""
     g = torch.Generator().manual_seed(n_in)
     x = torch.randn(6, n_in, generator=g)
     x[1] = (torch.randint(-254, 255, (n_in,), generator=g) / 2.0) * 0.25  # halves of the step: ties to even
@@ -134,13 +135,15 @@ def test_integer_products_with_a_nan_activation_are_nan(
     assert torch.all(torch.isnan(y[:2])) and torch.all(torch.isfinite(y[2]))
 
 
-def test_extension_codes_activations_in_the_nibble_order(extension: kernels.Availability) -> None:
+@pytest.mark.parametrize("n_in", [200, 45])
+def test_extension_codes_activations_in_the_nibble_order(extension: kernels.Availability, n_in: int) -> None:
     """For int4 the kernel holds each 128-column chunk's codes as its 64 even columns, then its 64 odd ones
     (csrc/activations.h, Layout::Nibbles): formats.quantize_activations' codes and scales, so permuted."""
-    x = torch.randn(3, 200)
+    x = torch.randn(3, n_in)
     codes, scales = op._backend.extension().quantise_rows(x, nibbles=True)  # type: ignore[union-attr]
-    want_codes, want_scales = formats.quantize_activations(torch.nn.functional.pad(x, (0, 56)))
-    perm = torch.cat([torch.arange(c, c + 128).view(64, 2).t().flatten() for c in range(0, 256, 128)])
+    cols = -(-n_in // 128) * 128
+    want_codes, want_scales = formats.quantize_activations(torch.nn.functional.pad(x, (0, cols - n_in)))
+    perm = torch.cat([torch.arange(c, c + 128).view(64, 2).t().flatten() for c in range(0, cols, 128)])
     assert torch.equal(codes, want_codes[:, perm]) and torch.equal(scales, want_scales)
 
 

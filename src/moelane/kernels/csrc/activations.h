@@ -15,7 +15,7 @@
 #pragma once
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -175,6 +175,92 @@ class QuantisedRows {
                                            _mm512_maddubs_epi16(ones, _mm512_loadu_si512(q + 64)));
     const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
     _mm512_storeu_si512(corr, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 3)));
+  }
+#elif defined(__AVX2__)
+  // The scalar rule below in 8-lane vectors, the same codes and scales: x * inv rounds alike, and vcvtps2dq rounds
+  // half to even in the default rounding mode, as nearbyint. On AVX2 machines the scalar loop cost the w2 products
+  // as much as their weights' reads (an int8 call of 8 rows of 8,192 columns: docs/kernels.md).
+  static float quantise_block(const float* x, int64_t n, int8_t* q) {
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) {
+      const int64_t left = n - 8 * k;
+      if (left >= 8) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+      } else {
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const int count = static_cast<int>(std::max<int64_t>(left, 0));
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lanes);
+        v[k] = _mm256_maskload_ps(x + 8 * k, keep);  // 0 past the block's n columns (no read there)
+      }
+    }
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      top = _mm256_max_ps(top, _mm256_and_ps(v[k], magnitude));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+    if (_mm256_movemask_ps(nan)) amax = std::numeric_limits<float>::quiet_NaN();  // a NaN, once met, stays
+    const float scale = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(inverse(scale));
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 s = _mm256_mul_ps(v[k], inv);
+      const __m256i code = _mm256_cvtps_epi32(s);  // a NaN (a non-finite x) gives 0x80000000: masked to 0 below
+      const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_ORD_Q));
+      c[k] = _mm256_and_si256(_mm256_min_epi32(_mm256_max_epi32(code, lo), hi), ordered);
+    }
+    // packs interleave the 128-bit halves: words (c0 lo, c1 lo, c0 hi, c1 hi), bytes likewise; the permute restores
+    // column order
+    const __m256i words01 = _mm256_packs_epi32(c[0], c[1]), words23 = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i bytes = _mm256_packs_epi16(words01, words23);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return scale;
+  }
+
+  // corr[l] = -128 x the sum of codes 4l .. 4l + 3 of one Bytes chunk
+  static void lane_sums(const int8_t* q, int32_t* corr) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * h));
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + 8 * h),
+                          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 7)));
+    }
+  }
+
+  // One Nibbles chunk's 128 codes in column order -> its 64 even columns, then its 64 odd ones.
+  static void evens_then_odds(int8_t* q) {
+    // per 128-bit half: its 8 even bytes, then its 8 odd ones; then the halves' evens together, their odds together
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i v[4];
+    for (int k = 0; k < 4; ++k)
+      v[k] = _mm256_permute4x64_epi64(
+          _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * k)), split), 0xD8);
+    for (int k = 0; k < 2; ++k) {  // v[2k]: evens then odds of columns 64k .. 64k + 31; v[2k + 1]: of the next 32
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * k),
+                          _mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 + 32 * k),
+                          _mm256_permute2x128_si256(v[2 * k], v[2 * k + 1], 0x31));
+    }
+  }
+
+  // corr[l] = -8 x the sum of a Nibbles chunk's lane l codes: bytes 4l .. 4l + 3 of both halves
+  static void nibble_lane_sums(const int8_t* q, int32_t* corr) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * h));
+      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 + 32 * h));
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(ones8, even), _mm256_maddubs_epi16(ones8, odd));
+      const __m256i sums = _mm256_madd_epi16(pairs, ones16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + 8 * h),
+                          _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sums, 3)));
+    }
   }
 #else
   static float quantise_block(const float* x, int64_t n, int8_t* q) {
