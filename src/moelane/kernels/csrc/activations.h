@@ -178,8 +178,9 @@ class QuantisedRows {
   }
 #elif defined(__AVX2__)
   // The scalar rule below in 8-lane vectors, the same codes and scales: x * inv rounds alike, and vcvtps2dq rounds
-  // half to even in the default rounding mode, as nearbyint. On AVX2 machines the scalar loop cost the w2 products
-  // as much as their weights' reads (an int8 call of 8 rows of 8,192 columns: docs/kernels.md).
+  // in the current rounding mode, as nearbyint (half to even by default). The scalar loop took 0.8x the products'
+  // own time in int8 w2 calls of 8 rows of 8,192 columns on an AVX2 EPYC (docs/kernels.md "Activation codes on
+  // AVX2").
   static float quantise_block(const float* x, int64_t n, int8_t* q) {
     __m256 v[4];
     for (int k = 0; k < 4; ++k) {
