@@ -81,15 +81,28 @@ inline const T* padded(const T* p, int64_t len, T (&buf)[N]) {
 // still sums its chunks in order by the same FMAs: the bits of one loop over the row.
 constexpr int64_t kFloatSpan = 512;
 
+// A pass's accumulators: acc[m][r].h[h0 .. h0 + NH) of P activation rows copied into a local array, which GCC keeps
+// in registers through a loop without branches, and back.
+template <int P, int NH>
+inline void take(V16 (*acc)[4], int h0, __m256 (&a)[P][4][NH]) {
+  for (int m = 0; m < P; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < NH; ++h) a[m][r][h] = acc[m][r].h[h0 + h];
+}
+template <int P, int NH>
+inline void give(const __m256 (&a)[P][4][NH], int h0, V16 (*acc)[4]) {
+  for (int m = 0; m < P; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < NH; ++h) acc[m][r].h[h0 + h] = a[m][r][h];
+}
+
 // Chunks c0 .. c1 (whole chunks of 16 columns) into acc[m][r].h[h0 .. h0 + NH) for P activation rows; `prefetch`:
 // the pass that runs the weight streams ahead (prefetch.h).
 template <int P, int NH, class W>
 inline void float_pass(const float* const* xs, const W* const* w, int64_t c0, int64_t c1, int h0, bool prefetch,
                        V16 (*acc)[4]) {
   __m256 a[P][4][NH];
-  for (int m = 0; m < P; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < NH; ++h) a[m][r][h] = acc[m][r].h[h0 + h];
+  take(acc, h0, a);
   for (int64_t c = c0; c < c1; c += 16) {
     if (prefetch && (c * sizeof(W)) % 64 == 0)
       for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c) + kPrefetchBytes, _MM_HINT_T0);
@@ -102,9 +115,7 @@ inline void float_pass(const float* const* xs, const W* const* w, int64_t c0, in
       }
     }
   }
-  for (int m = 0; m < P; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < NH; ++h) acc[m][r].h[h0 + h] = a[m][r][h];
+  give(a, h0, acc);
 }
 
 // The passes of chunks c0 .. c1 for activation rows 0 .. P (P <= 4): pairs of rows a half at a time, a last single
@@ -155,97 +166,156 @@ inline __m256i dot_nibbles(__m256i u, __m256i x) {
 }
 
 // The scales of a half chunk's 8 lanes, which cover `span` columns from `first` (32 for int8, 64 for int4) in equal
-// shares of one to four groups; 0 past the row's n_groups.
-template <int G, int span, class S>
+// shares of one to four groups; 0 past the row's n_groups (`tail`: the last chunk, which may reach past them; a whole
+// chunk never does).
+template <int G, int span, bool tail, class S>
 inline __m256 half_scales(const S* s, int64_t first, int64_t n_groups) {
   constexpr int per = span / G < 1 ? 1 : span / G;
   static_assert(per == 1 || per == 2 || per == 4, "a half chunk holds 1, 2 or 4 groups");
   float g[per];
   for (int i = 0; i < per; ++i) {
     const int64_t index = first / G + i;
-    g[i] = index < n_groups ? scale_of(s[index]) : 0.0f;
+    g[i] = !tail || index < n_groups ? scale_of(s[index]) : 0.0f;
   }
   if constexpr (per == 1) return _mm256_set1_ps(g[0]);
   else if constexpr (per == 2) return _mm256_setr_m128(_mm_set1_ps(g[0]), _mm_set1_ps(g[1]));
   else return _mm256_setr_ps(g[0], g[0], g[1], g[1], g[2], g[2], g[3], g[3]);
 }
 
-// int8 weights against int8 activations (activations.h, Layout::Bytes): per 64-column chunk k and lane l (columns
-// 64k + 4l .. + 3) the exact int32 sum, converted and weighed by the lane's activation scale x weight scale, into acc
-// by FMA, as tiles_avx512.h's tile_int8. A last chunk of n % 64 columns is zero-padded.
-template <int NM, int G, class S>
-inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
-  V16 acc[NM][4];
-  zero<NM>(acc);
-  const int64_t n_groups = n / G;
-  const bool ahead = n > kPrefetchRowBytes;  // (prefetch.h)
-  for (int64_t k = 0; 64 * k < n; ++k) {
-    const int64_t len = std::min<int64_t>(64, n - 64 * k);
-    alignas(32) int8_t tail[4][64];
-    const int8_t* wp[4];
-    for (int r = 0; r < 4; ++r) wp[r] = padded(q[r] + 64 * k, len, tail[r]);
-    if (len == 64 && ahead)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp[r]) + kPrefetchBytes, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
+// The integer tiles' loops, as the float tile's (above): the accumulators copied into a local array for a loop
+// without branches over whole chunks, and the last partial chunk after it, with only the halves (32 bytes of each
+// weight row) that hold columns; a half cut short by n is copied into a zeroed buffer. A half past the row is
+// skipped: its lanes' codes are 0 (activations.h), so it would add +0 to each accumulator, and an accumulator that
+// starts at +0 is never -0 (round to nearest gives +0 for x + (-x)): skipping it leaves the same bits (the AVX-512
+// tiles add those zero lanes).
+
+// Prefetch each of 4 weight rows' streams at byte `at` (prefetch.h).
+template <class T>
+inline void ahead_of(const T* const* w, int64_t at) {
+  for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + at) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// Chunks k0 .. k1 of int8 rows (64 columns a chunk), halves 0 .. NH; chunk k of row r at w[r] + step x k.
+template <int NM, int G, int NH, bool tail, class S>
+inline void int8_chunks(const QRow* const* xs, const int8_t* const* w, int64_t step, const S* const* s, int64_t k0,
+                        int64_t k1, int64_t n_groups, bool prefetch, V16 (*acc)[4]) {
+  __m256 a[NM][4][NH];
+  take(acc, 0, a);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch) ahead_of(w, step * k);
+    for (int h = 0; h < NH; ++h) {
       __m256i wv[4];
       __m256 sv[4];
       for (int r = 0; r < 4; ++r) {
-        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[r] + 32 * h));
-        sv[r] = half_scales<G, 32>(s[r], 64 * k + 32 * h, n_groups);
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + step * k + 32 * h));
+        sv[r] = half_scales<G, 32, tail>(s[r], 64 * k + 32 * h, n_groups);
       }
       for (int m = 0; m < NM; ++m) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m]->q + 64 * k + 32 * h));
         const __m256 dv = _mm256_loadu_ps(xs[m]->d + 16 * k + 8 * h);
         for (int r = 0; r < 4; ++r) {
           const __m256 sum = _mm256_cvtepi32_ps(dot_int8(wv[r], xq));
-          acc[m][r].h[h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, sv[r]), acc[m][r].h[h]);
+          a[m][r][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dv, sv[r]), a[m][r][h]);
         }
       }
     }
+  }
+  give(a, 0, acc);
+}
+
+// Chunks k0 .. k1 of int4 rows (128 columns, 64 bytes a chunk), halves 0 .. NH; chunk k of row r at p[r] + step x k.
+template <int NM, int G, int NH, bool tail, class S>
+inline void int4_chunks(const QRow* const* xs, const uint8_t* const* p, int64_t step, const S* const* s, int64_t k0,
+                        int64_t k1, int64_t n_groups, bool prefetch, V16 (*acc)[4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 a[NM][4][NH];
+  take(acc, 0, a);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (prefetch) ahead_of(p, step * k);
+    for (int h = 0; h < NH; ++h) {
+      __m256i even[NM], odd[NM], corr[NM];
+      __m256 dv[NM];
+      for (int m = 0; m < NM; ++m) {
+        const int8_t* x = xs[m]->q + 128 * k + 32 * h;
+        even[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        odd[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
+        corr[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m]->corr + 16 * k + 8 * h));
+        dv[m] = _mm256_loadu_ps(xs[m]->d + 16 * k + 8 * h);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[r] + step * k + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256 sv = half_scales<G, 64, tail>(s[r], 128 * k + 64 * h, n_groups);
+        for (int m = 0; m < NM; ++m) {
+          const __m256i both = _mm256_add_epi32(dot_nibbles(lo, even[m]), dot_nibbles(hi, odd[m]));
+          const __m256i sum = _mm256_add_epi32(corr[m], both);
+          a[m][r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv[m], sv), a[m][r][h]);
+        }
+      }
+    }
+  }
+  give(a, 0, acc);
+}
+
+// The last partial chunk (chunk k, `left` of its 64 bytes in each row from w[r]): Run<1> with the first half alone
+// where the rest lies past the row, else Run<2>; a half cut short copied into a zeroed buffer.
+template <class T, class Run1, class Run2>
+inline void last_chunk(const T* const* w, int64_t left, Run1 run1, Run2 run2) {
+  const T* hp[4];
+  if (left <= 32) {
+    alignas(32) T tail[4][32];
+    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r], left, tail[r]);
+    run1(hp);
+  } else {
+    alignas(32) T tail[4][64];
+    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r], left, tail[r]);
+    run2(hp);
+  }
+}
+
+// int8 weights against int8 activations (activations.h, Layout::Bytes): per 64-column chunk k and lane l (columns
+// 64k + 4l .. + 3) the exact int32 sum, converted and weighed by the lane's activation scale x weight scale, into acc
+// by FMA, as tiles_avx512.h's tile_int8.
+template <int NM, int G, class S>
+inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
+  V16 acc[NM][4];
+  zero<NM>(acc);
+  const int64_t n_groups = n / G, whole = n / 64, left = n - 64 * whole;
+  int8_chunks<NM, G, 2, false>(xs, q, 64, s, 0, whole, n_groups, n > kPrefetchRowBytes, acc);  // (prefetch.h)
+  if (left > 0) {
+    const int8_t* w[4] = {q[0] + 64 * whole, q[1] + 64 * whole, q[2] + 64 * whole, q[3] + 64 * whole};
+    last_chunk(
+        w, left,
+        [&](const int8_t* const* hp) {
+          int8_chunks<NM, G, 1, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
+        },
+        [&](const int8_t* const* hp) {
+          int8_chunks<NM, G, 2, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
+        });
   }
   finish<NM>(acc, out);
 }
 
 // int4 (tiers' layout, stored + 8) against activations in the Nibbles layout (activations.h): per 128-column chunk
 // k, 64 bytes whose low nibbles meet the chunk's even codes and whose high nibbles its odd ones, lane l (bytes 4l ..
-// + 3, columns 128k + 8l .. + 7) summing both plus its correction in int32, as tiles_avx512.h's tile_int4. A last
-// chunk of n % 128 columns is zero-padded (zero nibbles meet zero codes).
+// + 3, columns 128k + 8l .. + 7) summing both plus its correction in int32, as tiles_avx512.h's tile_int4 (a padded
+// half's zero nibbles meet zero codes).
 template <int NM, int G, class S>
 inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
   V16 acc[NM][4];
   zero<NM>(acc);
-  const int64_t n_groups = n / G;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const bool ahead = n / 2 > kPrefetchRowBytes;  // (prefetch.h)
-  for (int64_t k = 0; 128 * k < n; ++k) {
-    const int64_t len = std::min<int64_t>(64, (n - 128 * k) / 2);
-    alignas(32) uint8_t tail[4][64];
-    const uint8_t* bp[4];
-    for (int r = 0; r < 4; ++r) bp[r] = padded(p[r] + 64 * k, len, tail[r]);
-    if (len == 64 && ahead)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(bp[r]) + kPrefetchBytes, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256i lo[4], hi[4];
-      __m256 sv[4];
-      for (int r = 0; r < 4; ++r) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp[r] + 32 * h));
-        lo[r] = _mm256_and_si256(v, low4);
-        hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        sv[r] = half_scales<G, 64>(s[r], 128 * k + 64 * h, n_groups);
-      }
-      for (int m = 0; m < NM; ++m) {
-        const int8_t* x = xs[m]->q + 128 * k + 32 * h;
-        const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-        const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64));
-        const __m256i corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m]->corr + 16 * k + 8 * h));
-        const __m256 dv = _mm256_loadu_ps(xs[m]->d + 16 * k + 8 * h);
-        for (int r = 0; r < 4; ++r) {
-          const __m256i both = _mm256_add_epi32(dot_nibbles(lo[r], even), dot_nibbles(hi[r], odd));
-          const __m256i sum = _mm256_add_epi32(corr, both);
-          acc[m][r].h[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, sv[r]), acc[m][r].h[h]);
-        }
-      }
-    }
+  const int64_t n_groups = n / G, whole = n / 128, left = n / 2 - 64 * whole;
+  int4_chunks<NM, G, 2, false>(xs, p, 64, s, 0, whole, n_groups, n / 2 > kPrefetchRowBytes, acc);  // (prefetch.h)
+  if (left > 0) {
+    const uint8_t* w[4] = {p[0] + 64 * whole, p[1] + 64 * whole, p[2] + 64 * whole, p[3] + 64 * whole};
+    last_chunk(
+        w, left,
+        [&](const uint8_t* const* hp) {
+          int4_chunks<NM, G, 1, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
+        },
+        [&](const uint8_t* const* hp) {
+          int4_chunks<NM, G, 2, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
+        });
   }
   finish<NM>(acc, out);
 }
