@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "activations.h"
 #include "prefetch.h"
@@ -81,6 +82,12 @@ inline const T* padded(const T* p, int64_t len, T (&buf)[N]) {
 // still sums its chunks in order by the same FMAs: the bits of one loop over the row.
 constexpr int64_t kFloatSpan = 512;
 
+// Prefetch each of 4 weight rows' streams at element `at` (prefetch.h).
+template <class T>
+inline void ahead_of(const T* const* w, int64_t at) {
+  for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + at) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // A pass's accumulators: acc[m][r].h[h0 .. h0 + NH) of P activation rows copied into a local array, which GCC keeps
 // in registers through a loop without branches, and back.
 template <int P, int NH>
@@ -104,8 +111,7 @@ inline void float_pass(const float* const* xs, const W* const* w, int64_t c0, in
   __m256 a[P][4][NH];
   take(acc, h0, a);
   for (int64_t c = c0; c < c1; c += 16) {
-    if (prefetch && (c * sizeof(W)) % 64 == 0)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c) + kPrefetchBytes, _MM_HINT_T0);
+    if (prefetch && (c * sizeof(W)) % 64 == 0) ahead_of(w, c);
     for (int h = 0; h < NH; ++h) {
       __m256 wv[4];
       for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c + 8 * (h0 + h));
@@ -189,12 +195,6 @@ inline __m256 half_scales(const S* s, int64_t first, int64_t n_groups) {
 // starts at +0 is never -0 (round to nearest gives +0 for x + (-x)): skipping it leaves the same bits (the AVX-512
 // tiles add those zero lanes).
 
-// Prefetch each of 4 weight rows' streams at byte `at` (prefetch.h).
-template <class T>
-inline void ahead_of(const T* const* w, int64_t at) {
-  for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + at) + kPrefetchBytes, _MM_HINT_T0);
-}
-
 // Chunks k0 .. k1 of int8 rows (64 columns a chunk), halves 0 .. NH; chunk k of row r at w[r] + step x k.
 template <int NM, int G, int NH, bool tail, class S>
 inline void int8_chunks(const QRow* const* xs, const int8_t* const* w, int64_t step, const S* const* s, int64_t k0,
@@ -257,20 +257,29 @@ inline void int4_chunks(const QRow* const* xs, const uint8_t* const* p, int64_t 
   give(a, 0, acc);
 }
 
-// The last partial chunk (chunk k, `left` of its 64 bytes in each row from w[r]): Run<1> with the first half alone
-// where the rest lies past the row, else Run<2>; a half cut short copied into a zeroed buffer.
-template <class T, class Run1, class Run2>
-inline void last_chunk(const T* const* w, int64_t left, Run1 run1, Run2 run2) {
+// An integer tile over rows of `row_bytes` bytes (whole chunks of 64, then the last partial chunk's halves that hold
+// columns, above); chunks(Halves<NH>, std::bool_constant<tail>, weight rows, step, k0, k1, prefetch, acc) runs its
+// kind's `*_chunks<NM, G, NH, tail>`.
+template <int NH>
+using Halves = std::integral_constant<int, NH>;
+
+template <int NM, class T, class Chunks>
+inline void integer_tile(const T* const* w, int64_t row_bytes, bool ahead, Chunks chunks, float* out) {
+  V16 acc[NM][4];
+  zero<NM>(acc);
+  const int64_t whole = row_bytes / 64, left = row_bytes - 64 * whole;
+  chunks(Halves<2>{}, std::false_type{}, w, 64, 0, whole, ahead, acc);
   const T* hp[4];
-  if (left <= 32) {
+  if (left > 0 && left <= 32) {
     alignas(32) T tail[4][32];
-    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r], left, tail[r]);
-    run1(hp);
-  } else {
+    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r] + 64 * whole, left, tail[r]);
+    chunks(Halves<1>{}, std::true_type{}, hp, 0, whole, whole + 1, false, acc);
+  } else if (left > 32) {
     alignas(32) T tail[4][64];
-    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r], left, tail[r]);
-    run2(hp);
+    for (int r = 0; r < 4; ++r) hp[r] = padded(w[r] + 64 * whole, left, tail[r]);
+    chunks(Halves<2>{}, std::true_type{}, hp, 0, whole, whole + 1, false, acc);
   }
+  finish<NM>(acc, out);
 }
 
 // int8 weights against int8 activations (activations.h, Layout::Bytes): per 64-column chunk k and lane l (columns
@@ -278,22 +287,15 @@ inline void last_chunk(const T* const* w, int64_t left, Run1 run1, Run2 run2) {
 // by FMA, as tiles_avx512.h's tile_int8.
 template <int NM, int G, class S>
 inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* const* s, int64_t n, float* out) {
-  V16 acc[NM][4];
-  zero<NM>(acc);
-  const int64_t n_groups = n / G, whole = n / 64, left = n - 64 * whole;
-  int8_chunks<NM, G, 2, false>(xs, q, 64, s, 0, whole, n_groups, n > kPrefetchRowBytes, acc);  // (prefetch.h)
-  if (left > 0) {
-    const int8_t* w[4] = {q[0] + 64 * whole, q[1] + 64 * whole, q[2] + 64 * whole, q[3] + 64 * whole};
-    last_chunk(
-        w, left,
-        [&](const int8_t* const* hp) {
-          int8_chunks<NM, G, 1, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
-        },
-        [&](const int8_t* const* hp) {
-          int8_chunks<NM, G, 2, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
-        });
-  }
-  finish<NM>(acc, out);
+  const int64_t n_groups = n / G;
+  integer_tile<NM>(
+      q, n, n > kPrefetchRowBytes,  // (prefetch.h)
+      [&](auto halves, auto tail, const int8_t* const* w, int64_t step, int64_t k0, int64_t k1, bool prefetch,
+          V16 (*acc)[4]) {
+        int8_chunks<NM, G, decltype(halves)::value, decltype(tail)::value>(xs, w, step, s, k0, k1, n_groups, prefetch,
+                                                                           acc);
+      },
+      out);
 }
 
 // int4 (tiers' layout, stored + 8) against activations in the Nibbles layout (activations.h): per 128-column chunk
@@ -302,22 +304,15 @@ inline void tile_int8(const QRow* const* xs, const int8_t* const* q, const S* co
 // half's zero nibbles meet zero codes).
 template <int NM, int G, class S>
 inline void tile_int4(const QRow* const* xs, const uint8_t* const* p, const S* const* s, int64_t n, float* out) {
-  V16 acc[NM][4];
-  zero<NM>(acc);
-  const int64_t n_groups = n / G, whole = n / 128, left = n / 2 - 64 * whole;
-  int4_chunks<NM, G, 2, false>(xs, p, 64, s, 0, whole, n_groups, n / 2 > kPrefetchRowBytes, acc);  // (prefetch.h)
-  if (left > 0) {
-    const uint8_t* w[4] = {p[0] + 64 * whole, p[1] + 64 * whole, p[2] + 64 * whole, p[3] + 64 * whole};
-    last_chunk(
-        w, left,
-        [&](const uint8_t* const* hp) {
-          int4_chunks<NM, G, 1, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
-        },
-        [&](const uint8_t* const* hp) {
-          int4_chunks<NM, G, 2, true>(xs, hp, 0, s, whole, whole + 1, n_groups, false, acc);
-        });
-  }
-  finish<NM>(acc, out);
+  const int64_t n_groups = n / G;
+  integer_tile<NM>(
+      p, n / 2, n / 2 > kPrefetchRowBytes,  // (prefetch.h)
+      [&](auto halves, auto tail, const uint8_t* const* w, int64_t step, int64_t k0, int64_t k1, bool prefetch,
+          V16 (*acc)[4]) {
+        int4_chunks<NM, G, decltype(halves)::value, decltype(tail)::value>(xs, w, step, s, k0, k1, n_groups, prefetch,
+                                                                           acc);
+      },
+      out);
 }
 
 // Interleaved int8 (tiles_avx512.h's tile_int8_rows16): a block's 16 rows as two halves of 8 lanes (rows 0-7: bytes
