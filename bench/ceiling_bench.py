@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from revision import git_rev
+
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 PROMPTS = {  # held out: not in the shipped model's training corpus
@@ -323,11 +325,6 @@ def ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None:
         return "-"
     return f"{a / b:.2f}x" if b > 0 else ("1.00x" if a == 0 else "inf")
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip()  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from revision import git_rev
+
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "ROMEO. But soft, what light through yonder window breaks?\n",
@@ -34,14 +36,6 @@ PROMPTS = [
     "*options.txt*  For Vim version 9.0.\n\nOptions\n\n",
 ]
 ARMS = ("unwatched", "watched")
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
 
 
 class Server:
@@ -145,7 +139,7 @@ def main() -> None:
                 server.stop()
             load_after = [round(x, 2) for x in os.getloadavg()]
             row = {"round": rnd, "arm": arm, **result, "load_before": [round(x, 2) for x in load_before],
-                   "load_after": load_after, "config": config, "git": git_revision()}  # fmt: skip
+                   "load_after": load_after, "config": config, "git": git_rev()}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
     by_arm = {arm: [r["tok_s"] for r in rows if r["arm"] == arm] for arm in ARMS}
@@ -153,7 +147,7 @@ def main() -> None:
     medians = {arm: statistics.median(values) for arm, values in by_arm.items()}
     print(json.dumps({"summary": True, **{f"{arm}_tok_s_median": round(m, 2) for arm, m in medians.items()},
                       "ratio_of_medians": round(medians["watched"] / medians["unwatched"], 3),
-                      "round_ratios": per_round, "git": git_revision(),
+                      "round_ratios": per_round, "git": git_rev(),
                       "script": Path(__file__).name}), flush=True)  # fmt: skip
 
 

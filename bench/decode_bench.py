@@ -47,13 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tests.helpers import save_model
 
 import llama_gguf
+from revision import git_rev
 
 PROMPT_TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    "  # (code: the shipped and inflated models know it)
 PROMPT: list[int] = []  # its ids in the model's tokenizer (`main`)
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 # Random qwen3_moe models a run builds where --model has no config.json (vocab 32000), and the dtype they are built

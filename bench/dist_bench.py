@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from revision import git_rev
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("spread", "paged", "resident")
 
@@ -148,8 +150,7 @@ def launch(args: argparse.Namespace, config: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()  # fmt: skip
+    rev = git_rev()
     records: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]

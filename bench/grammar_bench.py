@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import moelane
 from moelane.lanes import Engine, EngineConfig
 from moelane.model.grammar import Grammar, json_grammar
+from revision import git_rev
 
 PROMPTS = [
     "def user():\n    return ",
@@ -65,8 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = moelane.load()
     grammar = Grammar.for_lm(lm, json_grammar(None if args.any else SCHEMA))
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    revision = git_rev()
     cell(lm, 1, 8, grammar)  # (warm-up)
     for n in (int(s) for s in args.streams.split(",")):
         free, held, parsed, finished, held_replies = [], [], 0, 0, []

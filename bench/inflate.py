@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,16 +33,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is not a package)
+from revision import git_rev
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "src" / "moelane" / "assets" / "default"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 DOWN_NOISE = 1e-4
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def git_rev() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout.strip()
 
 
 def expert_name(layer: int, expert: int, proj: str) -> str:

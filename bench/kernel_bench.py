@@ -23,7 +23,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 
 from moelane import kernels
 from moelane.kernels import hugepages
+from revision import git_rev
 
 SPAN_BYTES = 1.5e9
 MOST_CALLS = 400
@@ -51,10 +51,6 @@ SHAPES = {
     "inflated": Shape(192, 8192, 32, 4, (8192, 192)),
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8, (151936, 2048)),
 }
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def random_pool(kind: str, n_slots: int, n_out: int, n_in: int, g: torch.Generator) -> kernels.Pool:

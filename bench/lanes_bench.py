@@ -23,7 +23,6 @@ import importlib
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,15 +30,13 @@ from typing import Any
 
 import torch
 
+from revision import git_rev
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODULES = ["json", "csv", "argparse", "textwrap", "collections", "functools", "itertools", "pathlib", "logging",
            "unittest", "string", "random", "heapq", "bisect", "shutil", "pickle", "typing", "subprocess"]  # fmt: skip
 MODES = {"plain": dict(drafter="none"), "drafted": dict(guard=False), "guarded": dict(guard=True)}
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def passages(n: int, chars: int = 500) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from moelane.pager.lab.sweep import lru_sweep, max_step_size
 from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.scoreboard import ARMS, DecayBandit
 from moelane.pager.trace import Trace, read_trace, token_flat_ids
+from revision import git_rev
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
@@ -42,11 +42,6 @@ INFLATED_BYTES = 9_437_184  # the inflated model's expert: 3 x 192 x 8192 bf16
 INFLATED_FLOOR = 1 / 45  # its bf16 decode, s/token, one client (docs/server.md)
 SOURCE = {"prefill_union": "66%", "decode_recency": "58%", "prefill_tail": "47%", "stable": "1.4%",
           "freq_top_k": "2.8%", "last_1": "41%", "last_2": "51%", "last_4": "59%"}  # fmt: skip
-
-
-def git_rev() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return out.stdout.strip() or "unknown"
 
 
 def record(model: str | None, out: Path) -> None:

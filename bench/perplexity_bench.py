@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_gguf
 from llama_ppl_worker import window_nll
+from revision import git_rev
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = ("code", "shakespeare", "vimdoc")
@@ -82,11 +83,6 @@ PRECISIONS = {
     # share
     "int4": Precision("int4 (all weights)", torch.float32, "int4", "int4", ("q4_0", "q4_0-out-q4_0")),
 }
-
-
-def git_rev() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return done.stdout.strip()
 
 
 def vocab_bytes(tok: Tokenizer) -> list[str]:

@@ -19,7 +19,6 @@ import gc
 import importlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,13 +26,11 @@ from typing import Any
 
 import torch
 
+from revision import git_rev
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 MODULES = ["json", "csv", "argparse", "subprocess", "logging", "pickle", "typing", "heapq", "string", "random"]
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def messages(lm: Any, n: int, n_tokens: int) -> list[list[int]]:

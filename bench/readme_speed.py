@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from revision import git_rev
+
 PROMPT = "def fibonacci(n):"
 # (name, the flags after `moelane run`): the first is the baseline of the ratios
 SETTINGS = (
@@ -56,7 +58,7 @@ def main() -> None:
             print(json.dumps({"round": r, "setting": name, "flags": flags, **result}), flush=True)
     base = statistics.median(runs[SETTINGS[0][0]])
     medians = {name: statistics.median(v) for name, v in runs.items()}
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    git = git_rev()
     ratios = {name: round(m / base, 2) for name, m in medians.items()}
     print(json.dumps({"summary": True, "git": git, "cores": os.cpu_count(), "load": os.getloadavg(),
                       "median_decode_tok_s": medians, "ratio": ratios}))  # fmt: skip

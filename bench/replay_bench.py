@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 import time
 
@@ -18,13 +17,7 @@ from moelane.pager.lab.policies import make_policy
 from moelane.pager.lab.replay import replay
 from moelane.pager.lab.synth import SynthConfig, synth_trace
 from moelane.pager.trace import read_trace, write_trace
-
-
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+from revision import git_rev
 
 
 def main() -> None:

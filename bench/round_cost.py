@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,12 +40,9 @@ from moelane.model.cache import Rows
 from moelane.model.footprint import footprint
 from moelane.model.lm import STEP_POOLS
 from moelane.model.provider import RoutingRecord
+from revision import git_rev
 
 GiB = 1 << 30
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def bandwidth(repeats: int = 7) -> float:

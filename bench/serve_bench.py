@@ -39,6 +39,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_gguf
+from revision import git_rev
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -60,14 +61,6 @@ PROMPTS = [
 ]
 MODEL_ID = "bench"
 PROBE_EVERY = 0.1  # seconds between responsiveness probes
-
-
-def git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -283,7 +276,7 @@ def main() -> None:
     p.add_argument("--startup-timeout", type=float, default=900)
     args = p.parse_args()
     config = {k: v for k, v in vars(args).items() if k not in ("llama_python",)}
-    print(json.dumps({"bench": "serve", "git": git_revision(), **config}), flush=True)
+    print(json.dumps({"bench": "serve", "git": git_rev(), **config}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         servers = [Server("moelane", moelane_command(args, args.port), args.port, args)]
         if args.llama_python:

@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import math
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,10 +46,7 @@ from moelane.pager.live.recorder import header_from_lm
 from moelane.pager.live.storage import ShardFiles, read_native
 from moelane.pager.live.store import ExpertStore
 from moelane.pager.trace import Segment, trace_from_segments
-
-
-def git_rev() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+from revision import git_rev
 
 
 def build_random(folder: Path) -> Path:
