@@ -268,11 +268,12 @@ def main() -> None:
             order = ("moelane", "llama") if r % 2 == 0 else ("llama", "moelane")
             for engine in order:
                 record = run_one(args, engine, prompts[name], limit_for(args, found, engine, share, gguf_bytes))
-                record.update(round=r, share=share, prompt=name, quant=args.quant, git=git_rev())
+                record.update(round=r, share=share, prompt=name, quant=args.quant, git=git_rev(ROOT))
                 records.append(record)
                 emit(args, {k: v for k, v in record.items() if k != "tokens"})
     emit(args, {"summary": True, "quant": args.quant, "overheads": found, "rule": args.overhead,
-                "gguf_bytes": gguf_bytes, "tokens": args.tokens, "rounds": args.rounds, "git": git_rev()})  # fmt: skip
+                "gguf_bytes": gguf_bytes, "tokens": args.tokens, "rounds": args.rounds,
+                "git": git_rev(ROOT)})  # fmt: skip
     print(table(records, shares, args.quant))
 
 

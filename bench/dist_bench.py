@@ -150,7 +150,7 @@ def launch(args: argparse.Namespace, config: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> None:
-    rev = git_rev()
+    rev = git_rev(ROOT)
     records: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = CONFIGS[r % 3 :] + CONFIGS[: r % 3]
