@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import OWN_CACHE_FAMILIES
+
 # `MOELANE_TEST_DEVICE=cuda pytest ...` (bench/device_check.sh): every model the tests load with `moelane.load` and no
 # device of their own computes there, so the parity and identity tests take a device parameter.
 TEST_DEVICE = os.environ.get("MOELANE_TEST_DEVICE")
@@ -105,13 +107,10 @@ SLOW_IN_THE_FAST_LOOP = (
 # every family's first config stays fast (fp32 parity, bf16 prefill bit for bit); other configs' parity and the bf16
 # greedy replies run with the slow set
 FAMILY_PARITY = ("test_fp32_matches_transformers", "test_bf16_prefill_logits_are_transformers_bit_for_bit")
-# ... but fp32 parity's KV-cache decode and greedy run (~0.9 s a family on the EPYC) stay fast only for the families
-# whose caches or attention differ from plain grouped KV (windows, sinks, latent, convolution, chunks, LongRoPE) and
-# plain qwen3_moe; the other families' first configs keep their bf16 prefill bit for bit in the loop
-FP32_FAST_FAMILIES = frozenset(
-    ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "lfm2_moe", "phimoe", "exaone_moe", "llama4",
-     "qwen3", "llama")
-)  # fmt: skip
+# ... but fp32 parity's KV-cache decode and greedy run (~0.9 s a family on the EPYC) stays fast only for the families
+# with caches of their own, plain qwen3_moe, phimoe (LongRoPE switches factors at a decode position) and dense llama;
+# the other families' first configs keep their bf16 prefill bit for bit in the loop
+FP32_FAST_FAMILIES = OWN_CACHE_FAMILIES | {"qwen3_moe", "phimoe", "llama"}
 BF16_GREEDY = "test_bf16_greedy_matches_transformers"
 # each tool syntax's forced call stays fast with tool_choice "required"; by name it is slow
 FORCED_BY_NAME = "test_tool_choice_forces_a_call_by_the_opening_the_prompt_ends_with"

@@ -67,6 +67,14 @@ def random_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> 
     return save_model(model, folder, params["vocab_size"])
 
 
+# Families whose attention reads its cache otherwise than plain grouped KV (sliding windows, sinks, latent attention,
+# convolution states, chunks). Plain grouped KV reads its cache by the same code in every family, so the costlier
+# family matrices (tests/conftest.py's fast fp32 parity, test_families.py's two-capacity compiled step) run for these.
+OWN_CACHE_FAMILIES = frozenset(
+    ("mixtral", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "lfm2_moe", "exaone_moe", "llama4", "qwen3")
+)
+
+
 COMMON = dict(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
               max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
 FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {

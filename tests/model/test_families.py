@@ -24,7 +24,7 @@ import moelane.model.load as load_module
 from moelane.errors import ModelLoadError
 from moelane.model.cache import Rows
 from moelane.model.exported import AheadOrCompiled
-from tests.helpers import random_model
+from tests.helpers import OWN_CACHE_FAMILIES, random_model
 
 N_PROMPT, N_DECODE, N_GREEDY, TOL = 37, 16, 32, 1e-4
 NEAR_TIE = 1 / 64  # (of the largest logit: a few bf16 roundings, 2**-8 each)
@@ -753,23 +753,15 @@ COMPILED = [c for c in CASES if c[0] in ("qwen2_moe-norm-sparse_step",
                                          "llama-bias-llama3rope")]  # fmt: skip
 
 
-# Families whose attention reads its cache otherwise than plain grouped KV (windows, sinks, latent attention,
-# convolution states, chunks): their compiled step is also built for rows of two cache capacities. That second build
-# costs as much as the first (~30-60 s of AOT compiling a case on 2 cores); plain grouped KV reads its pools by the
-# same code in every family, and test_core.py and test_exported.py hold the default model's compiled rows to it.
-TWO_POOL_FAMILIES = frozenset(
-    ("mixtral", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "lfm2_moe", "exaone_moe", "llama4", "qwen3")
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "family", "overrides"), COMPILED, ids=[c[0] for c in COMPILED])
 def test_compiled_decode_matches_eager(
     case: str, family: str, overrides: dict, folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The decode step compiles whole (exported, and compiled ahead of time) for every family and decodes the same
-    tokens as eager; in TWO_POOL_FAMILIES, rows of two cache capacities in one call (each pool's rows attend apart)
-    are the bits of each stream's call alone."""
+    tokens as eager; in OWN_CACHE_FAMILIES, rows of two cache capacities in one call (each pool's rows attend apart)
+    are the bits of each stream's call alone. (That second build costs as much as the first, ~30-60 s of AOT compiling
+    on 2 cores; test_core.py and test_exported.py hold the default model's compiled rows, plain grouped KV, to it.)"""
     folder = folder_for(folders, tmp_path_factory, case, family, overrides)
     lm = moelane.load(folder)
     prompt = token_ids(N_PROMPT, lm.vocab_size, 1)
@@ -777,7 +769,7 @@ def test_compiled_decode_matches_eager(
     lm.enable_compile()
     assert greedy(lm, prompt) == eager
     assert isinstance(lm._compiled, AheadOrCompiled) and lm._compiled.exported is not None  # (exported, no fallback)
-    if family not in TWO_POOL_FAMILIES:
+    if family not in OWN_CACHE_FAMILIES:
         return
     caches = [lm.new_cache(64), lm.new_cache(128)]
     for cache in caches:
