@@ -43,7 +43,7 @@ def run_in(limit: int | None) -> subprocess.CompletedProcess[str]:
 
 
 def reported(err: str, name: str) -> int:
-    """A size from the `--stats` memory line ("minimum 431.2 MiB", "expert budget 5.2 MiB")."""
+    """A size from the `--stats` memory line ("needs a limit of at least 431.2 MiB", "expert budget 5.2 MiB")."""
     found = re.search(rf"{name} (\d+(?:\.\d+)? [KMG]i?B)", err)
     assert found, err
     return parse_memory(found.group(1).replace(" ", "")).resolve(0)
@@ -61,7 +61,7 @@ def unlimited() -> subprocess.CompletedProcess[str]:
 def test_at_the_minimum_it_pages_to_the_same_tokens_and_its_budget_follows_the_limit(
     unlimited: subprocess.CompletedProcess[str],
 ) -> None:
-    minimum = reported(unlimited.stderr, "minimum")
+    minimum = reported(unlimited.stderr, "at least")
     # (the minimum counts this process's memory before any weight, which varies by a few MiB from run to run)
     low, high = run_in(minimum + 8 * MiB), run_in(minimum + 24 * MiB)  # (all experts take 40.5 MiB)
     for done in (low, high):
@@ -74,7 +74,7 @@ def test_at_the_minimum_it_pages_to_the_same_tokens_and_its_budget_follows_the_l
 
 @needs_cgroup
 def test_below_the_minimum_it_refuses_in_one_line_naming_it(unlimited: subprocess.CompletedProcess[str]) -> None:
-    minimum = reported(unlimited.stderr, "minimum")
+    minimum = reported(unlimited.stderr, "at least")
     done = run_in(minimum - 40 * MiB)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

@@ -46,8 +46,9 @@ FLAG = "--expert-memory"
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
     """`limit`: the ceiling found, bytes (None: only free memory, `room` of it); `source`: where it comes from
-    ("cgroup v1 /a", "free memory", or "--expert-memory", whose budget is then the limit); `minimum`: the ceiling
-    this model needs (None before the model is known); `budget`: the experts' bytes allowed (None until decided);
+    ("cgroup v1 /a", "free memory", or "--expert-memory", whose budget is then the limit); `minimum`: the least
+    limit the whole process runs under with this model (None before the model is known; with --expert-memory it is
+    still the process's, not the experts'); `budget`: the experts' bytes allowed (None until decided);
     `resident`: all experts held."""
 
     source: str
@@ -62,7 +63,7 @@ class MemoryReport:
         limit = format_bytes(self.limit) if self.limit is not None else f"none ({format_bytes(self.room)} free)"
         parts = [f"{'expert memory' if self.source == FLAG else 'memory limit'} {limit} from {self.source}"]
         if self.minimum is not None:
-            parts.append(f"minimum {format_bytes(self.minimum)}")
+            parts.append(f"needs a limit of at least {format_bytes(self.minimum)}")
         if self.budget is not None:
             held = "all resident" if self.resident else "paged"
             parts.append(f"expert budget {format_bytes(self.budget)} ({held})")
