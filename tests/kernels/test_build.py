@@ -56,6 +56,26 @@ def test_key_changes_with_source_cpu_and_flags(monkeypatch: pytest.MonkeyPatch, 
     assert build.build_key() != key
 
 
+@pytest.mark.parametrize(
+    ("vendor", "cpu", "prefetch"),
+    [("AuthenticAMD", "avx2 avx512f fma", False), ("AuthenticAMD", "avx2 fma", True),
+     ("GenuineIntel", "avx2 avx512f fma", True)],
+)  # fmt: skip
+def test_only_amd_cpus_with_avx512_drop_the_prefetches(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, cpu: str, prefetch: bool
+) -> None:
+    """Zen 4 on (AMD with AVX-512) builds without the tiles' software prefetches (csrc/prefetch.h), every variant;
+    the others keep them; the choice is part of the key."""
+    monkeypatch.setattr(build, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: cpu)
+    for variant in build.FLAGS:
+        assert ("-DMOELANE_NO_PREFETCH" not in build.flags(variant)) == prefetch
+        assert build.flags(variant)[: len(build.FLAGS[variant])] == build.FLAGS[variant]
+    key = build.build_key()
+    monkeypatch.setattr(build, "_cpu_vendor", lambda: "AuthenticAMD" if vendor != "AuthenticAMD" else "GenuineIntel")
+    assert (build.build_key() == key) == ("avx512f" not in cpu)
+
+
 FAKE_BUILD = """
     import sys, time, types
     from pathlib import Path

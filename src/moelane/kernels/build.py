@@ -83,12 +83,31 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
+def _cpu_vendor() -> str:
+    """The x86 `vendor_id` (GenuineIntel, AuthenticAMD); "" where there is none."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "vendor_id":
+                return value.strip()
+    return ""
+
+
+def flags(variant: str = "native") -> list[str]:
+    """The compile flags of `variant` on this CPU: FLAGS[variant], and MOELANE_NO_PREFETCH on AMD CPUs with AVX-512
+    (Zen 4 on), whose hardware prefetcher streams the weights without most of the tiles' prefetches (csrc/prefetch.h;
+    one MoE layer streamed from memory at 2 threads, 1.05-1.29x without them, the same bits: docs/kernels.md). On the
+    Xeon they had gained 3-19%; a CPU with AVX2 only keeps them (not measured without)."""
+    amd_avx512 = _cpu_vendor() == "AuthenticAMD" and "avx512f" in _cpu_flags().split()
+    return FLAGS[variant] + (["-DMOELANE_NO_PREFETCH"] if amd_avx512 else [])
+
+
 def build_key(variant: str = "native") -> str:
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    parts = [torch.__version__, sys.implementation.cache_tag, _compiler_version(), _cpu_flags(), *FLAGS[variant]]
+    parts = [torch.__version__, sys.implementation.cache_tag, _compiler_version(), _cpu_flags(), *flags(variant)]
     h.update("\0".join(parts).encode())
     return h.hexdigest()[:20]
 
@@ -138,7 +157,7 @@ def _compile(name: str, folder: Path, variant: str, csrc: Path = CSRC) -> Module
         cpp_extension.load(
             name=name,
             sources=[str(csrc / s) for s in SOURCES],
-            extra_cflags=FLAGS[variant],
+            extra_cflags=flags(variant),
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(csrc)],
             build_directory=str(folder),

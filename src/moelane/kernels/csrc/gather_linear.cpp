@@ -253,9 +253,9 @@ void run_item(const Weights& w, const Plan& plan, const SlotPairs& g, int64_t r0
       if (r < r1) nr = k + 1;
       trows[k] = r < r1 ? r : trows[0];
     }
-    if (w.row_bytes <= kPrefetchRowBytes)
+    if (w.row_bytes <= kPrefetchRowBytes && (kPrefetch || w.kind == Kind::INT4))  // (prefetch.h)
       for (int k = 0; k < tile_rows; ++k)
-        for (int64_t b = 0; b < w.row_bytes; b += 64) __builtin_prefetch(w.row(g.slot, trows[k]) + kPrefetchBytes + b);
+        for (int64_t b = 0; b < w.row_bytes; b += 64) prefetch_line(w.row(g.slot, trows[k]) + b);
     if (eight) {
       const int64_t xrow = plan.rows[plan.order[g.first]];
       tile8(w, &plan.q[xrow], g.slot, trows, sf.data(), r0, out);

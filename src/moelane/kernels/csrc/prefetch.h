@@ -6,7 +6,10 @@
 // - longer rows, inside the tile, one line a row per 64-byte chunk (tiles_avx512.h): one MoE layer streamed from
 //   memory, 2 threads, +2-7% on the inflated model's 8 KiB w2 rows, +10-19% on Qwen3-30B-A3B's 2 KiB w13 rows
 //   (`bench/kernel_ab.py`, docs/kernels.md). A whole long row prefetched per tile lost up to 20% (a burst a tile).
-// Prefetches change no result bits.
+// Built with MOELANE_NO_PREFETCH (kernels/build.py: AMD CPUs with AVX-512, Zen 4 on) only int4's products prefetch
+// (`prefetch_line`; the others `prefetch_ahead`): there the hardware prefetcher keeps up with a stream alone, and
+// the software prefetches cost f32 / bf16 / int8 5-22% of a streamed MoE layer, where int4's, with twice int8's
+// arithmetic a byte, measured 0.95-1.03x without (docs/kernels.md). Prefetches change no result bits.
 #pragma once
 #include <cstdint>
 
@@ -14,5 +17,18 @@ namespace moelane {
 
 constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kPrefetchRowBytes = 768;
+#ifdef MOELANE_NO_PREFETCH
+constexpr bool kPrefetch = false;
+#else
+constexpr bool kPrefetch = true;
+#endif
+
+// The line kPrefetchBytes past p, into all cache levels (as _MM_HINT_T0).
+inline void prefetch_line(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3); }
+
+// prefetch_line where this build prefetches.
+inline void prefetch_ahead(const void* p) {
+  if constexpr (kPrefetch) prefetch_line(p);
+}
 
 }  // namespace moelane

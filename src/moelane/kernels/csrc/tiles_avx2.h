@@ -85,7 +85,7 @@ constexpr int64_t kFloatSpan = 512;
 // Prefetch each of 4 weight rows' streams at element `at` (prefetch.h).
 template <class T>
 inline void ahead_of(const T* const* w, int64_t at) {
-  for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + at) + kPrefetchBytes, _MM_HINT_T0);
+  for (int r = 0; r < 4; ++r) prefetch_ahead(w[r] + at);
 }
 
 // A pass's accumulators: acc[m][r].h[h0 .. h0 + NH) of P activation rows copied into a local array, which GCC keeps
@@ -325,7 +325,7 @@ inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uin
   V16 acc[NM];
   for (int m = 0; m < NM; ++m) acc[m].h[0] = acc[m].h[1] = _mm256_setzero_ps();
   for (int64_t u = 0; u < n_units; ++u, w += 64 * J) {
-    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kPrefetchBytes, _MM_HINT_T0);
+    for (int j = 0; j < J; ++j) prefetch_ahead(w + 64 * j);
     for (int h = 0; h < 2; ++h) {
       __m256i wv[J];
       for (int j = 0; j < J; ++j) wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));

@@ -83,7 +83,7 @@ inline void tile_float(const float* const* xs, const W* const* w, int64_t n, flo
   const bool ahead = n * static_cast<int64_t>(sizeof(W)) > kPrefetchRowBytes;  // (prefetch.h)
   for (; c + 16 <= n; c += 16) {
     if (ahead && (c * sizeof(W)) % 64 == 0)
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + c) + kPrefetchBytes, _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) prefetch_ahead(w[r] + c);
     __m512 wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = load_w(w[r] + c);
     for (int m = 0; m < NM; ++m) {
@@ -158,7 +158,7 @@ inline void rows_int8(__m512 (&acc)[NM][NR], const QRow* const* xs, const int8_t
   const bool ahead = n > kPrefetchRowBytes;  // (prefetch.h)
   for (; 64 * k + 64 <= n; ++k) {
     if (ahead)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(q[r] + 64 * k + kPrefetchBytes), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) prefetch_ahead(q[r] + 64 * k);
     for (int r = 0; r < NR; ++r) wu[r] = _mm512_xor_si512(_mm512_loadu_si512(q[r] + 64 * k), flip);
     chunk_int8<NM, NR, G>(acc, xs, wu, sf, k, n / G);
   }
@@ -227,7 +227,7 @@ inline void rows_int4(__m512 (&acc)[NM][NR], const QRow* const* xs, const uint8_
   const bool ahead = n / 2 > kPrefetchRowBytes;  // (prefetch.h)
   for (; 128 * k + 128 <= n; ++k) {
     if (ahead)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(p[r] + 64 * k + kPrefetchBytes), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) prefetch_line(p[r] + 64 * k);
     for (int r = 0; r < NR; ++r) v[r] = _mm512_loadu_si512(p[r] + 64 * k);
     chunk_int4<NM, NR, G>(acc, xs, v, sf, k, n / G);
   }
@@ -283,7 +283,7 @@ inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uin
   __m512 acc[NM];
   for (int m = 0; m < NM; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t u = 0; u < n_units; ++u, w += 64 * J) {
-    for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 64 * j) + kPrefetchBytes, _MM_HINT_T0);
+    for (int j = 0; j < J; ++j) prefetch_ahead(w + 64 * j);
     __m512i wu[J];
     for (int j = 0; j < J; ++j) wu[j] = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * j), flip);
     const __m512 sv =
