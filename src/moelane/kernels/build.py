@@ -73,24 +73,25 @@ def _compiler_version() -> str:
     return f"{cxx}: {out.splitlines()[0] if out else '?'}"
 
 
-def _cpu_flags() -> str:
-    """The CPU's ISA flags (x86 `flags`, Arm `Features`), sorted; the machine name where /proc/cpuinfo is missing."""
+def _cpuinfo(*names: str) -> str | None:
+    """The value of the first /proc/cpuinfo line named one of `names` (the first CPU's); None where there is none."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             name, _, value = line.partition(":")
-            if name.strip() in ("flags", "Features"):
-                return " ".join(sorted(value.split()))
-    return platform.machine()
+            if name.strip() in names:
+                return value.strip()
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's ISA flags (x86 `flags`, Arm `Features`), sorted; the machine name where /proc/cpuinfo is missing."""
+    found = _cpuinfo("flags", "Features")
+    return " ".join(sorted(found.split())) if found is not None else platform.machine()
 
 
 def _cpu_vendor() -> str:
     """The x86 `vendor_id` (GenuineIntel, AuthenticAMD); "" where there is none."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() == "vendor_id":
-                return value.strip()
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def flags(variant: str = "native") -> list[str]:

@@ -6,8 +6,9 @@
 // - longer rows, inside the tile, one line a row per 64-byte chunk (tiles_avx512.h): one MoE layer streamed from
 //   memory, 2 threads, +2-7% on the inflated model's 8 KiB w2 rows, +10-19% on Qwen3-30B-A3B's 2 KiB w13 rows
 //   (`bench/kernel_ab.py`, docs/kernels.md). A whole long row prefetched per tile lost up to 20% (a burst a tile).
-// Built with MOELANE_NO_PREFETCH (kernels/build.py: AMD CPUs with AVX-512, Zen 4 on) only int4's products prefetch
-// (`prefetch_line`; the others `prefetch_ahead`): there the hardware prefetcher keeps up with a stream alone, and
+// Built with MOELANE_NO_PREFETCH (kernels/build.py: AMD CPUs with AVX-512, Zen 4 on) only the AVX-512 tiles' int4
+// products prefetch (`prefetch_line`; the others `prefetch_ahead`, the AVX2 tiles' int4 too, built there for tests
+// only): there the hardware prefetcher keeps up with a stream alone, and
 // the software prefetches cost f32 / bf16 / int8 5-22% of a streamed MoE layer, where int4's, with twice int8's
 // arithmetic a byte, measured 0.95-1.03x without (docs/kernels.md). Prefetches change no result bits.
 #pragma once
