@@ -252,3 +252,54 @@ def test_with_engine_starts_and_stops_its_thread() -> None:
         assert stream.wait(5) and stream.finish_reason == "length"
         assert thread is not None and thread.is_alive()
     assert not thread.is_alive() and engine._thread is None
+
+
+def test_step_hooks_follow_each_round_s_commits_on_the_engine_thread() -> None:
+    """Between two hook calls each stream commits at most once (one round's commits, then its hook); every listener
+    call on the engine thread has a hook call after it, the streams' ends and a stop's cancellations included; a
+    hook that raises stops nothing, and a removed hook is not called again."""
+    engine = engine_of(drafter="none")
+    events: list[tuple[str, int, bool]] = []
+    lock = threading.Lock()
+
+    def hook() -> None:
+        with lock:
+            events.append(("hook", -1, engine.on_engine_thread()))
+
+    def failing() -> None:
+        raise RuntimeError("a hook's bug (test)")
+
+    engine.add_step_hook(failing)
+    remove = engine.add_step_hook(hook)
+    streams = [engine.submit([1 + i, 2], max_tokens=6 + i) for i in range(3)]
+    for i, stream in enumerate(streams):
+
+        def listener(tokens: list[int] | None, i: int = i) -> None:
+            with lock:
+                events.append(("end" if tokens is None else "commit", i, engine.on_engine_thread()))
+
+        stream.subscribe(listener)
+    with engine:
+        assert all_end(streams)
+        endless = engine.submit([4, 5], max_tokens=100_000)
+        endless.subscribe(lambda tokens: listener(tokens, 9) if tokens is None else None)
+        while not endless.token_ids:
+            time.sleep(0.01)
+    assert endless.finish_reason == "cancelled"
+    assert [s.finish_reason for s in streams] == ["length"] * 3
+    assert all(on_thread for _, _, on_thread in events)  # (subscribed before start: every call came from a step)
+    assert events[-1][0] == "hook" and ("end", 9, True) in events
+    groups: list[list[int]] = [[]]
+    for kind, i, _ in events:
+        if kind == "hook":
+            groups.append([])
+        elif kind == "commit":
+            groups[-1].append(i)
+    assert all(len(g) == len(set(g)) for g in groups), groups
+    assert sum(len(g) > 1 for g in groups) > 0  # rounds of several streams did share a hook
+    remove()
+    n_hooks = sum(kind == "hook" for kind, _, _ in events)
+    with engine:
+        assert engine.submit([1, 2], max_tokens=3).wait(5)
+    assert sum(kind == "hook" for kind, _, _ in events) == n_hooks
+    assert not engine.on_engine_thread()

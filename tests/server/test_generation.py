@@ -1,15 +1,21 @@
 """`Generation` over a scripted engine: stop strings cut the text exactly where the reference cut (the first
-occurrence in the whole reply) however tokens group into rounds, and the engine stream is cancelled at a stop."""
+occurrence in the whole reply) however tokens group into rounds, and the engine stream is cancelled at a stop. The
+`Handoff` over the lanes engine: every stream's tokens arrive whole and in order, with one wake-up of the loop per
+engine step at most."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from moelane.lanes import Engine, EngineConfig
+from moelane.lanes.fake import FakeTarget
 from moelane.model.tokenizer import Tokenizer
-from moelane.server.generation import Generation, GenerationParams, Limits, RequestTimeout
+from moelane.server.generation import END, Generation, GenerationParams, Handoff, Limits, RequestTimeout
 from tests.helpers import TEXT, write_tokenizer
 from tests.server.fake_engine import FakeEngine
 
@@ -64,3 +70,72 @@ def test_idle_timeout(tokenizer: Tokenizer) -> None:
     with pytest.raises(RequestTimeout, match="idle"):
         run(engine, tokenizer, (), limits=Limits(request_s=10, idle_s=0.1))
     assert engine.streams[0].wait(5) and engine.streams[0].finish_reason == "cancelled"
+
+
+def test_handoff_wakes_the_loop_once_a_step_and_loses_nothing(tokenizer: Tokenizer) -> None:
+    """Generations over a started lanes engine, through a `Handoff` flushed by its step hook: each reply is the
+    engine stream's tokens, and the loop is woken at most once per engine step (plus once per listener's first call,
+    made on the loop), where a wake-up per commit took one per stream per round."""
+    engine = Engine(FakeTarget(300, window=1), EngineConfig(timed=False, drafter="none"))
+    steps, wakes = [0], [0]
+    lock = threading.Lock()
+
+    def count_step() -> None:
+        with lock:
+            steps[0] += 1
+
+    async def main() -> list[tuple[str, Any]]:
+        loop = asyncio.get_running_loop()
+        handoff = Handoff(loop, engine.on_engine_thread)
+        drain = handoff._drain
+
+        def counted_drain() -> None:
+            wakes[0] += 1
+            drain()
+
+        handoff._drain = counted_drain  # type: ignore[method-assign]
+        engine.add_step_hook(handoff.flush)
+        engine.add_step_hook(count_step)
+        params = [GenerationParams((1 + i, 2, 3), 24 + 3 * i) for i in range(5)]
+        gens = [Generation(engine, tokenizer, p, Limits(), handoff=handoff) for p in params]
+
+        async def reply(gen: Generation) -> tuple[str, Any]:
+            return "".join([p async for p in gen.run()]), gen.stream
+
+        with engine:
+            return await asyncio.gather(*(reply(g) for g in gens))
+
+    replies = asyncio.run(main())
+    for text, stream in replies:
+        assert stream.finish_reason == "length" and text == tokenizer.decode(stream.token_ids)
+    n_commits = sum(len(stream.token_ids) for _, stream in replies)
+    assert wakes[0] <= steps[0] + len(replies), (wakes, steps)
+    assert wakes[0] < n_commits / 2, (wakes, n_commits)
+
+
+def test_handoff_holds_puts_until_flushed_in_order() -> None:
+    """Held puts (on the engine thread during a step) wait for `flush`, then arrive in order; an unheld put wakes the
+    loop by itself; a flush with nothing pending schedules nothing."""
+    held = [True]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        handoff = Handoff(loop, lambda: held[0])
+        a: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        b: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        handoff.put(a, [1])
+        handoff.put(b, [2])
+        handoff.put(a, END)
+        await asyncio.sleep(0.01)
+        assert a.empty() and b.empty()
+        handoff.flush()
+        await asyncio.sleep(0.01)
+        assert [a.get_nowait(), a.get_nowait(), b.get_nowait()] == [[1], END, [2]]
+        handoff.flush()
+        assert not loop._ready  # type: ignore[attr-defined]  # (nothing pending: no wake-up)
+        held[0] = False
+        handoff.put(b, [3])
+        await asyncio.sleep(0.01)
+        assert b.get_nowait() == [3]
+
+    asyncio.run(main())

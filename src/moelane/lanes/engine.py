@@ -11,7 +11,9 @@ A round is one batched forward pass over the streams taking part:
 Streams join and leave between rounds. The target is a `Target` (`moelane.lanes.target`: `LM`, or the fake of
 `moelane.lanes.fake`); requests are checked (`moelane.lanes.request`) before they are queued. Every time reading goes
 through the injected `Clock`; with `timed=False` nothing the engine decides depends on it. The engine knows nothing
-about text: callers detokenise and handle stop strings (cancelling the stream).
+about text: callers detokenise and handle stop strings (cancelling the stream). A started engine calls its step hooks
+after each step, once the stream listeners' calls of that step have returned, so a caller can hand a whole round's
+commits on at once (the server: one wake-up of its event loop a round, docs/server.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -86,6 +88,7 @@ class Engine:
         self._waiting: deque[Lane] = deque()
         self._active: list[Lane] = []
         self._cv = threading.Condition()
+        self._step_hooks: list[Callable[[], None]] = []
         self._next_id = 0
         self._round = 0
         self._draft_failures = 0
@@ -390,6 +393,33 @@ class Engine:
 
     # ---- threaded mode ------------------------------------------------------------------------------------------
 
+    def add_step_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Call `hook()` on the engine thread after each step it runs (a round, or ending the streams it holds at a
+        failure or a stop), once the stream listeners' calls of that step have returned; what it raises is logged.
+        It must be quick and must not block. Returns a function that removes it."""
+        with self._cv:
+            self._step_hooks.append(hook)
+
+        def remove() -> None:
+            with self._cv:
+                if hook in self._step_hooks:
+                    self._step_hooks.remove(hook)
+
+        return remove
+
+    def on_engine_thread(self) -> bool:
+        """Whether the caller is the engine thread (a stream listener called from a step, whose hooks follow it)."""
+        return self._thread is not None and self._thread is threading.current_thread()
+
+    def _after_step(self) -> None:
+        with self._cv:
+            hooks = list(self._step_hooks)
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:  # a hook's bug must not stop the engine, nor pass unsaid
+                log.exception("a step hook failed")
+
     def start(self) -> None:
         """Run rounds on a thread of the engine's own (for a server); `submit` from any thread. Then `stop()` it (or
         use `with engine:`, which starts and stops): a started engine is kept alive by its thread."""
@@ -434,6 +464,8 @@ class Engine:
         finally:
             with self._cv:
                 self._end_all("cancelled")
+            self._after_step()
+            with self._cv:
                 self._thread = None
 
     def _serve(self) -> None:
@@ -451,6 +483,7 @@ class Engine:
                 log.exception("lanes engine failed between rounds; ending its streams")
                 with self._cv:
                     self._end_all("error", e)
+            self._after_step()
 
     def _end_all(self, reason: str, error: BaseException | None = None) -> None:
         """End every stream the engine holds, running or waiting (under the lock)."""

@@ -1,8 +1,9 @@
 """`create_app(engine, lm, ...)`: the OpenAI-compatible FastAPI app over a lanes engine.
 
 The engine runs rounds on its own thread (the app's lifespan starts and stops it unless told not to); handlers run
-on the event loop and talk to it only through `Generation` (submit, token bridge, cancel). Admission is bounded:
-at most `max_streams + max_queue` generation requests are in flight, the rest get 429 with `Retry-After`.
+on the event loop and talk to it only through `Generation` (submit, token bridge, cancel). The lifespan also hangs
+the app's `Handoff` on the engine's step hook, so each round's commits reach the loop in one wake-up. Admission is
+bounded: at most `max_streams + max_queue` generation requests are in flight, the rest get 429 with `Retry-After`.
 
 Invariants: every admitted request releases its admission slot and cancels its engine stream when it ends, however
 it ends (done, stop string, client gone, timeout, error, shutdown); a failure inside one request answers that request
@@ -35,7 +36,7 @@ from moelane.server.cost import PagerHooks
 from moelane.server.dashboard import add_dashboard
 from moelane.server.errors import ClientGone, Overloaded, sse_event
 from moelane.server.events import Collected, EventStream, merged, whole_replies
-from moelane.server.generation import Generation, GenerationParams, Limits, Reasoning, ServerStopping
+from moelane.server.generation import Generation, GenerationParams, Handoff, Limits, Reasoning, ServerStopping
 from moelane.server.metrics import ServerMetrics
 from moelane.server.openapi import openapi_schema
 from moelane.server.prompts import Prompts, bad_request, check_chat_template
@@ -90,6 +91,7 @@ class ServerState:
         self.sampler = Sampler(engine, lm, model_name, self.requests, pager.stats if pager else None, show_text)
         self.in_flight = 0
         self.stopping = False
+        self.handoff: Handoff | None = None  # set by the lifespan, on the loop it hands tokens to
         self.live: set[Generation] = set()
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: str(lm.tokenizer.decode([token])))
@@ -213,7 +215,7 @@ class ServerState:
         try:
             for p in params:
                 cost_of = self.pager.cost_of if self.pager is not None else None
-                gen = Generation(self.engine, self.lm.tokenizer, p, self.limits, cost_of)
+                gen = Generation(self.engine, self.lm.tokenizer, p, self.limits, cost_of, self.handoff)
                 gen.submit()
                 if self.pager is not None:
                     self.pager.track(gen.stream)
@@ -329,6 +331,16 @@ class ServerState:
         self.metrics.requests.labels(endpoint, status).inc()
         self.release(gens, len(gens))
 
+    def hand_over(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """Give the generations a `Handoff` into `loop`, flushed by the engine's step hook where it has one (an
+        engine without, such as a test's stand-in, has each commit wake the loop). Returns what undoes the hook."""
+        add_hook = getattr(self.engine, "add_step_hook", None)
+        if add_hook is None:
+            self.handoff = Handoff(loop)
+            return lambda: None
+        self.handoff = Handoff(loop, self.engine.on_engine_thread)
+        return add_hook(self.handoff.flush)  # type: ignore[no-any-return]
+
     def shutdown(self) -> None:
         """Refuse new requests and cancel the running ones (their handlers then end cleanly)."""
         self.stopping = True
@@ -389,6 +401,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        unhook = state.hand_over(asyncio.get_running_loop())
         if manage_engine:
             engine.start()
         try:
@@ -397,6 +410,7 @@ def create_app(
             state.shutdown()
             if manage_engine:
                 await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            unhook()
 
     app = FastAPI(title="moelane", version="0.1.0", lifespan=lifespan)
     app.state.moelane = state

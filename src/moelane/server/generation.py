@@ -1,7 +1,8 @@
 """One request's run on the lanes engine, seen from the event loop: submit, bridge committed tokens from the engine
 thread into asyncio (a `Stream.subscribe` listener that hands each commit to the loop; no thread waits per
 request), turn them into text cut at stop strings, and cancel the engine stream when the request ends early (stop
-string, client gone, timeout, server stopping).
+string, client gone, timeout, server stopping). Commits reach the loop through a `Handoff`: those an engine step makes
+go together when the step ends, in one wake-up of the loop (docs/server.md, "One wake-up a round").
 
 A chat reply of a model that reasons aloud (gpt-oss's channels, `<think>` tags: `moelane.model.reasoning`) is split:
 the answer is the content, cut at stop strings; the reasoning comes as `Reasoning` pieces; the markup between them
@@ -17,6 +18,7 @@ never touches asyncio objects except through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +34,45 @@ from moelane.server.protocol import FunctionCall, ToolCall
 from moelane.server.responses import PagerCost
 
 END = None  # queue sentinel: the engine stream has finished
+
+
+class Handoff:
+    """Committed tokens from the engine thread into one event loop's queues, one wake-up of the loop for many.
+
+    Each wake-up writes the loop's self-pipe, which lets the loop take the GIL from the engine thread; one per commit
+    had the loop detokenise and send each stream's token in turn between two streams' commits, a round of n streams
+    waiting n times (docs/server.md). So a commit made on the engine thread during a step (`held()` true) only joins
+    the pending ones, and `flush`, the engine's step hook, wakes the loop once for all of them; a commit from
+    anywhere else (a listener's first call, on the loop; an engine without step hooks) wakes it at once.
+
+    Invariant: tokens reach each queue in the order they were put, and none waits past the end of the step that put
+    them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, held: Callable[[], bool] = lambda: False) -> None:
+        self._loop, self._held = loop, held
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue[list[int] | None], list[int] | None]] = []
+        self._woken = False  # a wake-up is on its way: it will take whatever is pending when it runs
+
+    def put(self, queue: asyncio.Queue[list[int] | None], tokens: list[int] | None) -> None:  # any thread
+        with self._lock:
+            self._pending.append((queue, tokens))
+        if not self._held():
+            self.flush()
+
+    def flush(self) -> None:  # any thread
+        with self._lock:
+            if self._woken or not self._pending:
+                return
+            self._woken = True
+        if not self._loop.is_closed():  # (the server stopped first: nobody is left to hand the tokens to)
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            pending, self._pending, self._woken = self._pending, [], False
+        for queue, tokens in pending:
+            queue.put_nowait(tokens)
 
 
 class Reasoning(str):
@@ -138,8 +179,12 @@ class Generation:
         params: GenerationParams,
         limits: Limits,
         cost_of: Callable[[Any], PagerCost] | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
+        """`handoff`: the server's, flushed by the engine's step hook (default: one of this generation's own, which
+        wakes the loop at each commit)."""
         self.engine, self.params, self.limits = engine, params, limits
+        self._handoff = handoff
         self._tokenizer = tokenizer
         self._detok, self._stops = Detokenizer(tokenizer, params.shown), StopFilter(params.stops)
         self._splitter = splitter_for(tokenizer, list(params.prompt_ids)) if params.reasoning else None
@@ -184,14 +229,9 @@ class Generation:
         if self.stream is None:
             self.submit()
         stream = self.stream
-        loop = asyncio.get_running_loop()
+        handoff = self._handoff or Handoff(asyncio.get_running_loop())
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
-
-        def hand_over(tokens: list[int] | None) -> None:  # on the engine thread
-            if not loop.is_closed():  # (the server stopped first: nobody is left to hand the tokens to)
-                loop.call_soon_threadsafe(queue.put_nowait, tokens)
-
-        stream.subscribe(hand_over)
+        stream.subscribe(lambda tokens: handoff.put(queue, tokens))  # (on the engine thread, or here for the first)
         deadline = time.monotonic() + self.limits.request_s
         try:
             while True:
