@@ -283,7 +283,7 @@ inline void tile_int8_rows16(const QUnits* const* xs, const int8_t* w, const uin
   __m512 acc[NM];
   for (int m = 0; m < NM; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t u = 0; u < n_units; ++u, w += 64 * J) {
-    for (int j = 0; j < J; ++j) prefetch_ahead(w + 64 * j);
+    for (int j = 0; j < J; ++j) prefetch_block(w + 64 * j);
     __m512i wu[J];
     for (int j = 0; j < J; ++j) wu[j] = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * j), flip);
     const __m512 sv =
