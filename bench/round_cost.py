@@ -10,7 +10,7 @@ all of them is timed (the target's forward pass, as the engine calls it). Its bo
 sums over 1 GiB of float32, before the rounds and after each stream count's (the summary lists each: on a shared VM
 it wanders within minutes, and the fastest is the bound). Each round is also set against the bandwidth of its moment
 (`paired`): every `--sum-every` rounds the pass waits for two more sums (untimed), and the rounds until the next
-sample take their fastest; this VM's bandwidth jumps between ~34 and ~57 GB/s within minutes, and the paired ratio
+sample take their fastest; this VM's bandwidth jumped between ~34 and ~72 GB/s within the hour, and the paired ratio
 tells the rounds' own cost from where the machine stood. The distinct experts of a round are counted afterwards,
 from one eager pass over each stream's whole sequence with a routing observer (an observer would make the timed
 rounds eager), each round's rows looked up at their positions. Prints the bandwidth, then per stream count the median
@@ -87,8 +87,8 @@ def timed_rounds(
         out = forward(windows)
         seconds = time.perf_counter() - t0
         if len(windows) == n and not any(w.lane.prefilling for w in windows):
-            rounds.append({"seconds": seconds, "rows": rows, "step": t0 - last[0], "bw": bw[0]})  # (step: from the
-            # previous pass)
+            # (step: from the previous pass's start, less the bandwidth samples between)
+            rounds.append({"seconds": seconds, "rows": rows, "step": t0 - last[0], "bw": bw[0]})
         last[0] = t0
         return out
 

@@ -28,8 +28,11 @@ constexpr bool kPrefetch = true;
 constexpr int64_t kBlockPrefetchBytes = kPrefetchBytes;
 #endif
 
-// The line kPrefetchBytes past p, into all cache levels (as _MM_HINT_T0).
-inline void prefetch_line(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + kPrefetchBytes, 0, 3); }
+// The line `Ahead` bytes past p, into all cache levels (as _MM_HINT_T0).
+template <int64_t Ahead = kPrefetchBytes>
+inline void prefetch_line(const void* p) {
+  __builtin_prefetch(static_cast<const char*>(p) + Ahead, 0, 3);
+}
 
 // prefetch_line where this build prefetches.
 inline void prefetch_ahead(const void* p) {
@@ -37,8 +40,6 @@ inline void prefetch_ahead(const void* p) {
 }
 
 // The line kBlockPrefetchBytes past p, in every build: the interleaved int8 tile's stream of blocks.
-inline void prefetch_block(const void* p) {
-  __builtin_prefetch(static_cast<const char*>(p) + kBlockPrefetchBytes, 0, 3);
-}
+inline void prefetch_block(const void* p) { prefetch_line<kBlockPrefetchBytes>(p); }
 
 }  // namespace moelane
